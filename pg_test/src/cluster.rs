@@ -1,0 +1,219 @@
+//! The real cluster the end-to-end tests drive: the one `scripts/cluster.sh` starts, with
+//! outbox_delivery preloaded. Tests connect as an application would (a normal client
+//! connection), kill real processes and restart the server.
+//!
+//! The cluster's location comes from the same environment variables as the script
+//! (`OUTBOX_BASE`, `OUTBOX_PGPORT`, `OUTBOX_DB`), so several clusters can run side by side.
+
+use postgres::{Client, NoTls};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+pub struct Cluster {
+    pub base: PathBuf,
+    pub port: u16,
+    pub db: String,
+    pub script: PathBuf,
+}
+
+impl Default for Cluster {
+    fn default() -> Self {
+        Self::from_env()
+    }
+}
+
+/// Polls `f` every 20 ms until it returns true or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    loop {
+        if f() {
+            return true;
+        }
+        if start.elapsed() > timeout {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A name no other test uses (channels, effect keys).
+pub fn unique(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!(
+        "{prefix}_{:x}_{}",
+        nanos & 0xffff_ffff,
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+impl Cluster {
+    pub fn from_env() -> Cluster {
+        let base = std::env::var("OUTBOX_BASE").unwrap_or_else(|_| "/tmp/outbox_delivery".into());
+        let port = std::env::var("OUTBOX_PGPORT")
+            .ok()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(54815);
+        let db = std::env::var("OUTBOX_DB").unwrap_or_else(|_| "outbox".into());
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/cluster.sh");
+        Cluster {
+            base: PathBuf::from(base),
+            port,
+            db,
+            script,
+        }
+    }
+
+    pub fn conninfo(&self) -> String {
+        format!(
+            "host={} port={} user=postgres dbname={} connect_timeout=5 application_name=outbox_e2e",
+            self.base.join("sock").display(),
+            self.port,
+            self.db
+        )
+    }
+
+    /// Connects, waiting up to 60 s for the server (it may be restarting).
+    pub fn connect(&self) -> Client {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match Client::connect(&self.conninfo(), NoTls) {
+                Ok(c) => return c,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(e) => panic!(
+                    "cannot connect to the test cluster ({}): {e}",
+                    self.conninfo()
+                ),
+            }
+        }
+    }
+
+    /// Runs `scripts/cluster.sh ARGS` with this cluster's settings.
+    pub fn script(&self, args: &[&str]) {
+        let status = Command::new("bash")
+            .arg(&self.script)
+            .args(args)
+            .env("OUTBOX_BASE", &self.base)
+            .env("OUTBOX_PGPORT", self.port.to_string())
+            .env("OUTBOX_DB", &self.db)
+            .status()
+            .expect("run scripts/cluster.sh");
+        assert!(
+            status.success(),
+            "scripts/cluster.sh {args:?} failed: {status}"
+        );
+    }
+
+    /// `pg_ctl stop -m immediate` (a crash: no shutdown checkpoint), then start again.
+    pub fn crash_restart(&self) {
+        self.script(&["stop", "immediate"]);
+        self.script(&["start"]);
+    }
+
+    /// PIDs of the running delivery workers, from `pg_stat_activity`.
+    pub fn worker_pids(&self, client: &mut Client) -> Vec<i32> {
+        client
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_delivery worker' ORDER BY pid",
+                &[],
+            )
+            .map(|rows| rows.iter().map(|r| r.get::<_, i32>(0)).collect())
+            .unwrap_or_default()
+    }
+
+    /// Waits until a delivery worker runs and has finished its start; returns its PID.
+    pub fn wait_for_worker(&self) -> i32 {
+        let mut pid = 0;
+        let ok = wait_until(Duration::from_secs(60), || {
+            let mut c = match Client::connect(&self.conninfo(), NoTls) {
+                Ok(c) => c,
+                Err(_) => return false,
+            };
+            let row = c
+                .query_opt(
+                    "SELECT pid FROM outbox.worker_status() WHERE pid IS NOT NULL AND state NOT IN ('starting', 'stopped') LIMIT 1",
+                    &[],
+                )
+                .ok()
+                .flatten();
+            match row {
+                Some(r) => {
+                    pid = r.get(0);
+                    true
+                }
+                None => false,
+            }
+        });
+        assert!(
+            ok,
+            "no delivery worker came up within 60 s; see {}",
+            self.log_path().display()
+        );
+        pid
+    }
+
+    /// `kill -9` of a worker process. The postmaster treats it as a crash: every backend
+    /// is terminated and the server recovers, then the worker starts again.
+    pub fn kill_worker(&self, pid: i32) {
+        let status = Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill -9 {pid} failed");
+    }
+
+    /// Sets `outbox.fault_injection` server-wide and waits until the worker has reloaded.
+    pub fn set_fault(&self, point: &str) {
+        let mut c = self.connect();
+        if point == "none" {
+            c.batch_execute("ALTER SYSTEM RESET outbox.fault_injection; SELECT pg_reload_conf();")
+                .expect("reset fault");
+        } else {
+            c.batch_execute(&format!(
+                "ALTER SYSTEM SET outbox.fault_injection = '{point}'; SELECT pg_reload_conf();"
+            ))
+            .expect("set fault");
+        }
+        // The worker reloads at its next loop; give it one poll interval.
+        std::thread::sleep(Duration::from_millis(700));
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.base.join("postgres.log")
+    }
+
+    /// Size of the server log now, to read what is written after it.
+    pub fn log_mark(&self) -> u64 {
+        std::fs::metadata(self.log_path())
+            .map(|m| m.len())
+            .unwrap_or(0)
+    }
+
+    /// The server log written since `mark`.
+    pub fn log_since(&self, mark: u64) -> String {
+        let all = std::fs::read(self.log_path()).unwrap_or_default();
+        String::from_utf8_lossy(&all[(mark as usize).min(all.len())..]).into_owned()
+    }
+}
+
+/// The state of a message, read with a fresh connection (survives server restarts).
+pub fn state_of(cluster: &Cluster, id: i64) -> Option<String> {
+    let mut c = cluster.connect();
+    c.query_opt("SELECT outbox.status($1)::text", &[&id])
+        .ok()
+        .flatten()
+        .and_then(|r| r.get::<_, Option<String>>(0))
+}
+
+/// Waits until message `id` is in `state`.
+pub fn wait_for_state(cluster: &Cluster, id: i64, state: &str, timeout: Duration) -> bool {
+    wait_until(timeout, || state_of(cluster, id).as_deref() == Some(state))
+}

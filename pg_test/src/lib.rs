@@ -1,0 +1,11 @@
+//! End-to-end test support for the `outbox_delivery` extension.
+//!
+//! - [`sim`]: the provider simulator, a real HTTP/1.1 server on loopback that plays the
+//!   "external provider" the extension's background worker delivers to. The end-to-end
+//!   tests script its behaviour per channel (accept, fail, hang, drop the connection,
+//!   dedupe by idempotency key) and inspect what it received; the `provider-sim` binary
+//!   runs it standalone for the demo.
+//! - [`cluster`]: the real PostgreSQL cluster started by `scripts/cluster.sh`.
+
+pub mod cluster;
+pub mod sim;

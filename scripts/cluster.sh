@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# A throwaway PostgreSQL 15 cluster with outbox_delivery preloaded, on a port of its own,
+# run as the `postgres` user. The demo, the end-to-end tests and the benchmarks all use it.
+#
+#   scripts/cluster.sh install        build (release) and install the extension into PG 15
+#   scripts/cluster.sh start          initdb if needed, start, create database + extension
+#   scripts/cluster.sh stop [mode]    stop (mode: fast | immediate)
+#   scripts/cluster.sh restart [mode]
+#   scripts/cluster.sh psql [args]    psql into the outbox database
+#   scripts/cluster.sh destroy        stop and remove the data directory
+#   scripts/cluster.sh env            print the connection settings
+#
+# Settings (environment): OUTBOX_PGPORT (54815), OUTBOX_PGDATA (/tmp/outbox_delivery/pgdata),
+# OUTBOX_DB (outbox), OUTBOX_WORKERS (1), OUTBOX_EXTRA_CONF (extra postgresql.conf lines).
+set -euo pipefail
+
+PGBIN=/usr/lib/postgresql/15/bin
+PG_CONFIG=/usr/bin/pg_config
+PORT=${OUTBOX_PGPORT:-54815}
+BASE=${OUTBOX_BASE:-/tmp/outbox_delivery}
+PGDATA=${OUTBOX_PGDATA:-$BASE/pgdata}
+SOCKDIR=$BASE/sock
+LOG=$BASE/postgres.log
+DB=${OUTBOX_DB:-outbox}
+WORKERS=${OUTBOX_WORKERS:-1}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+
+export PATH="$HOME/.cargo/bin:$PATH"
+
+as_pg() {
+  if [ "$(id -un)" = postgres ]; then "$@"; else runuser -u postgres -- "$@"; fi
+}
+
+pg_ctl() { as_pg "$PGBIN/pg_ctl" -D "$PGDATA" "$@"; }
+
+psql_db() {
+  as_pg /usr/bin/psql -X -v ON_ERROR_STOP=1 -h "$SOCKDIR" -p "$PORT" -d "$1" "${@:2}"
+}
+
+running() { [ -f "$PGDATA/postmaster.pid" ] && pg_ctl status >/dev/null 2>&1; }
+
+cmd_install() {
+  (cd "$ROOT" && cargo pgrx install --release --pg-config "$PG_CONFIG" >/dev/null)
+  echo "[cluster] extension installed into $($PG_CONFIG --pkglibdir)"
+}
+
+cmd_start() {
+  mkdir -p "$BASE" "$SOCKDIR"
+  chown postgres "$BASE" "$SOCKDIR"
+  if [ ! -f "$PGDATA/PG_VERSION" ]; then
+    as_pg "$PGBIN/initdb" -D "$PGDATA" -U postgres -A trust -E UTF8 --locale=C.UTF-8 >/dev/null
+    cat >>"$PGDATA/postgresql.conf" <<CONF
+# --- outbox_delivery throwaway cluster ---
+port = $PORT
+listen_addresses = '127.0.0.1'
+unix_socket_directories = '$SOCKDIR'
+shared_preload_libraries = 'outbox_delivery'
+outbox.database = '$DB'
+outbox.workers = $WORKERS
+outbox.poll_interval_ms = 500
+max_connections = 200
+shared_buffers = 512MB
+log_line_prefix = '%m [%p] %q%a '
+log_min_messages = log
+CONF
+    if [ -n "${OUTBOX_EXTRA_CONF:-}" ]; then printf '%s\n' "$OUTBOX_EXTRA_CONF" >>"$PGDATA/postgresql.conf"; fi
+  fi
+  if ! running; then
+    touch "$LOG" && chown postgres "$LOG"
+    pg_ctl -l "$LOG" -w -t 60 start >/dev/null
+  fi
+  if [ "$(psql_db postgres -Atc "SELECT count(*) FROM pg_database WHERE datname = '$DB'")" = 0 ]; then
+    psql_db postgres -qc "CREATE DATABASE $DB"
+  fi
+  psql_db "$DB" -qc "CREATE EXTENSION IF NOT EXISTS outbox_delivery" 2>&1 | grep -v '^$' || true
+  echo "[cluster] running: port $PORT, database $DB, data $PGDATA, log $LOG"
+}
+
+cmd_stop() {
+  local mode=${1:-fast}
+  if running; then pg_ctl -m "$mode" -w -t 60 stop >/dev/null; fi
+  echo "[cluster] stopped ($mode)"
+}
+
+case "${1:-}" in
+  install) cmd_install ;;
+  start) cmd_start ;;
+  stop) cmd_stop "${2:-fast}" ;;
+  restart) cmd_stop "${2:-fast}"; cmd_start ;;
+  psql) shift; psql_db "$DB" "$@" ;;
+  destroy) cmd_stop immediate || true; rm -rf "$PGDATA" ;;
+  env) echo "OUTBOX_PGHOST=$SOCKDIR OUTBOX_PGPORT=$PORT OUTBOX_DB=$DB OUTBOX_PGDATA=$PGDATA OUTBOX_LOG=$LOG" ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Brings a fresh Debian 12 machine to a state where outbox_delivery builds, installs and
+# tests against the system PostgreSQL 15. Idempotent: every step is skipped when its
+# result is already there, so a second run takes seconds.
+set -euo pipefail
+
+PGRX_VERSION=0.18.1
+PG_CONFIG=/usr/bin/pg_config
+APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-client-15 libclang-dev clang sudo pkg-config curl)
+
+log() { printf '[setup] %s\n' "$*"; }
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing apt packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+  log "apt packages present"
+fi
+
+# The Debian package starts a cluster of its own on 5432; this project's clusters are
+# throwaway ones on ports of their own, so the packaged one is left alone.
+
+export PATH="$HOME/.cargo/bin:$PATH"
+if cargo pgrx --version 2>/dev/null | grep -q "$PGRX_VERSION"; then
+  log "cargo-pgrx $PGRX_VERSION present"
+else
+  log "installing cargo-pgrx $PGRX_VERSION (a few minutes on 2 cores)"
+  cargo install cargo-pgrx --version "$PGRX_VERSION" --locked
+fi
+
+if [ -f "$HOME/.pgrx/config.toml" ] && grep -q "pg15" "$HOME/.pgrx/config.toml"; then
+  log "pgrx already initialised for pg15"
+else
+  log "cargo pgrx init --pg15 $PG_CONFIG"
+  cargo pgrx init --pg15 "$PG_CONFIG"
+fi
+log "done"

@@ -1,0 +1,163 @@
+-- outbox_delivery: the application-facing SQL API written in SQL.
+-- create_channel / alter_channel / effect_key live in Rust (src/channels, src/effect_key.rs)
+-- because their validation is shared with the worker.
+
+CREATE FUNCTION outbox.enqueue(
+    channel      text,
+    payload      jsonb,
+    effect_key   text,
+    ordering_key text        DEFAULT NULL,
+    not_before   timestamptz DEFAULT NULL,
+    headers      jsonb       DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_channel_id integer;
+    v_id         bigint;
+    v_existing   record;
+    v_tenant     text := 'default';
+    v_max_bytes  integer := pg_catalog.current_setting('outbox.max_payload_bytes', true)::integer;
+    v_bytes      integer;
+    v_bad_header text;
+BEGIN
+    IF enqueue.effect_key IS NULL OR enqueue.effect_key = '' THEN
+        RAISE EXCEPTION 'effect_key must not be NULL or empty'
+            USING ERRCODE = '22023',
+                  DETAIL = 'Every message carries the stable key of the side effect it performs.',
+                  HINT = 'Derive it from the request and the operation: outbox.effect_key(request_id, ''send_reply'').';
+    END IF;
+    IF pg_catalog.octet_length(enqueue.effect_key) > 255 THEN
+        RAISE EXCEPTION 'effect_key is % bytes long; at most 255 are allowed',
+                pg_catalog.octet_length(enqueue.effect_key)
+            USING ERRCODE = '22023',
+                  HINT = 'Use outbox.effect_key(source, operation), which returns 64 hex characters.';
+    END IF;
+    IF enqueue.ordering_key IS NOT NULL
+       AND (enqueue.ordering_key = '' OR pg_catalog.octet_length(enqueue.ordering_key) > 255) THEN
+        RAISE EXCEPTION 'ordering_key must be NULL or 1 to 255 bytes long'
+            USING ERRCODE = '22023',
+                  DETAIL = pg_catalog.format('ordering_key is %s bytes long.', pg_catalog.octet_length(enqueue.ordering_key));
+    END IF;
+    IF enqueue.payload IS NULL THEN
+        RAISE EXCEPTION 'payload must not be NULL'
+            USING ERRCODE = '22023', HINT = 'Send an empty object ''{}'' for a message without a body.';
+    END IF;
+    v_bytes := pg_catalog.octet_length(enqueue.payload::text);
+    IF v_max_bytes IS NOT NULL AND v_bytes > v_max_bytes THEN
+        RAISE EXCEPTION 'payload is % bytes; outbox.max_payload_bytes allows %', v_bytes, v_max_bytes
+            USING ERRCODE = '54000',
+                  HINT = 'Store large content elsewhere and send a reference, or raise outbox.max_payload_bytes.';
+    END IF;
+    IF enqueue.headers IS NOT NULL THEN
+        IF pg_catalog.jsonb_typeof(enqueue.headers) <> 'object' THEN
+            RAISE EXCEPTION 'headers must be a JSON object of strings, not %', pg_catalog.jsonb_typeof(enqueue.headers)
+                USING ERRCODE = '22023', HINT = 'Example: ''{"X-Request-Id": "r-42"}''.';
+        END IF;
+        SELECT h.key INTO v_bad_header
+          FROM pg_catalog.jsonb_each(enqueue.headers) AS h
+         WHERE pg_catalog.jsonb_typeof(h.value) <> 'string'
+            OR h.key !~ '^[!#$%&''*+.^_`|~0-9A-Za-z-]+$'
+         LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION 'headers: "%" must be a valid HTTP header name with a string value', v_bad_header
+                USING ERRCODE = '22023', HINT = 'Header values are strings; names are HTTP tokens.';
+        END IF;
+    END IF;
+
+    SELECT c.id INTO v_channel_id FROM outbox._channels c WHERE c.name = enqueue.channel;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'channel "%" does not exist', enqueue.channel
+            USING ERRCODE = '42704',
+                  HINT = 'Create it with outbox.create_channel(name, endpoint, options); list them in outbox.channels.';
+    END IF;
+
+    INSERT INTO outbox._messages AS m
+           (tenant, channel_id, effect_key, ordering_key, payload, headers, not_before, next_attempt_at)
+    VALUES (v_tenant, v_channel_id, enqueue.effect_key, enqueue.ordering_key, enqueue.payload,
+            enqueue.headers, enqueue.not_before,
+            GREATEST(pg_catalog.now(), enqueue.not_before))
+    ON CONFLICT (tenant, effect_key) DO NOTHING
+    RETURNING m.id INTO v_id;
+
+    IF v_id IS NULL THEN
+        SELECT m.id, m.payload, m.channel_id INTO v_existing
+          FROM outbox._messages m
+         WHERE m.tenant = v_tenant AND m.effect_key = enqueue.effect_key;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'message with effect key % was removed while this enqueue ran', enqueue.effect_key
+                USING ERRCODE = '40001', HINT = 'Retry the transaction.';
+        END IF;
+        IF v_existing.payload IS DISTINCT FROM enqueue.payload OR v_existing.channel_id <> v_channel_id THEN
+            RAISE WARNING 'effect key % already belongs to message %, whose channel or payload differs; nothing new was enqueued',
+                    enqueue.effect_key, v_existing.id
+                USING DETAIL = pg_catalog.format(
+                          'existing message %s: channel id %s, payload sha256 %s; this call: channel id %s, payload sha256 %s',
+                          v_existing.id, v_existing.channel_id,
+                          pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(v_existing.payload::text, 'UTF8')), 'hex'),
+                          v_channel_id,
+                          pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(enqueue.payload::text, 'UTF8')), 'hex')),
+                      HINT = 'One effect key names one side effect. A new, intentional action needs a new key.';
+        END IF;
+        RETURN v_existing.id;
+    END IF;
+
+    PERFORM outbox._wake_at_commit();
+    RETURN v_id;
+END
+$fn$;
+COMMENT ON FUNCTION outbox.enqueue(text, jsonb, text, text, timestamptz, jsonb) IS
+    'Writes a message in the caller''s transaction; it exists if and only if that transaction commits. The same (tenant, effect key) returns the existing message id.';
+
+CREATE FUNCTION outbox.status(id bigint) RETURNS outbox.state
+LANGUAGE sql STABLE
+AS $fn$
+    SELECT coalesce(
+        (SELECT m.state FROM outbox._messages m WHERE m.id = status.id),
+        (SELECT 'delivered'::outbox.state FROM outbox._ledger l WHERE l.message_id = status.id LIMIT 1))
+$fn$;
+COMMENT ON FUNCTION outbox.status(bigint) IS
+    'State of a message; delivered for a message already removed by retention whose effect is in the ledger; NULL for an id that never existed.';
+
+CREATE FUNCTION outbox.pause_channel(name text, reason text) RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+BEGIN
+    IF reason IS NULL OR pg_catalog.btrim(reason) = '' THEN
+        RAISE EXCEPTION 'reason must not be NULL or empty'
+            USING ERRCODE = '22023', HINT = 'Say why the channel is paused; it is written to outbox.operator_log.';
+    END IF;
+    UPDATE outbox._channels c
+       SET paused = true, paused_reason = pause_channel.reason, paused_at = pg_catalog.now(), updated_at = pg_catalog.now()
+     WHERE c.name = pause_channel.name;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'channel "%" does not exist', pause_channel.name
+            USING ERRCODE = '42704', HINT = 'List channels in outbox.channels.';
+    END IF;
+    INSERT INTO outbox._operator_log (action, channel, reason)
+    VALUES ('pause_channel', pause_channel.name, pause_channel.reason);
+END
+$fn$;
+COMMENT ON FUNCTION outbox.pause_channel(text, text) IS
+    'Stops sending on a channel; messages keep queueing and are held until resume_channel.';
+
+CREATE FUNCTION outbox.resume_channel(name text) RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+BEGIN
+    UPDATE outbox._channels c
+       SET paused = false, paused_reason = NULL, paused_at = NULL, updated_at = pg_catalog.now()
+     WHERE c.name = resume_channel.name;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'channel "%" does not exist', resume_channel.name
+            USING ERRCODE = '42704', HINT = 'List channels in outbox.channels.';
+    END IF;
+    INSERT INTO outbox._operator_log (action, channel) VALUES ('resume_channel', resume_channel.name);
+    PERFORM outbox._wake_at_commit();
+END
+$fn$;
+COMMENT ON FUNCTION outbox.resume_channel(text) IS 'Resumes sending on a paused channel.';
+
+-- Say at CREATE EXTENSION time when no worker will deliver.
+SELECT outbox._check_preloaded();

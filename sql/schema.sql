@@ -1,0 +1,148 @@
+-- outbox_delivery: durable state.
+--
+-- Tables are private (`_` prefix); operators and applications read the views defined in
+-- views.sql. Every table that holds durable state is registered with
+-- pg_extension_config_dump so that pg_dump of the database keeps channels, messages,
+-- attempts, the ledger and the operator log.
+
+CREATE TYPE outbox.state AS ENUM (
+    'queued', 'sending', 'delivered', 'uncertain', 'exhausted', 'failed', 'cancelled'
+);
+COMMENT ON TYPE outbox.state IS
+    'Life cycle of an outbox message: queued -> sending -> delivered, or uncertain / exhausted / failed for an operator, or cancelled.';
+
+CREATE TYPE outbox.error_class AS ENUM ('transient', 'permanent', 'ambiguous');
+COMMENT ON TYPE outbox.error_class IS
+    'Class of a failed attempt: transient (retry with backoff), permanent (no retry), ambiguous (the provider may have acted; never blindly resent).';
+
+-- Channels: where messages go and how. `options` holds the complete, validated and
+-- normalized option object (every default filled in), so SQL can read it directly.
+CREATE SEQUENCE outbox._channels_id_seq AS integer;
+CREATE TABLE outbox._channels (
+    id            integer     NOT NULL DEFAULT nextval('outbox._channels_id_seq') PRIMARY KEY,
+    name          text        NOT NULL UNIQUE,
+    endpoint      text        NOT NULL,
+    options       jsonb       NOT NULL,
+    paused        boolean     NOT NULL DEFAULT false,
+    paused_reason text,
+    paused_at     timestamptz,
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    updated_at    timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT channel_name_not_empty CHECK (name <> '')
+);
+ALTER SEQUENCE outbox._channels_id_seq OWNED BY outbox._channels.id;
+COMMENT ON TABLE outbox._channels IS 'Delivery channels (private; use outbox.create_channel / alter_channel).';
+
+-- Messages: one row per side effect. (tenant, effect_key) is unique: the same effect
+-- enqueued twice yields the same message.
+CREATE SEQUENCE outbox._messages_id_seq AS bigint;
+CREATE TABLE outbox._messages (
+    id               bigint             NOT NULL DEFAULT nextval('outbox._messages_id_seq') PRIMARY KEY,
+    tenant           text               NOT NULL DEFAULT 'default',
+    channel_id       integer            NOT NULL,
+    state            outbox.state       NOT NULL DEFAULT 'queued',
+    effect_key       text               NOT NULL,
+    ordering_key     text,
+    payload          jsonb              NOT NULL,
+    headers          jsonb,
+    not_before       timestamptz,
+    next_attempt_at  timestamptz        NOT NULL DEFAULT now(),
+    attempts         integer            NOT NULL DEFAULT 0,
+    lease_until      timestamptz,
+    lease_owner      integer,
+    first_attempt_at timestamptz,
+    last_error_class outbox.error_class,
+    last_error       text,
+    last_http_status integer,
+    external_id      text,
+    owner            text,
+    created_at       timestamptz        NOT NULL DEFAULT now(),
+    updated_at       timestamptz        NOT NULL DEFAULT now(),
+    delivered_at     timestamptz,
+    CONSTRAINT message_effect_key_unique UNIQUE (tenant, effect_key)
+) WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.05);
+ALTER SEQUENCE outbox._messages_id_seq OWNED BY outbox._messages.id;
+COMMENT ON TABLE outbox._messages IS 'Outbox messages (private; read outbox.messages).';
+
+-- Claiming due work: a small partial index that holds only queued rows, per channel, in
+-- due order. At a backlog of millions the claim reads the head of it and nothing else.
+CREATE INDEX _messages_due_idx ON outbox._messages (channel_id, next_attempt_at, id)
+    WHERE state = 'queued';
+-- In-flight rows: lease recovery and per-channel max_in_flight.
+CREATE INDEX _messages_sending_idx ON outbox._messages (channel_id, lease_owner, lease_until)
+    WHERE state = 'sending';
+-- Ordering keys: "is an earlier message with my key still pending?"
+CREATE INDEX _messages_ordering_idx ON outbox._messages (tenant, ordering_key, id)
+    WHERE ordering_key IS NOT NULL AND state IN ('queued', 'sending', 'uncertain');
+-- Work queue: the (few) messages waiting for a human.
+CREATE INDEX _messages_attention_idx ON outbox._messages (state, updated_at)
+    WHERE state IN ('uncertain', 'exhausted', 'failed');
+-- Retention: finished messages, oldest first.
+CREATE INDEX _messages_finished_idx ON outbox._messages (updated_at)
+    WHERE state IN ('delivered', 'cancelled');
+
+-- Attempts: one row per send, reconcile lookup or recovery decision.
+CREATE SEQUENCE outbox._attempts_id_seq AS bigint;
+CREATE TABLE outbox._attempts (
+    id              bigint             NOT NULL DEFAULT nextval('outbox._attempts_id_seq') PRIMARY KEY,
+    message_id      bigint             NOT NULL,
+    attempt         integer            NOT NULL,
+    kind            text               NOT NULL,
+    started_at      timestamptz        NOT NULL DEFAULT now(),
+    finished_at     timestamptz,
+    outcome         text,
+    error_class     outbox.error_class,
+    http_status     integer,
+    error           text,
+    retry_after_ms  bigint,
+    external_id     text,
+    effect_key_sent text,
+    worker_pid      integer,
+    CONSTRAINT attempt_kind_known CHECK (kind IN ('send', 'reconcile', 'recovery'))
+) WITH (fillfactor = 85, autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.05);
+ALTER SEQUENCE outbox._attempts_id_seq OWNED BY outbox._attempts.id;
+CREATE INDEX _attempts_message_idx ON outbox._attempts (message_id, id);
+COMMENT ON TABLE outbox._attempts IS 'Attempt history (private; read outbox.attempts).';
+
+-- The ledger: the barrier. An effect recorded here is never sent again.
+CREATE TABLE outbox._ledger (
+    tenant      text        NOT NULL,
+    effect_key  text        NOT NULL,
+    message_id  bigint      NOT NULL,
+    external_id text,
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    recorded_by text        NOT NULL,
+    PRIMARY KEY (tenant, effect_key),
+    CONSTRAINT ledger_recorded_by_known CHECK (recorded_by IN ('worker', 'reconcile', 'operator'))
+);
+CREATE INDEX _ledger_recorded_at_idx ON outbox._ledger (recorded_at);
+CREATE INDEX _ledger_message_idx ON outbox._ledger (message_id);
+COMMENT ON TABLE outbox._ledger IS 'Effects confirmed by a provider, reconcile or an operator (private; read outbox.ledger).';
+
+-- Every operator decision and channel change.
+CREATE SEQUENCE outbox._operator_log_id_seq AS bigint;
+CREATE TABLE outbox._operator_log (
+    id           bigint       NOT NULL DEFAULT nextval('outbox._operator_log_id_seq') PRIMARY KEY,
+    at           timestamptz  NOT NULL DEFAULT now(),
+    actor        text         NOT NULL DEFAULT session_user,
+    action       text         NOT NULL,
+    message_id   bigint,
+    channel      text,
+    reason       text,
+    state_before outbox.state,
+    state_after  outbox.state,
+    detail       jsonb
+);
+ALTER SEQUENCE outbox._operator_log_id_seq OWNED BY outbox._operator_log.id;
+CREATE INDEX _operator_log_message_idx ON outbox._operator_log (message_id, id);
+COMMENT ON TABLE outbox._operator_log IS 'Audit log of operator actions and channel changes (private; read outbox.operator_log).';
+
+SELECT pg_catalog.pg_extension_config_dump('outbox._channels', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._channels_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._messages', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._messages_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._attempts', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._attempts_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._ledger', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._operator_log', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._operator_log_id_seq', '');

@@ -1,0 +1,77 @@
+-- outbox_delivery: what operators and applications read.
+
+CREATE VIEW outbox.channels AS
+SELECT c.id,
+       c.name,
+       c.endpoint,
+       c.options - 'headers'
+           || jsonb_build_object('headers',
+                  (SELECT coalesce(jsonb_object_agg(h.key, '********'), '{}'::jsonb)
+                     FROM jsonb_each(c.options -> 'headers') AS h)) AS options,
+       c.paused,
+       c.paused_reason,
+       c.paused_at,
+       c.created_at,
+       c.updated_at
+  FROM outbox._channels c;
+COMMENT ON VIEW outbox.channels IS
+    'Delivery channels with their effective options; static header values are masked.';
+
+CREATE VIEW outbox.messages AS
+SELECT m.id,
+       m.tenant,
+       c.name AS channel,
+       m.state,
+       m.effect_key,
+       m.ordering_key,
+       m.attempts,
+       (c.options -> 'retry' ->> 'max_attempts')::integer AS max_attempts,
+       CASE WHEN m.state = 'queued' THEN m.next_attempt_at END AS next_attempt_at,
+       m.last_error_class,
+       m.last_error,
+       m.last_http_status,
+       m.external_id,
+       m.owner,
+       m.created_at,
+       m.updated_at,
+       m.delivered_at,
+       m.not_before,
+       m.lease_until,
+       m.payload,
+       m.headers
+  FROM outbox._messages m
+  LEFT JOIN outbox._channels c ON c.id = m.channel_id;
+COMMENT ON VIEW outbox.messages IS
+    'Every message: state, attempts and budget, next attempt, last classified error, external id, owner.';
+
+CREATE VIEW outbox.attempts AS
+SELECT a.message_id,
+       a.attempt,
+       a.kind,
+       a.started_at,
+       a.finished_at,
+       a.outcome,
+       a.error_class,
+       a.http_status,
+       a.error,
+       a.retry_after_ms,
+       a.external_id,
+       a.effect_key_sent,
+       a.worker_pid,
+       a.id AS attempt_id
+  FROM outbox._attempts a;
+COMMENT ON VIEW outbox.attempts IS
+    'Attempt history: one row per send, reconcile lookup or recovery decision, with its classified outcome.';
+
+CREATE VIEW outbox.ledger AS
+SELECT l.tenant, l.effect_key, l.message_id, l.external_id, l.recorded_at, l.recorded_by
+  FROM outbox._ledger l;
+COMMENT ON VIEW outbox.ledger IS
+    'Confirmed effects: the barrier the worker checks before every send.';
+
+CREATE VIEW outbox.operator_log AS
+SELECT o.at, o.actor, o.action, o.message_id, o.reason, o.state_before, o.state_after,
+       o.detail, o.channel, o.id
+  FROM outbox._operator_log o;
+COMMENT ON VIEW outbox.operator_log IS
+    'Audit log: every operator action and channel change, who made it, why, and the state before and after.';

@@ -1,0 +1,540 @@
+//! Channel options: parsed and validated as a whole, normalized with every default filled
+//! in. Pure Rust: used by `create_channel` / `alter_channel` and by the worker.
+
+use crate::classify::Overrides;
+use crate::retry_policy::RetryPolicy;
+use serde_json::{json, Map, Value};
+
+/// Where the provider's id for a delivered message is found in its answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ExternalIdSource {
+    /// A JSON pointer into the response body, e.g. `/id` or `/data/message/id`.
+    Body(String),
+    /// A response header, written `header:Name`.
+    Header(String),
+}
+
+/// A read-only lookup at the provider, used by reconcile.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReconcileConfig {
+    /// URL template; `{effect_key}` and `{external_id}` are replaced (percent-encoded).
+    pub url: String,
+    pub method: String,
+    /// JSON pointer to a boolean "found" in the answer; without it, any 2xx means found.
+    pub found: Option<String>,
+    /// JSON pointer to the provider's id in the answer.
+    pub external_id: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChannelOptions {
+    pub method: String,
+    pub headers: Vec<(String, String)>,
+    pub timeout_ms: u64,
+    pub connect_timeout_ms: u64,
+    pub idempotency_header: Option<String>,
+    pub idempotency_window_ms: Option<u64>,
+    pub external_id: Option<ExternalIdSource>,
+    pub reconcile: Option<ReconcileConfig>,
+    pub retry: RetryPolicy,
+    pub classify: Overrides,
+    pub max_in_flight: u32,
+}
+
+/// A rejected option, named by its path (e.g. `retry.base_ms`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptionError {
+    pub option: String,
+    pub message: String,
+}
+
+impl OptionError {
+    fn new(option: impl Into<String>, message: impl Into<String>) -> Self {
+        OptionError {
+            option: option.into(),
+            message: message.into(),
+        }
+    }
+}
+
+const KNOWN_KEYS: &[&str] = &[
+    "kind",
+    "method",
+    "headers",
+    "timeout_ms",
+    "connect_timeout_ms",
+    "idempotency_header",
+    "idempotency_window_ms",
+    "external_id",
+    "reconcile",
+    "retry",
+    "classify",
+    "max_in_flight",
+];
+
+const METHODS: &[&str] = &["POST", "PUT", "PATCH", "GET", "DELETE"];
+
+impl Default for ChannelOptions {
+    fn default() -> Self {
+        ChannelOptions {
+            method: "POST".into(),
+            headers: Vec::new(),
+            timeout_ms: 10_000,
+            connect_timeout_ms: 3_000,
+            idempotency_header: None,
+            idempotency_window_ms: None,
+            external_id: None,
+            reconcile: None,
+            retry: RetryPolicy::default(),
+            classify: Overrides::default(),
+            max_in_flight: 64,
+        }
+    }
+}
+
+/// Is `s` an HTTP token (a valid header name or method)?
+pub fn is_http_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+/// Is `s` a header value HTTP can carry (visible ASCII, spaces and tabs; no CR/LF)?
+pub fn is_http_header_value(s: &str) -> bool {
+    s.bytes()
+        .all(|b| b == b'\t' || (b' '..=b'~').contains(&b) || b >= 0x80)
+}
+
+/// Checks that `endpoint` is an absolute http(s) URL with a host.
+pub fn validate_endpoint(option: &str, endpoint: &str) -> Result<(), OptionError> {
+    let url = reqwest::Url::parse(endpoint).map_err(|e| {
+        OptionError::new(option, format!("\"{endpoint}\" is not a valid URL ({e})"))
+    })?;
+    if url.scheme() != "http" && url.scheme() != "https" {
+        return Err(OptionError::new(
+            option,
+            format!("scheme must be http or https, not \"{}\"", url.scheme()),
+        ));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(OptionError::new(option, "URL has no host"));
+    }
+    Ok(())
+}
+
+fn positive_int(key: &str, v: &Value, max: u64) -> Result<u64, OptionError> {
+    match v.as_u64() {
+        Some(n) if n >= 1 && n <= max => Ok(n),
+        Some(_) => Err(OptionError::new(
+            key,
+            format!("must be between 1 and {max}"),
+        )),
+        None => Err(OptionError::new(
+            key,
+            format!("must be a positive integer, not {v}"),
+        )),
+    }
+}
+
+fn string<'a>(key: &str, v: &'a Value) -> Result<&'a str, OptionError> {
+    v.as_str()
+        .ok_or_else(|| OptionError::new(key, format!("must be a string, not {v}")))
+}
+
+fn json_pointer(key: &str, v: &Value) -> Result<String, OptionError> {
+    let s = string(key, v)?;
+    if !s.starts_with('/') {
+        return Err(OptionError::new(
+            key,
+            format!("\"{s}\" must be a JSON pointer starting with \"/\""),
+        ));
+    }
+    Ok(s.to_string())
+}
+
+impl ChannelOptions {
+    /// Parses a complete option object; missing keys take their defaults.
+    pub fn from_json(v: &Value) -> Result<ChannelOptions, OptionError> {
+        let obj = v.as_object().ok_or_else(|| {
+            OptionError::new("options", format!("must be a JSON object, not {v}"))
+        })?;
+        if let Some(unknown) = obj.keys().find(|k| !KNOWN_KEYS.contains(&k.as_str())) {
+            return Err(OptionError::new(
+                unknown.clone(),
+                format!(
+                    "unknown option; known options are {}",
+                    KNOWN_KEYS.join(", ")
+                ),
+            ));
+        }
+        let mut o = ChannelOptions::default();
+        for (key, value) in obj {
+            if value.is_null() {
+                continue; // null = default
+            }
+            let key = key.as_str();
+            match key {
+                "kind" => {
+                    let kind = string(key, value)?;
+                    if kind != "http" {
+                        return Err(OptionError::new(
+                            key,
+                            format!("\"{kind}\" is not a supported kind; supported: http"),
+                        ));
+                    }
+                }
+                "method" => {
+                    let m = string(key, value)?.to_ascii_uppercase();
+                    if !METHODS.contains(&m.as_str()) {
+                        return Err(OptionError::new(
+                            key,
+                            format!("\"{m}\" is not one of {}", METHODS.join(", ")),
+                        ));
+                    }
+                    o.method = m;
+                }
+                "headers" => o.headers = parse_headers(value)?,
+                "timeout_ms" => o.timeout_ms = positive_int(key, value, 3_600_000)?,
+                "connect_timeout_ms" => o.connect_timeout_ms = positive_int(key, value, 600_000)?,
+                "idempotency_header" => {
+                    let h = string(key, value)?;
+                    if !is_http_token(h) {
+                        return Err(OptionError::new(
+                            key,
+                            format!("\"{h}\" is not a valid HTTP header name"),
+                        ));
+                    }
+                    o.idempotency_header = Some(h.to_string());
+                }
+                "idempotency_window_ms" => {
+                    o.idempotency_window_ms = Some(positive_int(key, value, i64::MAX as u64)?)
+                }
+                "external_id" => {
+                    let s = string(key, value)?;
+                    o.external_id = Some(if let Some(name) = s.strip_prefix("header:") {
+                        if !is_http_token(name) {
+                            return Err(OptionError::new(
+                                key,
+                                format!("\"{name}\" is not a valid HTTP header name"),
+                            ));
+                        }
+                        ExternalIdSource::Header(name.to_string())
+                    } else {
+                        ExternalIdSource::Body(json_pointer(key, value)?)
+                    });
+                }
+                "reconcile" => o.reconcile = Some(parse_reconcile(value)?),
+                "retry" => {
+                    o.retry = RetryPolicy::from_json(value)
+                        .map_err(|e| OptionError::new(e.field, e.message))?
+                }
+                "classify" => {
+                    o.classify = Overrides::from_json(value)
+                        .map_err(|e| OptionError::new(e.field, e.message))?
+                }
+                "max_in_flight" => o.max_in_flight = positive_int(key, value, 10_000)? as u32,
+                _ => unreachable!("unknown keys were rejected above"),
+            }
+        }
+        if o.connect_timeout_ms > o.timeout_ms {
+            return Err(OptionError::new(
+                "connect_timeout_ms",
+                format!(
+                    "{} is longer than timeout_ms ({})",
+                    o.connect_timeout_ms, o.timeout_ms
+                ),
+            ));
+        }
+        if o.idempotency_window_ms.is_some() && o.idempotency_header.is_none() {
+            return Err(OptionError::new(
+                "idempotency_window_ms",
+                "is set but idempotency_header is not; a key window needs a key",
+            ));
+        }
+        Ok(o)
+    }
+
+    /// The complete normalized object; `from_json(to_json(o)) == o`.
+    pub fn to_json(&self) -> Value {
+        let headers: Map<String, Value> = self
+            .headers
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+            .collect();
+        json!({
+            "kind": "http",
+            "method": self.method,
+            "headers": headers,
+            "timeout_ms": self.timeout_ms,
+            "connect_timeout_ms": self.connect_timeout_ms,
+            "idempotency_header": self.idempotency_header,
+            "idempotency_window_ms": self.idempotency_window_ms,
+            "external_id": self.external_id.as_ref().map(|e| match e {
+                ExternalIdSource::Body(p) => p.clone(),
+                ExternalIdSource::Header(h) => format!("header:{h}"),
+            }),
+            "reconcile": self.reconcile.as_ref().map(|r| json!({
+                "url": r.url, "method": r.method, "found": r.found, "external_id": r.external_id,
+            })),
+            "retry": self.retry.to_json(),
+            "classify": self.classify.to_json(),
+            "max_in_flight": self.max_in_flight,
+        })
+    }
+
+    /// Applies `changes` on top of `current` (both option objects). A key set to null
+    /// returns to its default; `retry` is merged key by key, every other key is replaced.
+    pub fn merge(current: &Value, changes: &Value) -> Result<Value, OptionError> {
+        let changes = changes.as_object().ok_or_else(|| {
+            OptionError::new("options", format!("must be a JSON object, not {changes}"))
+        })?;
+        let mut merged = current.as_object().cloned().unwrap_or_default();
+        for (k, v) in changes {
+            match (k.as_str(), merged.get_mut(k), v) {
+                (_, _, Value::Null) => {
+                    merged.remove(k);
+                }
+                ("retry", Some(Value::Object(cur)), Value::Object(new)) => {
+                    for (rk, rv) in new {
+                        if rv.is_null() {
+                            cur.remove(rk);
+                        } else {
+                            cur.insert(rk.clone(), rv.clone());
+                        }
+                    }
+                }
+                _ => {
+                    merged.insert(k.clone(), v.clone());
+                }
+            }
+        }
+        Ok(Value::Object(merged))
+    }
+
+    /// The longest time a message of this channel may keep being retried.
+    pub fn retry_horizon_ms(&self) -> u64 {
+        self.retry.max_age_ms
+    }
+}
+
+fn parse_headers(v: &Value) -> Result<Vec<(String, String)>, OptionError> {
+    let obj = v.as_object().ok_or_else(|| {
+        OptionError::new(
+            "headers",
+            format!("must be a JSON object of strings, not {v}"),
+        )
+    })?;
+    let mut out = Vec::with_capacity(obj.len());
+    for (name, value) in obj {
+        let key = format!("headers.{name}");
+        if !is_http_token(name) {
+            return Err(OptionError::new(key, "is not a valid HTTP header name"));
+        }
+        let value = string(&key, value)?;
+        if !is_http_header_value(value) {
+            return Err(OptionError::new(
+                key,
+                "value contains characters HTTP headers cannot carry",
+            ));
+        }
+        out.push((name.clone(), value.to_string()));
+    }
+    Ok(out)
+}
+
+fn parse_reconcile(v: &Value) -> Result<ReconcileConfig, OptionError> {
+    let obj = v
+        .as_object()
+        .ok_or_else(|| OptionError::new("reconcile", format!("must be a JSON object, not {v}")))?;
+    const KEYS: &[&str] = &["url", "method", "found", "external_id"];
+    if let Some(unknown) = obj.keys().find(|k| !KEYS.contains(&k.as_str())) {
+        return Err(OptionError::new(
+            format!("reconcile.{unknown}"),
+            format!("unknown option; known options are {}", KEYS.join(", ")),
+        ));
+    }
+    let url = obj
+        .get("url")
+        .ok_or_else(|| OptionError::new("reconcile.url", "is required"))?;
+    let url = string("reconcile.url", url)?.to_string();
+    if !url.contains("{effect_key}") && !url.contains("{external_id}") {
+        return Err(OptionError::new(
+            "reconcile.url",
+            "must contain {effect_key} or {external_id} to name the message it looks up",
+        ));
+    }
+    let probe = url
+        .replace("{effect_key}", "k")
+        .replace("{external_id}", "e");
+    validate_endpoint("reconcile.url", &probe)?;
+    let method = match obj.get("method") {
+        None | Some(Value::Null) => "GET".to_string(),
+        Some(m) => {
+            let m = string("reconcile.method", m)?.to_ascii_uppercase();
+            if m != "GET" && m != "HEAD" && m != "POST" {
+                return Err(OptionError::new(
+                    "reconcile.method",
+                    "must be GET, HEAD or POST (a read-only lookup)",
+                ));
+            }
+            m
+        }
+    };
+    let found = match obj.get("found") {
+        None | Some(Value::Null) => None,
+        Some(p) => Some(json_pointer("reconcile.found", p)?),
+    };
+    let external_id = match obj.get("external_id") {
+        None | Some(Value::Null) => None,
+        Some(p) => Some(json_pointer("reconcile.external_id", p)?),
+    };
+    Ok(ReconcileConfig {
+        url,
+        method,
+        found,
+        external_id,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(v: Value) -> OptionError {
+        ChannelOptions::from_json(&v).unwrap_err()
+    }
+
+    #[test]
+    fn defaults_from_empty_object() {
+        let o = ChannelOptions::from_json(&json!({})).unwrap();
+        assert_eq!(o, ChannelOptions::default());
+        assert_eq!(o.max_in_flight, 64);
+        assert_eq!(o.timeout_ms, 10_000);
+        assert_eq!(o.connect_timeout_ms, 3_000);
+    }
+
+    #[test]
+    fn normalized_round_trip() {
+        let o = ChannelOptions::from_json(&json!({
+            "method": "put",
+            "headers": {"Authorization": "Bearer x"},
+            "idempotency_header": "Idempotency-Key",
+            "idempotency_window_ms": 86400000,
+            "external_id": "header:X-Message-Id",
+            "reconcile": {"url": "http://127.0.0.1:1/m/{effect_key}", "found": "/found", "external_id": "/id"},
+            "retry": {"max_attempts": 3},
+            "classify": {"409": "delivered"},
+            "max_in_flight": 8
+        }))
+        .unwrap();
+        assert_eq!(o.method, "PUT");
+        assert_eq!(o.retry.max_attempts, 3);
+        let again = ChannelOptions::from_json(&o.to_json()).unwrap();
+        assert_eq!(o, again);
+    }
+
+    #[test]
+    fn rejections_name_the_option() {
+        assert_eq!(err(json!({"colour": 1})).option, "colour");
+        assert_eq!(err(json!({"kind": "smtp"})).option, "kind");
+        assert_eq!(err(json!({"method": "BREW"})).option, "method");
+        assert_eq!(err(json!({"timeout_ms": "10"})).option, "timeout_ms");
+        assert_eq!(err(json!({"timeout_ms": 0})).option, "timeout_ms");
+        assert_eq!(err(json!({"timeout_ms": -5})).option, "timeout_ms");
+        assert_eq!(err(json!({"max_in_flight": 1.5})).option, "max_in_flight");
+        assert_eq!(err(json!({"headers": ["a"]})).option, "headers");
+        assert_eq!(err(json!({"headers": {"X-A": 1}})).option, "headers.X-A");
+        assert_eq!(
+            err(json!({"headers": {"bad name": "v"}})).option,
+            "headers.bad name"
+        );
+        assert_eq!(
+            err(json!({"headers": {"X-A": "a\r\nb"}})).option,
+            "headers.X-A"
+        );
+        assert_eq!(
+            err(json!({"idempotency_header": "no spaces"})).option,
+            "idempotency_header"
+        );
+        assert_eq!(
+            err(json!({"idempotency_window_ms": 5})).option,
+            "idempotency_window_ms"
+        );
+        assert_eq!(err(json!({"external_id": "id"})).option, "external_id");
+        assert_eq!(
+            err(json!({"reconcile": {"method": "GET"}})).option,
+            "reconcile.url"
+        );
+        assert_eq!(
+            err(json!({"reconcile": {"url": "http://h/x"}})).option,
+            "reconcile.url"
+        );
+        assert_eq!(
+            err(json!({"reconcile": {"url": "ftp://h/{effect_key}"}})).option,
+            "reconcile.url"
+        );
+        assert_eq!(
+            err(json!({"reconcile": {"url": "http://h/{effect_key}", "x": 1}})).option,
+            "reconcile.x"
+        );
+        assert_eq!(
+            err(json!({"reconcile": {"url": "http://h/{effect_key}", "method": "DELETE"}})).option,
+            "reconcile.method"
+        );
+        assert_eq!(
+            err(json!({"connect_timeout_ms": 5000, "timeout_ms": 1000})).option,
+            "connect_timeout_ms"
+        );
+        assert_eq!(
+            err(json!({"retry": {"base_ms": 0}})).option,
+            "retry.base_ms"
+        );
+        assert_eq!(
+            err(json!({"retry": {"jitter": "some"}})).option,
+            "retry.jitter"
+        );
+        assert_eq!(
+            err(json!({"classify": {"999": "transient"}}))
+                .option
+                .starts_with("classify"),
+            true
+        );
+        assert_eq!(err(json!([])).option, "options");
+    }
+
+    #[test]
+    fn merge_replaces_keys_and_merges_retry() {
+        let cur = ChannelOptions::default().to_json();
+        let merged = ChannelOptions::merge(
+            &cur,
+            &json!({"retry": {"max_attempts": 2}, "max_in_flight": 3}),
+        )
+        .unwrap();
+        let o = ChannelOptions::from_json(&merged).unwrap();
+        assert_eq!(o.retry.max_attempts, 2);
+        assert_eq!(o.retry.base_ms, 1000);
+        assert_eq!(o.max_in_flight, 3);
+        let reset = ChannelOptions::merge(&merged, &json!({"max_in_flight": null})).unwrap();
+        assert_eq!(ChannelOptions::from_json(&reset).unwrap().max_in_flight, 64);
+    }
+
+    #[test]
+    fn endpoints() {
+        assert!(validate_endpoint("endpoint", "http://127.0.0.1:8080/x").is_ok());
+        assert!(validate_endpoint("endpoint", "https://api.example.com/v1/messages").is_ok());
+        assert!(validate_endpoint("endpoint", "ftp://x").is_err());
+        assert!(validate_endpoint("endpoint", "not a url").is_err());
+        assert!(validate_endpoint("endpoint", "").is_err());
+    }
+
+    #[test]
+    fn tokens_and_values() {
+        assert!(is_http_token("Idempotency-Key"));
+        assert!(!is_http_token(""));
+        assert!(!is_http_token("a b"));
+        assert!(!is_http_token("a:b"));
+        assert!(is_http_header_value("Bearer abc.def"));
+        assert!(!is_http_header_value("a\nb"));
+        assert!(!is_http_header_value("a\0b"));
+    }
+}

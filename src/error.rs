@@ -1,0 +1,113 @@
+//! One error type for the SQL API, mapped to SQLSTATE + message + detail + hint in one place.
+
+use pgrx::pg_sys::panic::ErrorReport;
+use pgrx::{PgLogLevel, PgSqlErrorCode};
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutboxError {
+    /// A function argument is NULL, empty or out of range (22023).
+    InvalidArgument {
+        argument: &'static str,
+        message: String,
+        hint: &'static str,
+    },
+    /// A channel option is unknown, mistyped or out of range (22023).
+    InvalidOption { option: String, message: String },
+    /// No channel of that name (42704).
+    UnknownChannel { name: String },
+    /// A channel of that name already exists (42710).
+    DuplicateChannel { name: String },
+}
+
+impl OutboxError {
+    pub fn invalid_argument(
+        argument: &'static str,
+        message: impl Into<String>,
+        hint: &'static str,
+    ) -> Self {
+        OutboxError::InvalidArgument {
+            argument,
+            message: message.into(),
+            hint,
+        }
+    }
+
+    pub fn sqlstate(&self) -> PgSqlErrorCode {
+        match self {
+            OutboxError::InvalidArgument { .. } | OutboxError::InvalidOption { .. } => {
+                PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE
+            }
+            OutboxError::UnknownChannel { .. } => PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
+            OutboxError::DuplicateChannel { .. } => PgSqlErrorCode::ERRCODE_DUPLICATE_OBJECT,
+        }
+    }
+
+    pub fn message(&self) -> String {
+        match self {
+            OutboxError::InvalidArgument {
+                argument, message, ..
+            } => format!("{argument}: {message}"),
+            OutboxError::InvalidOption { option, message } => {
+                format!("channel option \"{option}\": {message}")
+            }
+            OutboxError::UnknownChannel { name } => format!("channel \"{name}\" does not exist"),
+            OutboxError::DuplicateChannel { name } => format!("channel \"{name}\" already exists"),
+        }
+    }
+
+    pub fn detail(&self) -> Option<String> {
+        match self {
+            OutboxError::InvalidOption { .. } => {
+                Some("Options are validated as a whole; nothing was written.".to_string())
+            }
+            _ => None,
+        }
+    }
+
+    pub fn hint(&self) -> &'static str {
+        match self {
+            OutboxError::InvalidArgument { hint, .. } => hint,
+            OutboxError::InvalidOption { .. } => {
+                "The README lists every channel option with its type and default."
+            }
+            OutboxError::UnknownChannel { .. } => {
+                "Create it with outbox.create_channel(name, endpoint, options); list them in outbox.channels."
+            }
+            OutboxError::DuplicateChannel { .. } => {
+                "Change an existing channel with outbox.alter_channel(name, options)."
+            }
+        }
+    }
+
+    /// Raises the error as a Postgres ERROR; the current transaction is aborted, so nothing
+    /// the failing call began is left half-written.
+    pub fn raise(self) -> ! {
+        let mut report = ErrorReport::new(self.sqlstate(), self.message(), "outbox_delivery");
+        if let Some(detail) = self.detail() {
+            report = report.set_detail(detail);
+        }
+        report = report.set_hint(self.hint());
+        report.report(PgLogLevel::ERROR);
+        unreachable!("an ERROR report does not return")
+    }
+}
+
+impl std::fmt::Display for OutboxError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message())
+    }
+}
+
+/// Unwraps a result or raises its error.
+pub trait OrRaise<T> {
+    fn or_raise(self) -> T;
+}
+
+impl<T> OrRaise<T> for Result<T, OutboxError> {
+    fn or_raise(self) -> T {
+        match self {
+            Ok(v) => v,
+            Err(e) => e.raise(),
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! Every setting of the extension: private statics, one `init()`, typed getters.
+//! Getters read Postgres memory and must only be called on the backend's main thread.
+
+use pgrx::prelude::*;
+use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
+use std::ffi::CString;
+use std::time::Duration;
+
+/// Where the worker deliberately dies, as a crash would, for tests of recovery.
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum FaultPoint {
+    #[name = c"none"]
+    None,
+    /// After the claim transaction committed, before anything is sent.
+    #[name = c"crash_after_claim"]
+    CrashAfterClaim,
+    /// After the request went out and the provider answered, before the answer is read.
+    #[name = c"crash_after_send"]
+    CrashAfterSend,
+    /// After the answer was read and classified, before the record transaction starts.
+    #[name = c"crash_after_response"]
+    CrashAfterResponse,
+    /// Inside the record transaction, after its writes, before COMMIT.
+    #[name = c"crash_before_commit"]
+    CrashBeforeCommit,
+}
+
+impl FaultPoint {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FaultPoint::None => "none",
+            FaultPoint::CrashAfterClaim => "crash_after_claim",
+            FaultPoint::CrashAfterSend => "crash_after_send",
+            FaultPoint::CrashAfterResponse => "crash_after_response",
+            FaultPoint::CrashBeforeCommit => "crash_before_commit",
+        }
+    }
+}
+
+/// Upper bound of `outbox.workers`; the shared-memory slot array has this many entries.
+pub const MAX_WORKERS: usize = 16;
+
+static DATABASE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"postgres"));
+static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);
+static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(200);
+static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(1000);
+static LEASE_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
+static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
+static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 24 * 3600);
+static LEDGER_RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(30 * 24 * 3600);
+static ALERT_QUEUE_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
+static ALERT_ERROR_STREAK: GucSetting<i32> = GucSetting::<i32>::new(10);
+static FAULT_INJECTION: GucSetting<FaultPoint> = GucSetting::<FaultPoint>::new(FaultPoint::None);
+
+pub fn init() {
+    // Postmaster settings can only be defined while shared_preload_libraries is processed;
+    // a backend that loads the library on demand (no worker) keeps their defaults.
+    if unsafe { pgrx::pg_sys::process_shared_preload_libraries_in_progress } {
+        define_postmaster_settings();
+    }
+    define_runtime_settings();
+}
+
+fn define_postmaster_settings() {
+    GucRegistry::define_string_guc(
+        c"outbox.database",
+        c"Database the delivery worker connects to.",
+        c"The outbox_delivery extension must be created in this database.",
+        &DATABASE,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.workers",
+        c"Number of delivery workers.",
+        c"Each worker claims its own batches with FOR UPDATE SKIP LOCKED.",
+        &WORKERS,
+        0,
+        MAX_WORKERS as i32,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+}
+
+fn define_runtime_settings() {
+    GucRegistry::define_int_guc(
+        c"outbox.batch_size",
+        c"Messages a worker claims and sends per batch.",
+        c"",
+        &BATCH_SIZE,
+        1,
+        5000,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.poll_interval_ms",
+        c"Fallback poll interval of an idle worker.",
+        c"Workers are woken at COMMIT of an enqueue; the poll catches due retries and anything missed.",
+        &POLL_INTERVAL_MS,
+        10,
+        3_600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.lease_ms",
+        c"How long a claimed message stays leased to its worker.",
+        c"A sending message whose lease ran out is recovered as an ambiguous attempt.",
+        &LEASE_MS,
+        1000,
+        86_400_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.max_payload_bytes",
+        c"Largest payload outbox.enqueue accepts, in bytes of its JSON text.",
+        c"",
+        &MAX_PAYLOAD_BYTES,
+        1,
+        i32::MAX,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.retention",
+        c"How long delivered and cancelled messages (and their attempts) are kept.",
+        c"",
+        &RETENTION_S,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.ledger_retention",
+        c"How long ledger entries are kept; never shorter than the longest retry horizon.",
+        c"",
+        &LEDGER_RETENTION_S,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.alert_queue_age_s",
+        c"Alert when the oldest due queued message is older than this.",
+        c"",
+        &ALERT_QUEUE_AGE_S,
+        1,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.alert_error_streak",
+        c"Alert when this many consecutive attempts on one channel failed.",
+        c"",
+        &ALERT_ERROR_STREAK,
+        1,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_enum_guc(
+        c"outbox.fault_injection",
+        c"Test only: make the worker die at a chosen point, as a crash would.",
+        c"Fires on the first send attempt of each message claimed while it is set.",
+        &FAULT_INJECTION,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
+}
+
+pub fn database() -> String {
+    DATABASE
+        .get()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "postgres".to_string())
+}
+
+pub fn workers() -> usize {
+    (WORKERS.get().max(0) as usize).min(MAX_WORKERS)
+}
+
+pub fn batch_size() -> usize {
+    BATCH_SIZE.get().max(1) as usize
+}
+
+pub fn poll_interval() -> Duration {
+    Duration::from_millis(POLL_INTERVAL_MS.get().max(10) as u64)
+}
+
+pub fn lease_ms() -> i64 {
+    LEASE_MS.get().max(1000) as i64
+}
+
+pub fn retention_s() -> i64 {
+    RETENTION_S.get().max(0) as i64
+}
+
+pub fn ledger_retention_s() -> i64 {
+    LEDGER_RETENTION_S.get().max(0) as i64
+}
+
+pub fn fault_injection() -> FaultPoint {
+    FAULT_INJECTION.get()
+}

@@ -1,0 +1,41 @@
+//! outbox_delivery: durable, visible, recoverable delivery of side effects from a
+//! PostgreSQL transaction. This file only wires the parts together.
+
+use pgrx::prelude::*;
+
+pub mod channels;
+pub mod classify;
+pub mod effect_key;
+pub mod error;
+pub mod gucs;
+pub mod outbox;
+pub mod retry_policy;
+pub mod worker;
+
+::pgrx::pg_module_magic!();
+
+extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
+extension_sql_file!("../sql/views.sql", name = "views", requires = ["schema"]);
+extension_sql_file!("../sql/api.sql", name = "api", finalize);
+
+#[pg_guard]
+pub extern "C-unwind" fn _PG_init() {
+    gucs::init();
+    worker::register();
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    include!("tests/sql_api.rs");
+}
+
+/// Required by `cargo pgrx test`.
+#[cfg(test)]
+pub mod pg_test {
+    pub fn setup(_options: Vec<&str>) {}
+
+    pub fn postgresql_conf_options() -> Vec<&'static str> {
+        vec![]
+    }
+}

@@ -1,0 +1,208 @@
+// `#[pg_test]`s of the SQL API: every refusal with its SQLSTATE and nothing written,
+// option validation and normalization, dedupe by effect key.
+use pgrx::prelude::*;
+
+const SQLSTATE_OF: &str = r#"
+CREATE OR REPLACE FUNCTION pg_temp.sqlstate_of(stmt text) RETURNS text LANGUAGE plpgsql AS $$
+BEGIN
+    EXECUTE stmt;
+    RETURN '00000';
+EXCEPTION WHEN OTHERS THEN
+    RETURN SQLSTATE;
+END $$"#;
+
+/// Runs `sql` in a subtransaction; its SQLSTATE, or 00000.
+fn sqlstate(sql: &str) -> String {
+    Spi::run(SQLSTATE_OF).expect("helper");
+    Spi::get_one_with_args::<String>("SELECT pg_temp.sqlstate_of($1)", &[sql.into()])
+        .expect("spi")
+        .expect("sqlstate")
+}
+
+fn count(sql: &str) -> i64 {
+    Spi::get_one::<i64>(sql).expect("spi").unwrap_or(0)
+}
+
+fn channel(name: &str) {
+    Spi::run(&format!(
+        "SELECT outbox.create_channel('{name}', 'http://127.0.0.1:9/ch/{name}', '{{\"headers\": {{\"Authorization\": \"Bearer s3cret\"}}}}')"
+    ))
+    .expect("create_channel");
+}
+
+#[pg_test]
+fn effect_key_vector_and_refusals() {
+    let k = Spi::get_one::<String>("SELECT outbox.effect_key('turn-42', 'send_reply')").unwrap();
+    assert_eq!(k.as_deref(), Some("b19a783b1ddf6318099a5f26d19af2c6961ab378d598b5248db3c16b721d07f1"));
+    assert_ne!(
+        Spi::get_one::<String>("SELECT outbox.effect_key('a|b', 'c')").unwrap(),
+        Spi::get_one::<String>("SELECT outbox.effect_key('a', 'b|c')").unwrap()
+    );
+    assert_eq!(sqlstate("SELECT outbox.effect_key(NULL, 'op')"), "22023");
+    assert_eq!(sqlstate("SELECT outbox.effect_key('src', NULL)"), "22023");
+    assert_eq!(sqlstate("SELECT outbox.effect_key('', 'op')"), "22023");
+    assert_eq!(sqlstate("SELECT outbox.effect_key('src', '')"), "22023");
+}
+
+#[pg_test]
+fn create_channel_validates_every_option() {
+    channel("ok");
+    let bad = [
+        ("'{\"colour\": 1}'", "22023"),
+        ("'{\"timeout_ms\": \"10\"}'", "22023"),
+        ("'{\"timeout_ms\": 0}'", "22023"),
+        ("'{\"kind\": \"smtp\"}'", "22023"),
+        ("'{\"method\": \"BREW\"}'", "22023"),
+        ("'{\"headers\": [1]}'", "22023"),
+        ("'{\"headers\": {\"X\": 1}}'", "22023"),
+        ("'{\"retry\": {\"multiplier\": 0.5}}'", "22023"),
+        ("'{\"retry\": {\"base_ms\": -1}}'", "22023"),
+        ("'{\"retry\": {\"jitter\": \"sometimes\"}}'", "22023"),
+        ("'{\"retry\": {\"base_ms\": 5000, \"max_ms\": 1000}}'", "22023"),
+        ("'{\"classify\": {\"abc\": \"transient\"}}'", "22023"),
+        ("'{\"external_id\": \"id\"}'", "22023"),
+        ("'{\"reconcile\": {\"url\": \"http://h/no-placeholder\"}}'", "22023"),
+        ("'[]'", "22023"),
+    ];
+    for (options, code) in bad {
+        assert_eq!(
+            sqlstate(&format!("SELECT outbox.create_channel('c2', 'http://127.0.0.1:9/x', {options})")),
+            code,
+            "options {options}"
+        );
+    }
+    assert_eq!(sqlstate("SELECT outbox.create_channel('c2', 'ftp://x', '{}')"), "22023");
+    assert_eq!(sqlstate("SELECT outbox.create_channel('c2', 'not a url', '{}')"), "22023");
+    assert_eq!(sqlstate("SELECT outbox.create_channel(NULL, 'http://h/x', '{}')"), "22023");
+    assert_eq!(sqlstate("SELECT outbox.create_channel('', 'http://h/x', '{}')"), "22023");
+    assert_eq!(sqlstate("SELECT outbox.create_channel('ok', 'http://127.0.0.1:9/x', '{}')"), "42710");
+    assert_eq!(count("SELECT count(*) FROM outbox.channels WHERE name = 'c2'"), 0);
+    assert_eq!(count("SELECT count(*) FROM outbox.channels"), 1);
+}
+
+#[pg_test]
+fn channel_options_are_normalized_and_secrets_masked() {
+    channel("norm");
+    let max_attempts = Spi::get_one::<i32>(
+        "SELECT (options -> 'retry' ->> 'max_attempts')::int FROM outbox._channels WHERE name = 'norm'",
+    )
+    .unwrap();
+    assert_eq!(max_attempts, Some(8));
+    let in_flight =
+        Spi::get_one::<i32>("SELECT (options ->> 'max_in_flight')::int FROM outbox.channels WHERE name = 'norm'").unwrap();
+    assert_eq!(in_flight, Some(64));
+    let shown = Spi::get_one::<String>("SELECT options -> 'headers' ->> 'Authorization' FROM outbox.channels WHERE name = 'norm'")
+        .unwrap();
+    assert_eq!(shown.as_deref(), Some("********"));
+    let logged = Spi::get_one::<String>(
+        "SELECT detail::text FROM outbox.operator_log WHERE action = 'create_channel' AND channel = 'norm'",
+    )
+    .unwrap()
+    .unwrap();
+    assert!(!logged.contains("s3cret"), "the operator log must not keep secrets: {logged}");
+}
+
+#[pg_test]
+fn alter_channel_merges_and_refuses_atomically() {
+    channel("alt");
+    Spi::run("SELECT outbox.alter_channel('alt', '{\"retry\": {\"max_attempts\": 3}, \"max_in_flight\": 4}')").unwrap();
+    let (attempts, base) = Spi::get_two::<i32, i32>(
+        "SELECT (options->'retry'->>'max_attempts')::int, (options->'retry'->>'base_ms')::int FROM outbox._channels WHERE name = 'alt'",
+    )
+    .unwrap();
+    assert_eq!((attempts, base), (Some(3), Some(1000)));
+    assert_eq!(sqlstate("SELECT outbox.alter_channel('nope', '{}')"), "42704");
+    assert_eq!(sqlstate("SELECT outbox.alter_channel('alt', '{\"max_in_flight\": 0}')"), "22023");
+    assert_eq!(sqlstate("SELECT outbox.alter_channel('alt', '{\"endpoint\": \"gopher://x\"}')"), "22023");
+    assert_eq!(sqlstate("SELECT outbox.alter_channel('alt', NULL)"), "22023");
+    assert_eq!(count("SELECT (options->>'max_in_flight')::int8 FROM outbox._channels WHERE name = 'alt'"), 4);
+    Spi::run("SELECT outbox.alter_channel('alt', '{\"endpoint\": \"http://127.0.0.1:10/moved\"}')").unwrap();
+    assert_eq!(
+        Spi::get_one::<String>("SELECT endpoint FROM outbox.channels WHERE name = 'alt'").unwrap().as_deref(),
+        Some("http://127.0.0.1:10/moved")
+    );
+    assert_eq!(count("SELECT count(*) FROM outbox.operator_log WHERE channel = 'alt'"), 3);
+}
+
+#[pg_test]
+fn enqueue_refuses_bad_input_and_writes_nothing() {
+    channel("enq");
+    let long = "k".repeat(256);
+    let cases = [
+        ("SELECT outbox.enqueue('missing', '{}', 'k1')".to_string(), "42704"),
+        ("SELECT outbox.enqueue('enq', '{}', NULL)".to_string(), "22023"),
+        ("SELECT outbox.enqueue('enq', '{}', '')".to_string(), "22023"),
+        (format!("SELECT outbox.enqueue('enq', '{{}}', '{long}')"), "22023"),
+        (format!("SELECT outbox.enqueue('enq', '{{}}', 'k1', '{long}')"), "22023"),
+        ("SELECT outbox.enqueue('enq', '{}', 'k1', '')".to_string(), "22023"),
+        ("SELECT outbox.enqueue('enq', NULL, 'k1')".to_string(), "22023"),
+        ("SELECT outbox.enqueue('enq', '{}', 'k1', NULL, NULL, '[1]')".to_string(), "22023"),
+        ("SELECT outbox.enqueue('enq', '{}', 'k1', NULL, NULL, '{\"X-A\": 1}')".to_string(), "22023"),
+        ("SELECT outbox.enqueue('enq', '{}', 'k1', NULL, NULL, '{\"bad name\": \"v\"}')".to_string(), "22023"),
+    ];
+    for (sql, code) in cases {
+        assert_eq!(sqlstate(&sql), code, "{sql}");
+    }
+    Spi::run("SET outbox.max_payload_bytes = 100").unwrap();
+    let big = format!("SELECT outbox.enqueue('enq', jsonb_build_object('t', repeat('x', 200)), 'k-big')");
+    assert_eq!(sqlstate(&big), "54000");
+    assert_eq!(count("SELECT count(*) FROM outbox.messages"), 0);
+    // Exactly 255 bytes is allowed.
+    let ok = "k".repeat(255);
+    assert_eq!(sqlstate(&format!("SELECT outbox.enqueue('enq', '{{}}', '{ok}')")), "00000");
+}
+
+#[pg_test]
+fn enqueue_dedupes_by_effect_key() {
+    channel("dd");
+    let a = Spi::get_one::<i64>("SELECT outbox.enqueue('dd', '{\"t\": 1}', 'same-key', 'conv-1', now() + interval '1 hour', '{\"X-Trace\": \"t1\"}')")
+        .unwrap()
+        .unwrap();
+    let b = Spi::get_one::<i64>("SELECT outbox.enqueue('dd', '{\"t\": 1}', 'same-key')").unwrap().unwrap();
+    let c = Spi::get_one::<i64>("SELECT outbox.enqueue('dd', '{\"t\": 2}', 'same-key')").unwrap().unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a, c, "a differing payload is never a second message");
+    assert_eq!(count("SELECT count(*) FROM outbox.messages"), 1);
+    let (ordering, headers) = Spi::get_two::<String, String>(
+        "SELECT ordering_key, headers::text FROM outbox.messages WHERE effect_key = 'same-key'",
+    )
+    .unwrap();
+    assert_eq!(ordering.as_deref(), Some("conv-1"));
+    assert_eq!(headers.as_deref(), Some("{\"X-Trace\": \"t1\"}"));
+    assert_eq!(count("SELECT count(*) FROM outbox.messages WHERE next_attempt_at > now() + interval '59 minutes'"), 1);
+    let other = Spi::get_one::<i64>("SELECT outbox.enqueue('dd', '{\"t\": 1}', 'other-key')").unwrap().unwrap();
+    assert_ne!(a, other);
+}
+
+#[pg_test]
+fn status_pause_and_resume() {
+    channel("st");
+    let id = Spi::get_one::<i64>("SELECT outbox.enqueue('st', '{}', 'k-st')").unwrap().unwrap();
+    assert_eq!(Spi::get_one::<String>(&format!("SELECT outbox.status({id})::text")).unwrap().as_deref(), Some("queued"));
+    assert_eq!(Spi::get_one::<String>("SELECT outbox.status(-1)::text").unwrap(), None);
+    assert_eq!(sqlstate("SELECT outbox.pause_channel('st', '')"), "22023");
+    assert_eq!(sqlstate("SELECT outbox.pause_channel('nope', 'maintenance')"), "42704");
+    assert_eq!(sqlstate("SELECT outbox.resume_channel('nope')"), "42704");
+    Spi::run("SELECT outbox.pause_channel('st', 'provider maintenance')").unwrap();
+    // A paused channel keeps queueing.
+    Spi::run("SELECT outbox.enqueue('st', '{}', 'k-st-2')").unwrap();
+    assert_eq!(count("SELECT count(*) FROM outbox.messages WHERE channel = 'st' AND state = 'queued'"), 2);
+    assert_eq!(count("SELECT count(*) FROM outbox.channels WHERE name = 'st' AND paused"), 1);
+    Spi::run("SELECT outbox.resume_channel('st')").unwrap();
+    assert_eq!(count("SELECT count(*) FROM outbox.channels WHERE name = 'st' AND NOT paused"), 1);
+    assert_eq!(
+        count("SELECT count(*) FROM outbox.operator_log WHERE channel = 'st' AND action IN ('pause_channel', 'resume_channel')"),
+        2
+    );
+}
+
+#[pg_test]
+fn views_show_budget_and_no_next_attempt_for_finished_messages() {
+    channel("vw");
+    Spi::run("SELECT outbox.enqueue('vw', '{}', 'k-vw')").unwrap();
+    let (max_attempts, attempts) =
+        Spi::get_two::<i32, i32>("SELECT max_attempts, attempts FROM outbox.messages WHERE effect_key = 'k-vw'").unwrap();
+    assert_eq!((max_attempts, attempts), (Some(8), Some(0)));
+    Spi::run("UPDATE outbox._messages SET state = 'delivered' WHERE effect_key = 'k-vw'").unwrap();
+    assert_eq!(count("SELECT count(*) FROM outbox.messages WHERE effect_key = 'k-vw' AND next_attempt_at IS NULL"), 1);
+}

@@ -1,0 +1,198 @@
+//! Claim: one short transaction moves up to `batch_size` due messages to `sending` under a
+//! lease, counts the attempt and writes its attempt row before anything is sent.
+
+use crate::channels::options::ChannelOptions;
+use pgrx::spi::{SpiClient, SpiResult};
+use std::collections::HashMap;
+
+/// Every channel; a handful of rows, read once per batch.
+const LOAD_CHANNELS: &str = "\
+    SELECT id, name, endpoint, options::text, paused, updated_at::text FROM outbox._channels";
+
+/// Due messages, per unpaused channel up to its free `max_in_flight`, oldest due first; a
+/// message with an ordering key waits while an earlier one with that key is pending.
+/// The ledger lookup at the end is the barrier: such a message is not sent again.
+const CLAIM_DUE: &str = "
+WITH ch AS (
+    SELECT c.id,
+           greatest(0, (c.options ->> 'max_in_flight')::int
+                       - (SELECT count(*) FROM outbox._messages s
+                           WHERE s.channel_id = c.id AND s.state = 'sending'))::int AS room
+      FROM outbox._channels c
+     WHERE NOT c.paused
+), due AS (
+    SELECT d.id
+      FROM ch CROSS JOIN LATERAL (
+           SELECT m.id
+             FROM outbox._messages m
+            WHERE m.channel_id = ch.id
+              AND m.state = 'queued'
+              AND m.next_attempt_at <= now()
+              AND (m.ordering_key IS NULL OR NOT EXISTS (
+                     SELECT 1 FROM outbox._messages e
+                      WHERE e.tenant = m.tenant AND e.ordering_key = m.ordering_key
+                        AND e.id < m.id AND e.state IN ('queued', 'sending', 'uncertain')))
+            ORDER BY m.next_attempt_at, m.id
+            LIMIT least(ch.room, $1)
+              FOR UPDATE OF m SKIP LOCKED) d
+     WHERE ch.room > 0
+     LIMIT $1
+), claimed AS (
+    UPDATE outbox._messages m
+       SET state = 'sending',
+           attempts = m.attempts + 1,
+           lease_until = now() + $2 * interval '1 millisecond',
+           lease_owner = $3,
+           first_attempt_at = coalesce(m.first_attempt_at, now()),
+           updated_at = now()
+      FROM due
+     WHERE m.id = due.id
+ RETURNING m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers, m.attempts,
+           m.created_at, m.first_attempt_at
+), attempt AS (
+    INSERT INTO outbox._attempts (message_id, attempt, kind, effect_key_sent, worker_pid)
+    SELECT c.id, c.attempts, 'send', c.effect_key, $4 FROM claimed c
+    RETURNING id, message_id
+)
+SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.effect_key, c.payload::text, c.headers::text,
+       (extract(epoch FROM c.created_at) * 1000)::int8,
+       (extract(epoch FROM c.first_attempt_at) * 1000)::int8,
+       l.message_id, l.external_id
+  FROM claimed c
+  JOIN attempt a ON a.message_id = c.id
+  LEFT JOIN outbox._ledger l ON l.tenant = c.tenant AND l.effect_key = c.effect_key
+ ORDER BY c.id";
+
+/// When the earliest queued message of an unpaused channel is due (unix ms).
+const NEXT_DUE: &str = "
+SELECT (extract(epoch FROM min(n.next_attempt_at)) * 1000)::int8
+  FROM outbox._channels c
+  CROSS JOIN LATERAL (
+       SELECT m.next_attempt_at FROM outbox._messages m
+        WHERE m.channel_id = c.id AND m.state = 'queued'
+        ORDER BY m.next_attempt_at LIMIT 1) n
+ WHERE NOT c.paused";
+
+/// A channel as the worker sees it; options that fail to parse are kept as the error text
+/// so that its messages fail readably instead of stopping the worker.
+#[derive(Debug, Clone)]
+pub struct Channel {
+    pub name: String,
+    pub endpoint: String,
+    pub version: String,
+    pub options: Result<ChannelOptions, String>,
+}
+
+#[derive(Debug, Default)]
+pub struct Channels {
+    pub by_id: HashMap<i32, Channel>,
+}
+
+impl Channels {
+    pub fn load(client: &SpiClient<'_>) -> SpiResult<Channels> {
+        let mut by_id = HashMap::new();
+        for row in client.select(LOAD_CHANNELS, None, &[])? {
+            let Some(id) = row.get::<i32>(1)? else {
+                continue;
+            };
+            let name = row.get::<String>(2)?.unwrap_or_default();
+            let endpoint = row.get::<String>(3)?.unwrap_or_default();
+            let raw = row.get::<String>(4)?.unwrap_or_default();
+            let version = row.get::<String>(6)?.unwrap_or_default();
+            let options = serde_json::from_str(&raw)
+                .map_err(|e| e.to_string())
+                .and_then(|v| {
+                    ChannelOptions::from_json(&v)
+                        .map_err(|e| format!("option {}: {}", e.option, e.message))
+                })
+                .map_err(|e| format!("channel \"{name}\" has invalid options ({e})"));
+            by_id.insert(
+                id,
+                Channel {
+                    name,
+                    endpoint,
+                    version,
+                    options,
+                },
+            );
+        }
+        Ok(Channels { by_id })
+    }
+
+    /// The longest retry horizon of any channel, in ms: the ledger must outlive it.
+    pub fn longest_retry_horizon_ms(&self) -> u64 {
+        self.by_id
+            .values()
+            .filter_map(|c| c.options.as_ref().ok())
+            .map(ChannelOptions::retry_horizon_ms)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// A claimed message with its open attempt.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub message_id: i64,
+    pub attempt_id: i64,
+    pub attempt: i32,
+    pub tenant: String,
+    pub channel_id: i32,
+    pub effect_key: String,
+    pub payload: String,
+    pub headers: Option<String>,
+    pub created_at_ms: i64,
+    pub first_attempt_at_ms: i64,
+    /// Set when the effect is already in the ledger: (message that recorded it, external id).
+    pub ledger: Option<(i64, Option<String>)>,
+}
+
+pub fn claim_due(
+    client: &mut SpiClient<'_>,
+    batch_size: i32,
+    lease_ms: i64,
+    worker_index: i32,
+    pid: i32,
+) -> SpiResult<Vec<Job>> {
+    let rows = client.update(
+        CLAIM_DUE,
+        None,
+        &[
+            batch_size.into(),
+            (lease_ms as f64).into(),
+            worker_index.into(),
+            pid.into(),
+        ],
+    )?;
+    let mut jobs = Vec::with_capacity(rows.len());
+    for row in rows {
+        let (Some(message_id), Some(attempt_id)) = (row.get::<i64>(1)?, row.get::<i64>(2)?) else {
+            continue;
+        };
+        let ledger_message = row.get::<i64>(11)?;
+        jobs.push(Job {
+            message_id,
+            attempt_id,
+            attempt: row.get::<i32>(3)?.unwrap_or(1),
+            tenant: row.get::<String>(4)?.unwrap_or_default(),
+            channel_id: row.get::<i32>(5)?.unwrap_or_default(),
+            effect_key: row.get::<String>(6)?.unwrap_or_default(),
+            payload: row.get::<String>(7)?.unwrap_or_else(|| "null".into()),
+            headers: row.get::<String>(8)?,
+            created_at_ms: row.get::<i64>(9)?.unwrap_or_default(),
+            first_attempt_at_ms: row.get::<i64>(10)?.unwrap_or_default(),
+            ledger: ledger_message.map(|m| (m, None)),
+        });
+        if let (Some(job), Some(_)) = (jobs.last_mut(), ledger_message) {
+            job.ledger = Some((ledger_message.unwrap_or_default(), row.get::<String>(12)?));
+        }
+    }
+    Ok(jobs)
+}
+
+pub fn next_due_ms(client: &SpiClient<'_>) -> SpiResult<Option<i64>> {
+    client
+        .select(NEXT_DUE, Some(1), &[])?
+        .first()
+        .get_one::<i64>()
+}

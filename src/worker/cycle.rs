@@ -1,0 +1,340 @@
+//! One worker cycle: recover lost leases and claim (one transaction), check the barrier,
+//! send (no transaction open), decide, record (one transaction).
+
+use super::claim::{self, Channel, Channels, Job};
+use super::decide::{self, AttemptContext, Verdict};
+use super::record::{self, Outcomes};
+use super::{recovery, retention, slots};
+use crate::channels::http::{self, Outgoing, Transport};
+use crate::classify::Class;
+use crate::gucs::{self, FaultPoint};
+use crate::outbox::state::State;
+use pgrx::bgworkers::BackgroundWorker;
+use pgrx::prelude::*;
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+/// Lost leases recovered per cycle at most.
+const RECOVER_PER_CYCLE: i64 = 500;
+/// Retention statements per retention run at most.
+const RETENTION_ROUNDS: usize = 20;
+
+pub struct CycleReport {
+    pub claimed: usize,
+    pub next_due_ms: Option<i64>,
+}
+
+/// Random source for jitter: xorshift64*, seeded per worker process.
+struct Jitter(u64);
+
+impl Jitter {
+    fn next(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+pub struct Worker {
+    index: usize,
+    pid: i32,
+    runtime: tokio::runtime::Runtime,
+    transport: Transport,
+    jitter: Jitter,
+    first_cycle: bool,
+    longest_retry_horizon_ms: u64,
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+/// Dies at a fault-injection point, as a crash would: nothing after this point happens, an
+/// open transaction is rolled back, and the postmaster starts a new worker.
+fn crash_if(point: FaultPoint, armed: FaultPoint, jobs: &[Job]) {
+    if point != armed || !jobs.iter().any(|j| j.attempt == 1) {
+        return;
+    }
+    let ids: Vec<i64> = jobs.iter().map(|j| j.message_id).collect();
+    log!(
+        "outbox_delivery: fault injection {}: worker dies with messages {ids:?} in flight",
+        point.as_str()
+    );
+    unsafe { pgrx::pg_sys::proc_exit(1) };
+}
+
+impl Worker {
+    pub fn new(index: usize, pid: i32, runtime: tokio::runtime::Runtime) -> Worker {
+        let seed = (now_ms() as u64) ^ ((pid as u64) << 32) ^ 0x9E37_79B9_7F4A_7C15;
+        Worker {
+            index,
+            pid,
+            runtime,
+            transport: Transport::default(),
+            jitter: Jitter(seed | 1),
+            first_cycle: true,
+            longest_retry_horizon_ms: 0,
+        }
+    }
+
+    pub fn run_once(&mut self) -> CycleReport {
+        let index = self.index;
+        let pid = self.pid;
+        let batch_size = gucs::batch_size();
+        let lease_ms = gucs::lease_ms();
+        let fault = gucs::fault_injection();
+        let include_own_slot = std::mem::replace(&mut self.first_cycle, false);
+        slots::update(index, |s| {
+            s.phase = slots::Phase::Claiming;
+            s.last_loop_at_ms = now_ms();
+        });
+
+        let jitter = &mut self.jitter;
+        let (channels, jobs, next_due_ms) = BackgroundWorker::transaction(AssertUnwindSafe(|| {
+            Spi::connect_mut(|client| -> pgrx::spi::SpiResult<_> {
+                let channels = Channels::load(client)?;
+                let lost = recovery::find_lost_leases(client, include_own_slot, index as i32, RECOVER_PER_CYCLE)?;
+                if !lost.is_empty() {
+                    let mut outcomes = Outcomes::default();
+                    for l in &lost {
+                        let ctx = AttemptContext {
+                            attempt: l.attempt.max(1) as u32,
+                            now_ms: now_ms(),
+                            enqueued_at_ms: l.created_at_ms,
+                            first_attempt_at_ms: l.first_attempt_at_ms,
+                        };
+                        let verdict = match channels.by_id.get(&l.channel_id).map(|c| &c.options) {
+                            Some(Ok(options)) => decide::after_lost_lease(options, ctx, &mut || jitter.next()),
+                            Some(Err(e)) => unusable_channel(Class::Ambiguous, State::Uncertain, e.clone()),
+                            None => unusable_channel(
+                                Class::Ambiguous,
+                                State::Uncertain,
+                                format!("channel {} no longer exists", l.channel_id),
+                            ),
+                        };
+                        outcomes.push(l.message_id, l.attempt_id.unwrap_or(0), l.attempt, verdict);
+                    }
+                    record::record(client, &outcomes)?;
+                    record::record_recovery_rows(client, &outcomes.settled, pid)?;
+                    log!("outbox_delivery worker {index}: recovered {} message(s) whose attempt was interrupted", lost.len());
+                }
+                let jobs = claim::claim_due(client, batch_size as i32, lease_ms, index as i32, pid)?;
+                let next_due = if jobs.len() < batch_size { claim::next_due_ms(client)? } else { None };
+                Ok((channels, jobs, next_due))
+            })
+            .unwrap_or_else(|e| panic!("outbox_delivery worker: claim failed: {e}"))
+        }));
+        self.longest_retry_horizon_ms = channels.longest_retry_horizon_ms();
+        self.transport.retain(|id| channels.by_id.contains_key(&id));
+
+        if jobs.is_empty() {
+            return CycleReport {
+                claimed: 0,
+                next_due_ms,
+            };
+        }
+        slots::update(index, |s| {
+            s.claimed_total += jobs.len() as i64;
+            s.in_flight = jobs.len() as i32;
+            s.phase = slots::Phase::Sending;
+        });
+        crash_if(FaultPoint::CrashAfterClaim, fault, &jobs);
+
+        // The barrier and unusable channels first; everything else is sent.
+        let mut outcomes = Outcomes::default();
+        let mut to_send: Vec<(usize, reqwest::Client, Outgoing)> = Vec::new();
+        for (i, job) in jobs.iter().enumerate() {
+            if let Some((recorded_by_message, external_id)) = &job.ledger {
+                outcomes.push(
+                    job.message_id,
+                    job.attempt_id,
+                    job.attempt,
+                    Verdict {
+                        state: State::Delivered,
+                        next_at_ms: None,
+                        class: None,
+                        http_status: None,
+                        retry_after_ms: None,
+                        external_id: external_id.clone(),
+                        error: None,
+                        outcome: format!("not sent: effect already in the ledger (message {recorded_by_message})"),
+                    },
+                );
+                continue;
+            }
+            let Some(channel) = channels.by_id.get(&job.channel_id) else {
+                outcomes.push(
+                    job.message_id,
+                    job.attempt_id,
+                    job.attempt,
+                    unusable_channel(
+                        Class::Permanent,
+                        State::Failed,
+                        format!("channel {} no longer exists", job.channel_id),
+                    ),
+                );
+                continue;
+            };
+            match self.outgoing(job, channel) {
+                Ok((client, out)) => to_send.push((i, client, out)),
+                Err(error) => outcomes.push(
+                    job.message_id,
+                    job.attempt_id,
+                    job.attempt,
+                    unusable_channel(Class::Permanent, State::Failed, error),
+                ),
+            }
+        }
+
+        let order: Vec<usize> = to_send.iter().map(|(i, _, _)| *i).collect();
+        let transmissions = http::transmit_all(
+            &self.runtime,
+            to_send
+                .into_iter()
+                .map(|(_, client, out)| (client, out))
+                .collect(),
+        );
+        crash_if(FaultPoint::CrashAfterSend, fault, &jobs);
+
+        let now = now_ms();
+        for (i, t) in order.into_iter().zip(transmissions.iter()) {
+            let job = &jobs[i];
+            let Some(Ok(options)) = channels.by_id.get(&job.channel_id).map(|c| &c.options) else {
+                continue;
+            };
+            let ctx = AttemptContext {
+                attempt: job.attempt.max(1) as u32,
+                now_ms: now,
+                enqueued_at_ms: job.created_at_ms,
+                first_attempt_at_ms: job.first_attempt_at_ms,
+            };
+            let verdict = decide::after_transmission(t, options, ctx, &mut || self.jitter.next());
+            if verdict.state != State::Delivered && verdict.state != State::Queued {
+                log!(
+                    "outbox_delivery: message {} on channel \"{}\" is {} after attempt {}: {}",
+                    job.message_id,
+                    channels
+                        .by_id
+                        .get(&job.channel_id)
+                        .map(|c| c.name.as_str())
+                        .unwrap_or("?"),
+                    verdict.state.as_str(),
+                    job.attempt,
+                    verdict.error.as_deref().unwrap_or("")
+                );
+            }
+            outcomes.push(job.message_id, job.attempt_id, job.attempt, verdict);
+        }
+        crash_if(FaultPoint::CrashAfterResponse, fault, &jobs);
+
+        slots::update(index, |s| s.phase = slots::Phase::Recording);
+        let delivered = outcomes.delivered.len() as i64;
+        BackgroundWorker::transaction(AssertUnwindSafe(|| {
+            Spi::connect_mut(|client| record::record(client, &outcomes))
+                .unwrap_or_else(|e| panic!("outbox_delivery worker: record failed: {e}"));
+            crash_if(FaultPoint::CrashBeforeCommit, fault, &jobs);
+        }));
+        debug1!(
+            "outbox_delivery worker {index}: batch of {} recorded ({} delivered, {} other outcomes)",
+            jobs.len(),
+            delivered,
+            outcomes.settled.len()
+        );
+        slots::update(index, |s| {
+            s.delivered_total += delivered;
+            s.in_flight = 0;
+        });
+        CycleReport {
+            claimed: jobs.len(),
+            next_due_ms: None,
+        }
+    }
+
+    /// The request for one job on its channel, or why it cannot be sent.
+    fn outgoing(
+        &mut self,
+        job: &Job,
+        channel: &Channel,
+    ) -> Result<(reqwest::Client, Outgoing), String> {
+        let options = channel.options.as_ref().map_err(Clone::clone)?;
+        let client = self
+            .transport
+            .client(job.channel_id, &channel.version, options)?;
+        let mut headers: Vec<(String, String)> = Vec::new();
+        if let Some(raw) = &job.headers {
+            let parsed: serde_json::Value = serde_json::from_str(raw)
+                .map_err(|e| format!("message headers are not JSON: {e}"))?;
+            for (name, value) in parsed.as_object().into_iter().flatten() {
+                let value = value
+                    .as_str()
+                    .ok_or_else(|| format!("message header \"{name}\" is not a string"))?;
+                headers.push((name.clone(), value.to_string()));
+            }
+        }
+        // Channel headers win over message headers of the same name; the key header wins last.
+        headers.retain(|(n, _)| {
+            !options
+                .headers
+                .iter()
+                .any(|(c, _)| c.eq_ignore_ascii_case(n))
+        });
+        headers.extend(options.headers.iter().cloned());
+        if let Some(key_header) = &options.idempotency_header {
+            headers.retain(|(n, _)| !n.eq_ignore_ascii_case(key_header));
+            headers.push((key_header.clone(), job.effect_key.clone()));
+        }
+        Ok((
+            client,
+            Outgoing {
+                channel_id: job.channel_id,
+                method: options.method.clone(),
+                url: channel.endpoint.clone(),
+                headers,
+                body: job.payload.clone(),
+                timeout: Duration::from_millis(options.timeout_ms),
+                external_id: options.external_id.clone(),
+            },
+        ))
+    }
+
+    /// Runs retention in short transactions.
+    pub fn retention(&mut self) {
+        let retention_s = gucs::retention_s();
+        let ledger_retention_s = gucs::ledger_retention_s();
+        let horizon = self.longest_retry_horizon_ms;
+        for _ in 0..RETENTION_ROUNDS {
+            let (messages, ledger) = BackgroundWorker::transaction(|| {
+                Spi::connect_mut(|client| {
+                    retention::purge(client, retention_s, ledger_retention_s, horizon)
+                })
+                .unwrap_or_else(|e| panic!("outbox_delivery worker: retention failed: {e}"))
+            });
+            if messages > 0 || ledger > 0 {
+                debug1!("outbox_delivery worker {}: retention removed {messages} message(s), {ledger} ledger entries", self.index);
+            }
+            if (messages as i64) < retention::PURGE_BATCH
+                && (ledger as i64) < retention::PURGE_BATCH
+            {
+                break;
+            }
+        }
+    }
+}
+
+/// A verdict for a message whose channel cannot be used (dropped, invalid options).
+fn unusable_channel(class: Class, state: State, error: String) -> Verdict {
+    Verdict {
+        state,
+        next_at_ms: None,
+        class: Some(class),
+        http_status: None,
+        retry_after_ms: None,
+        external_id: None,
+        error: Some(error),
+        outcome: class.as_str().to_string(),
+    }
+}

@@ -1,0 +1,425 @@
+//! What happens to a message after an attempt: pure Rust, no Postgres.
+//!
+//! `classify` says what the answer means; `retry_policy` says when (and whether) to try
+//! again; this module combines them with the channel's capabilities into the next state.
+//! An ambiguous outcome is never blindly resent: it is retried with the same key only where
+//! the provider dedupes by key (inside its key window); otherwise it waits in `uncertain`
+//! for reconcile or an operator.
+
+use crate::channels::http::Transmission;
+use crate::channels::options::ChannelOptions;
+use crate::classify::{classify, Class, SendFacts};
+use crate::outbox::state::State;
+use crate::retry_policy::{decide, parse_retry_after, Decision, FailureFacts};
+
+/// The facts of the message an attempt belonged to.
+#[derive(Debug, Clone, Copy)]
+pub struct AttemptContext {
+    /// Send attempts made so far, this one included.
+    pub attempt: u32,
+    pub now_ms: i64,
+    pub enqueued_at_ms: i64,
+    pub first_attempt_at_ms: i64,
+}
+
+/// The next state of a message, with everything the attempt row records.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verdict {
+    pub state: State,
+    /// For `Queued`: when the next attempt is due.
+    pub next_at_ms: Option<i64>,
+    pub class: Option<Class>,
+    pub http_status: Option<u16>,
+    pub retry_after_ms: Option<u64>,
+    pub external_id: Option<String>,
+    /// Readable account of the attempt: phase, timing, status, and the decision taken.
+    pub error: Option<String>,
+    /// Short outcome for the attempt row: delivered, transient, permanent, ambiguous, ...
+    pub outcome: String,
+}
+
+/// Decides after one transmission.
+pub fn after_transmission(
+    t: &Transmission,
+    options: &ChannelOptions,
+    ctx: AttemptContext,
+    rng: &mut dyn FnMut() -> f64,
+) -> Verdict {
+    match t {
+        Transmission::NotSent { error } => Verdict {
+            state: State::Failed,
+            next_at_ms: None,
+            class: Some(Class::Permanent),
+            http_status: None,
+            retry_after_ms: None,
+            external_id: None,
+            error: Some(format!("not sent: {error}")),
+            outcome: "permanent".into(),
+        },
+        Transmission::Failed {
+            phase,
+            timed_out,
+            error,
+            elapsed_ms,
+        } => {
+            let facts = SendFacts::Failure {
+                phase: *phase,
+                timed_out: *timed_out,
+            };
+            let class = classify(&facts, &options.classify);
+            let what = if *timed_out {
+                format!(
+                    "{}: timed out after {elapsed_ms} ms ({error})",
+                    phase.as_str()
+                )
+            } else {
+                format!("{}: {error} after {elapsed_ms} ms", phase.as_str())
+            };
+            settle(class, None, None, None, what, options, ctx, rng)
+        }
+        Transmission::Answered {
+            status,
+            retry_after,
+            external_id,
+            body_complete,
+            body_error,
+            elapsed_ms,
+        } => {
+            let facts = SendFacts::Response {
+                status: *status,
+                body_complete: *body_complete,
+            };
+            let class = classify(&facts, &options.classify);
+            let mut what = format!("HTTP {status} after {elapsed_ms} ms");
+            if let Some(e) = body_error {
+                what.push_str(&format!("; read: {e}"));
+            }
+            let mut retry_after_ms = None;
+            if let Some(raw) = retry_after {
+                match parse_retry_after(raw, ctx.now_ms) {
+                    Ok(ms) => retry_after_ms = Some(ms),
+                    Err(e) => what.push_str(&format!("; Retry-After ignored: {e}")),
+                }
+            }
+            settle(
+                class,
+                Some(*status),
+                retry_after_ms,
+                external_id.clone(),
+                what,
+                options,
+                ctx,
+                rng,
+            )
+        }
+    }
+}
+
+/// Decides for a `sending` message whose lease expired: the worker stopped while the
+/// attempt was in flight, so the provider may or may not have it.
+pub fn after_lost_lease(
+    options: &ChannelOptions,
+    ctx: AttemptContext,
+    rng: &mut dyn FnMut() -> f64,
+) -> Verdict {
+    let what = format!(
+        "recovery: attempt {} was in flight when its worker stopped (lease expired)",
+        ctx.attempt
+    );
+    let mut v = settle(Class::Ambiguous, None, None, None, what, options, ctx, rng);
+    v.outcome = format!("recovered: {}", v.state.as_str());
+    v
+}
+
+#[allow(clippy::too_many_arguments)]
+fn settle(
+    class: Class,
+    http_status: Option<u16>,
+    retry_after_ms: Option<u64>,
+    external_id: Option<String>,
+    what: String,
+    options: &ChannelOptions,
+    ctx: AttemptContext,
+    rng: &mut dyn FnMut() -> f64,
+) -> Verdict {
+    let mut v = Verdict {
+        state: State::Failed,
+        next_at_ms: None,
+        class: Some(class),
+        http_status,
+        retry_after_ms,
+        external_id,
+        error: Some(what),
+        outcome: class.as_str().to_string(),
+    };
+    let retry = |key_window_ms: Option<u64>, rng: &mut dyn FnMut() -> f64| {
+        decide(
+            &options.retry,
+            &FailureFacts {
+                failures: ctx.attempt.max(1),
+                now_ms: ctx.now_ms,
+                enqueued_at_ms: ctx.enqueued_at_ms,
+                first_attempt_at_ms: ctx.first_attempt_at_ms,
+                retry_after_ms,
+                key_window_ms,
+            },
+            rng,
+        )
+    };
+    let note = |v: &mut Verdict, text: String| {
+        if let Some(e) = v.error.as_mut() {
+            e.push_str("; ");
+            e.push_str(&text);
+        }
+    };
+    match class {
+        Class::Delivered => {
+            v.state = State::Delivered;
+            v.class = None;
+            v.error = None;
+        }
+        Class::Permanent => {
+            v.state = State::Failed;
+            note(&mut v, "permanent: not retried".into());
+        }
+        Class::Transient => match retry(None, rng) {
+            Decision::RetryAt {
+                at_ms,
+                delay_ms,
+                retry_after_honoured,
+            } => {
+                v.state = State::Queued;
+                v.next_at_ms = Some(at_ms);
+                let why = if retry_after_honoured {
+                    " (Retry-After honoured)"
+                } else {
+                    ""
+                };
+                note(&mut v, format!("retry in {delay_ms} ms{why}"));
+            }
+            Decision::Exhausted(e) => {
+                v.state = State::Exhausted;
+                note(&mut v, e.to_string());
+            }
+            Decision::KeyWindowClosed { window_ms } => {
+                v.state = State::Exhausted;
+                note(&mut v, format!("key window of {window_ms} ms closed"));
+            }
+        },
+        Class::Ambiguous => match &options.idempotency_header {
+            Some(_) => match retry(options.idempotency_window_ms, rng) {
+                Decision::RetryAt {
+                    at_ms, delay_ms, ..
+                } => {
+                    v.state = State::Queued;
+                    v.next_at_ms = Some(at_ms);
+                    note(
+                        &mut v,
+                        format!("the provider dedupes by key: same-key retry in {delay_ms} ms"),
+                    );
+                }
+                Decision::Exhausted(e) => {
+                    v.state = State::Uncertain;
+                    note(
+                        &mut v,
+                        format!("{e}; the provider may have it: reconcile or resolve by hand"),
+                    );
+                }
+                Decision::KeyWindowClosed { window_ms } => {
+                    v.state = State::Uncertain;
+                    note(&mut v, format!("the provider's key window ({window_ms} ms) has closed: a resend could duplicate"));
+                }
+            },
+            None if options.reconcile.is_some() => {
+                v.state = State::Uncertain;
+                note(&mut v, "no resend before a read-only reconcile".into());
+            }
+            None => {
+                v.state = State::Uncertain;
+                note(
+                    &mut v,
+                    "the channel neither dedupes by key nor can reconcile: an operator decides"
+                        .into(),
+                );
+            }
+        },
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::classify::Phase;
+    use serde_json::json;
+
+    fn ctx(attempt: u32) -> AttemptContext {
+        AttemptContext {
+            attempt,
+            now_ms: 1_000_000,
+            enqueued_at_ms: 999_000,
+            first_attempt_at_ms: 999_500,
+        }
+    }
+
+    fn answered(status: u16, retry_after: Option<&str>) -> Transmission {
+        Transmission::Answered {
+            status,
+            retry_after: retry_after.map(str::to_string),
+            external_id: Some("ext-1".into()),
+            body_complete: true,
+            body_error: None,
+            elapsed_ms: 3,
+        }
+    }
+
+    fn dropped() -> Transmission {
+        Transmission::Failed {
+            phase: Phase::Wait,
+            timed_out: false,
+            error: "connection reset".into(),
+            elapsed_ms: 4,
+        }
+    }
+
+    fn opts(v: serde_json::Value) -> ChannelOptions {
+        ChannelOptions::from_json(&v).unwrap()
+    }
+
+    fn half() -> impl FnMut() -> f64 {
+        || 0.5
+    }
+
+    #[test]
+    fn delivered_keeps_external_id() {
+        let v = after_transmission(&answered(200, None), &opts(json!({})), ctx(1), &mut half());
+        assert_eq!(v.state, State::Delivered);
+        assert_eq!(v.external_id.as_deref(), Some("ext-1"));
+        assert_eq!(v.error, None);
+    }
+
+    #[test]
+    fn transient_is_requeued_with_backoff() {
+        let v = after_transmission(
+            &answered(503, None),
+            &opts(json!({"retry": {"jitter": "none"}})),
+            ctx(1),
+            &mut half(),
+        );
+        assert_eq!(v.state, State::Queued);
+        assert_eq!(v.next_at_ms, Some(1_000_000 + 1000));
+        assert_eq!(v.class, Some(Class::Transient));
+    }
+
+    #[test]
+    fn retry_after_is_honoured() {
+        let v = after_transmission(
+            &answered(429, Some("2")),
+            &opts(json!({"retry": {"jitter": "none"}})),
+            ctx(1),
+            &mut half(),
+        );
+        assert_eq!(v.state, State::Queued);
+        assert_eq!(v.retry_after_ms, Some(2000));
+        assert!(v.next_at_ms.unwrap() >= 1_002_000);
+    }
+
+    #[test]
+    fn garbage_retry_after_is_recorded_and_ignored() {
+        let v = after_transmission(
+            &answered(429, Some("soon")),
+            &opts(json!({})),
+            ctx(1),
+            &mut half(),
+        );
+        assert_eq!(v.state, State::Queued);
+        assert_eq!(v.retry_after_ms, None);
+        assert!(v.error.unwrap().contains("Retry-After ignored"));
+    }
+
+    #[test]
+    fn permanent_fails_at_once() {
+        let v = after_transmission(&answered(401, None), &opts(json!({})), ctx(1), &mut half());
+        assert_eq!(v.state, State::Failed);
+        assert_eq!(v.class, Some(Class::Permanent));
+    }
+
+    #[test]
+    fn budget_ends_in_exhausted() {
+        let v = after_transmission(
+            &answered(503, None),
+            &opts(json!({"retry": {"max_attempts": 3}})),
+            ctx(3),
+            &mut half(),
+        );
+        assert_eq!(v.state, State::Exhausted);
+        assert!(v.error.unwrap().contains("HTTP 503"));
+    }
+
+    #[test]
+    fn ambiguous_on_a_deduping_channel_is_retried_with_the_key() {
+        let o = opts(json!({"idempotency_header": "Idempotency-Key"}));
+        let v = after_transmission(&dropped(), &o, ctx(1), &mut half());
+        assert_eq!(v.state, State::Queued);
+        assert_eq!(v.class, Some(Class::Ambiguous));
+    }
+
+    #[test]
+    fn ambiguous_past_the_key_window_waits() {
+        let o = opts(
+            json!({"idempotency_header": "Idempotency-Key", "idempotency_window_ms": 100, "retry": {"jitter": "none"}}),
+        );
+        let v = after_transmission(&dropped(), &o, ctx(1), &mut half());
+        assert_eq!(v.state, State::Uncertain);
+    }
+
+    #[test]
+    fn ambiguous_without_dedupe_is_never_resent() {
+        for o in [
+            opts(json!({})),
+            opts(json!({"reconcile": {"url": "http://127.0.0.1:1/m/{effect_key}"}})),
+        ] {
+            let v = after_transmission(&dropped(), &o, ctx(1), &mut half());
+            assert_eq!(v.state, State::Uncertain);
+            assert_eq!(v.next_at_ms, None);
+        }
+    }
+
+    #[test]
+    fn lost_lease_follows_the_ambiguous_path() {
+        let dedupe = opts(json!({"idempotency_header": "Idempotency-Key"}));
+        assert_eq!(
+            after_lost_lease(&dedupe, ctx(1), &mut half()).state,
+            State::Queued
+        );
+        assert_eq!(
+            after_lost_lease(&opts(json!({})), ctx(1), &mut half()).state,
+            State::Uncertain
+        );
+        let spent = opts(json!({"idempotency_header": "K", "retry": {"max_attempts": 1}}));
+        assert_eq!(
+            after_lost_lease(&spent, ctx(1), &mut half()).state,
+            State::Uncertain
+        );
+    }
+
+    #[test]
+    fn connect_refused_is_transient_and_not_sent_is_permanent() {
+        let refused = Transmission::Failed {
+            phase: Phase::Connect,
+            timed_out: false,
+            error: "connection refused".into(),
+            elapsed_ms: 1,
+        };
+        let v = after_transmission(&refused, &opts(json!({})), ctx(1), &mut half());
+        assert_eq!(v.state, State::Queued);
+        assert!(v.error.unwrap().starts_with("connect:"));
+        let bad = Transmission::NotSent {
+            error: "bad header".into(),
+        };
+        assert_eq!(
+            after_transmission(&bad, &opts(json!({})), ctx(1), &mut half()).state,
+            State::Failed
+        );
+    }
+}

@@ -1,0 +1,209 @@
+//! The delivery worker: a background worker in the database named by `outbox.database`
+//! that claims due messages, sends them with no transaction open, and records the outcome
+//! and the ledger entry in one local transaction.
+
+pub mod claim;
+pub mod cycle;
+pub mod decide;
+pub mod record;
+pub mod recovery;
+pub mod retention;
+pub mod runtime;
+pub mod slots;
+
+use crate::gucs;
+use pgrx::bgworkers::{
+    BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags,
+};
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use std::time::{Duration, Instant};
+
+/// How long the postmaster waits before restarting a worker that exited with an error.
+const RESTART_AFTER: Duration = Duration::from_secs(1);
+/// How often a worker that waits for its database or the extension looks again.
+const WAIT_FOR_SETUP: Duration = Duration::from_secs(2);
+/// How often retention runs.
+const RETENTION_EVERY: Duration = Duration::from_secs(10);
+
+/// Registers the workers; only when loaded through shared_preload_libraries.
+pub fn register() {
+    if !unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
+        return;
+    }
+    slots::init_shmem();
+    for index in 0..gucs::workers() {
+        BackgroundWorkerBuilder::new(&format!("outbox_delivery worker {index}"))
+            .set_type("outbox_delivery worker")
+            .set_library("outbox_delivery")
+            .set_function("outbox_delivery_worker_main")
+            .set_argument(Some(pg_sys::Datum::from(index as i64)))
+            .enable_spi_access()
+            .set_start_time(BgWorkerStartTime::RecoveryFinished)
+            .set_restart_time(Some(RESTART_AFTER))
+            .load();
+    }
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn clear_slot(_code: i32, arg: pg_sys::Datum) {
+    let index = arg.value();
+    slots::update(index, |s| {
+        s.pid = 0;
+        s.phase = slots::Phase::Stopped;
+        s.in_flight = 0;
+    });
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+/// Does the named database exist? Asked before connecting, so that a worker whose
+/// database is not created yet waits instead of failing at every restart.
+fn database_exists(name: &str) -> bool {
+    let Ok(cname) = std::ffi::CString::new(name) else {
+        return false;
+    };
+    BackgroundWorker::transaction(|| unsafe {
+        pg_sys::get_database_oid(cname.as_ptr(), true) != pg_sys::InvalidOid
+    })
+}
+
+fn extension_exists() -> bool {
+    BackgroundWorker::transaction(|| unsafe {
+        pg_sys::get_extension_oid(c"outbox_delivery".as_ptr(), true) != pg_sys::InvalidOid
+    })
+}
+
+fn log_settings(index: usize) {
+    log!(
+        "outbox_delivery worker {index} settings: database={} workers={} batch_size={} poll_interval_ms={} lease_ms={} retention={}s ledger_retention={}s fault_injection={}",
+        gucs::database(),
+        gucs::workers(),
+        gucs::batch_size(),
+        gucs::poll_interval().as_millis(),
+        gucs::lease_ms(),
+        gucs::retention_s(),
+        gucs::ledger_retention_s(),
+        gucs::fault_injection().as_str()
+    );
+}
+
+fn reload_config_if_asked(index: usize) {
+    if BackgroundWorker::sighup_received() {
+        unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+        log_settings(index);
+    }
+}
+
+/// Sleeps on the latch; false when the worker must stop.
+fn sleep(timeout: Duration) -> bool {
+    BackgroundWorker::wait_latch(Some(timeout.max(Duration::from_millis(1))))
+}
+
+#[pg_guard]
+#[no_mangle]
+pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
+    let index = arg.value();
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    let pid = unsafe { pg_sys::MyProcPid };
+    slots::update(index, |s| {
+        *s = slots::Slot {
+            pid,
+            phase: slots::Phase::Starting,
+            connecting: s.connecting,
+            ..Default::default()
+        }
+    });
+    unsafe { pg_sys::on_shmem_exit(Some(clear_slot), pg_sys::Datum::from(index)) };
+
+    let database = gucs::database();
+    // A worker that died while connecting (the database does not exist) comes back in
+    // probe mode: bound to no database, it watches pg_database and restarts itself once
+    // the database is there, instead of failing at every restart.
+    let previous_connect_failed = slots::read(index).connecting;
+    if previous_connect_failed {
+        BackgroundWorker::connect_worker_to_spi(None, None);
+        slots::update(index, |s| s.phase = slots::Phase::WaitingForDatabase);
+        log!("outbox_delivery worker {index}: database \"{database}\" does not exist yet; waiting (see outbox.database)");
+        while !database_exists(&database) {
+            if !sleep(WAIT_FOR_SETUP) {
+                stop(index);
+            }
+        }
+        log!("outbox_delivery worker {index}: database \"{database}\" exists now; restarting to connect");
+        slots::update(index, |s| s.connecting = false);
+        unsafe { pg_sys::proc_exit(1) };
+    }
+    slots::update(index, |s| s.connecting = true);
+    BackgroundWorker::connect_worker_to_spi(Some(&database), None);
+    slots::update(index, |s| s.connecting = false);
+
+    let runtime = match runtime::build() {
+        Ok(r) => r,
+        Err(e) => {
+            log!("outbox_delivery worker {index}: could not start its HTTP runtime: {e}");
+            unsafe { pg_sys::proc_exit(1) }
+        }
+    };
+    log_settings(index);
+
+    let mut waited_for_extension = false;
+    while !extension_exists() {
+        if !waited_for_extension {
+            log!("outbox_delivery worker {index}: extension outbox_delivery is not created in \"{database}\" yet; waiting");
+            slots::update(index, |s| s.phase = slots::Phase::WaitingForExtension);
+            waited_for_extension = true;
+        }
+        if !sleep(WAIT_FOR_SETUP) {
+            stop(index);
+        }
+        reload_config_if_asked(index);
+    }
+
+    let mut worker = cycle::Worker::new(index, pid, runtime);
+    let mut last_retention = Instant::now() - RETENTION_EVERY;
+    loop {
+        reload_config_if_asked(index);
+        if BackgroundWorker::sigterm_received() {
+            break;
+        }
+        let report = worker.run_once();
+        if last_retention.elapsed() >= RETENTION_EVERY {
+            worker.retention();
+            last_retention = Instant::now();
+        }
+        if report.claimed >= gucs::batch_size() {
+            // A full batch: more is probably due. Check signals, then go on.
+            if !BackgroundWorker::wait_latch(Some(Duration::from_millis(0)))
+                && BackgroundWorker::sigterm_received()
+            {
+                break;
+            }
+            continue;
+        }
+        let poll = gucs::poll_interval();
+        let timeout = match report.next_due_ms {
+            Some(due) => {
+                Duration::from_millis((due - now_ms()).clamp(1, poll.as_millis() as i64) as u64)
+            }
+            None => poll,
+        };
+        slots::update(index, |s| s.phase = slots::Phase::Idle);
+        if !sleep(timeout) {
+            break;
+        }
+    }
+    stop(index);
+}
+
+/// Stops the worker. The exit code is 1 so that the postmaster restarts a worker that was
+/// terminated on its own (pg_terminate_backend); at server shutdown nothing is restarted.
+fn stop(index: usize) -> ! {
+    log!("outbox_delivery worker {index}: stopping");
+    unsafe { pg_sys::proc_exit(1) }
+}

@@ -1,0 +1,56 @@
+//! Recovery: a `sending` message whose lease ran out (its worker crashed or the server
+//! restarted mid-attempt) is an ambiguous attempt, never a blind resend. At start a worker
+//! also takes back the messages its slot had leased, since their worker is gone.
+
+use pgrx::spi::{SpiClient, SpiResult};
+
+const FIND_LOST_LEASES: &str = "
+SELECT m.id, m.channel_id, m.attempts,
+       (extract(epoch FROM m.created_at) * 1000)::int8,
+       (extract(epoch FROM coalesce(m.first_attempt_at, m.created_at)) * 1000)::int8,
+       (SELECT max(a.id) FROM outbox._attempts a WHERE a.message_id = m.id AND a.kind = 'send')
+  FROM outbox._messages m
+ WHERE m.state = 'sending'
+   AND (m.lease_until < now() OR ($1 AND m.lease_owner = $2))
+ ORDER BY m.id
+ LIMIT $3
+   FOR UPDATE OF m SKIP LOCKED";
+
+/// A message whose attempt was interrupted.
+#[derive(Debug, Clone)]
+pub struct LostLease {
+    pub message_id: i64,
+    pub channel_id: i32,
+    pub attempt: i32,
+    pub created_at_ms: i64,
+    pub first_attempt_at_ms: i64,
+    pub attempt_id: Option<i64>,
+}
+
+pub fn find_lost_leases(
+    client: &mut SpiClient<'_>,
+    include_own_slot: bool,
+    worker_index: i32,
+    limit: i64,
+) -> SpiResult<Vec<LostLease>> {
+    let rows = client.update(
+        FIND_LOST_LEASES,
+        None,
+        &[include_own_slot.into(), worker_index.into(), limit.into()],
+    )?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        let Some(message_id) = row.get::<i64>(1)? else {
+            continue;
+        };
+        out.push(LostLease {
+            message_id,
+            channel_id: row.get::<i32>(2)?.unwrap_or_default(),
+            attempt: row.get::<i32>(3)?.unwrap_or(1),
+            created_at_ms: row.get::<i64>(4)?.unwrap_or_default(),
+            first_attempt_at_ms: row.get::<i64>(5)?.unwrap_or_default(),
+            attempt_id: row.get::<i64>(6)?,
+        });
+    }
+    Ok(out)
+}

@@ -1,0 +1,38 @@
+//! The worker's tokio runtime for HTTP I/O. Its threads block every signal, so SIGTERM and
+//! SIGHUP always reach the worker's main thread, where Postgres' handlers run.
+
+use std::time::Duration;
+
+fn block_all_signals() -> libc::sigset_t {
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut previous: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut previous);
+        previous
+    }
+}
+
+fn restore_signals(previous: &libc::sigset_t) {
+    unsafe {
+        libc::pthread_sigmask(libc::SIG_SETMASK, previous, std::ptr::null_mut());
+    }
+}
+
+/// Builds the runtime while all signals are blocked, so that every thread it spawns, now
+/// or later, inherits a full signal mask.
+pub fn build() -> std::io::Result<tokio::runtime::Runtime> {
+    let previous = block_all_signals();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(2)
+        .thread_name("outbox-http")
+        .thread_keep_alive(Duration::from_secs(600))
+        .on_thread_start(|| {
+            block_all_signals();
+        })
+        .enable_all()
+        .build();
+    restore_signals(&previous);
+    runtime
+}
