@@ -16,6 +16,7 @@ cargo pgrx test pg15 --runas postgres --pgdata /tmp/pgrx-test
 echo "== end-to-end: real cluster, real worker, provider simulator"
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_test}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54816}
+export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
 bash scripts/cluster.sh install
 bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
 bash scripts/cluster.sh start

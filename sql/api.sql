@@ -18,7 +18,7 @@ DECLARE
     v_id         bigint;
     v_existing   record;
     v_tenant     text := 'default';
-    v_max_bytes  integer := pg_catalog.current_setting('outbox.max_payload_bytes', true)::integer;
+    v_max_bytes  integer := coalesce(pg_catalog.current_setting('outbox.max_payload_bytes', true)::integer, 1048576);
     v_bytes      integer;
     v_bad_header text;
 BEGIN

@@ -48,6 +48,12 @@ CREATE TABLE outbox._messages (
     not_before       timestamptz,
     next_attempt_at  timestamptz        NOT NULL DEFAULT now(),
     attempts         integer            NOT NULL DEFAULT 0,
+    -- The retry budget counts attempts after budget_base, and age since budget_started_at
+    -- (NULL: since created_at); an operator's retry of an exhausted or failed message
+    -- starts a fresh budget, keeping the effect key.
+    budget_base      integer            NOT NULL DEFAULT 0,
+    budget_started_at timestamptz,
+    reconcile_attempts integer          NOT NULL DEFAULT 0,
     lease_until      timestamptz,
     lease_owner      integer,
     first_attempt_at timestamptz,
@@ -146,3 +152,32 @@ SELECT pg_catalog.pg_extension_config_dump('outbox._attempts_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._ledger', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._operator_log', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._operator_log_id_seq', '');
+
+-- Per-channel figures the worker keeps as it records outcomes (one upsert per channel per
+-- batch), so that metrics and alerts never count the message table. Totals only grow.
+CREATE TABLE outbox._channel_stats (
+    channel_id            integer     PRIMARY KEY,
+    delivered_total       bigint      NOT NULL DEFAULT 0,
+    attempts_failed_total bigint      NOT NULL DEFAULT 0,
+    exhausted_total       bigint      NOT NULL DEFAULT 0,
+    failed_total          bigint      NOT NULL DEFAULT 0,
+    uncertain_total       bigint      NOT NULL DEFAULT 0,
+    error_streak          integer     NOT NULL DEFAULT 0,
+    error_streak_since    timestamptz,
+    last_success_at       timestamptz,
+    last_failure_at       timestamptz
+) WITH (fillfactor = 50);
+COMMENT ON TABLE outbox._channel_stats IS 'Per-channel counters kept by the worker (private; read outbox.metrics).';
+
+-- Deliveries and failed attempts per channel and minute, for the 5-minute figures; the
+-- worker removes buckets older than a day.
+CREATE TABLE outbox._channel_minutes (
+    channel_id integer     NOT NULL,
+    minute     timestamptz NOT NULL,
+    delivered  bigint      NOT NULL DEFAULT 0,
+    failed     bigint      NOT NULL DEFAULT 0,
+    PRIMARY KEY (channel_id, minute)
+) WITH (fillfactor = 50);
+COMMENT ON TABLE outbox._channel_minutes IS 'Per-minute delivery figures kept by the worker (private).';
+
+SELECT pg_catalog.pg_extension_config_dump('outbox._channel_stats', '');

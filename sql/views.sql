@@ -26,7 +26,10 @@ SELECT m.id,
        m.ordering_key,
        m.attempts,
        (c.options -> 'retry' ->> 'max_attempts')::integer AS max_attempts,
-       CASE WHEN m.state = 'queued' THEN m.next_attempt_at END AS next_attempt_at,
+       -- queued: the next send; uncertain on a channel that can reconcile: the next lookup.
+       CASE WHEN m.state = 'queued'
+              OR (m.state = 'uncertain' AND jsonb_typeof(c.options -> 'reconcile') = 'object')
+            THEN m.next_attempt_at END AS next_attempt_at,
        m.last_error_class,
        m.last_error,
        m.last_http_status,

@@ -51,6 +51,7 @@ static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 24 * 3600);
 static LEDGER_RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(30 * 24 * 3600);
 static ALERT_QUEUE_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 static ALERT_ERROR_STREAK: GucSetting<i32> = GucSetting::<i32>::new(10);
+static ALERT_UNCERTAIN_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 static FAULT_INJECTION: GucSetting<FaultPoint> = GucSetting::<FaultPoint>::new(FaultPoint::None);
 
 pub fn init() {
@@ -146,13 +147,23 @@ fn define_runtime_settings() {
     );
     GucRegistry::define_int_guc(
         c"outbox.alert_queue_age_s",
-        c"Alert when the oldest due queued message is older than this.",
+        c"Alert when the oldest due queued message of a channel has waited longer than this many seconds.",
         c"",
         &ALERT_QUEUE_AGE_S,
         1,
         i32::MAX,
         GucContext::Sighup,
-        GucFlags::UNIT_S,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.alert_uncertain_age_s",
+        c"Alert when an uncertain message on a channel that can reconcile is older than this many seconds.",
+        c"On channels that cannot reconcile every uncertain message is an alert at once.",
+        &ALERT_UNCERTAIN_AGE_S,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::default(),
     );
     GucRegistry::define_int_guc(
         c"outbox.alert_error_streak",

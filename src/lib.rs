@@ -9,6 +9,7 @@ pub mod effect_key;
 pub mod error;
 pub mod gucs;
 pub mod outbox;
+pub mod reconcile;
 pub mod retry_policy;
 pub mod worker;
 
@@ -16,6 +17,16 @@ pub mod worker;
 
 extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 extension_sql_file!("../sql/views.sql", name = "views", requires = ["schema"]);
+extension_sql_file!(
+    "../sql/operator.sql",
+    name = "operator",
+    requires = ["views"]
+);
+extension_sql_file!(
+    "../sql/observability.sql",
+    name = "observability",
+    requires = ["operator", worker_status]
+);
 extension_sql_file!("../sql/api.sql", name = "api", finalize);
 
 #[pg_guard]
@@ -28,6 +39,8 @@ pub extern "C-unwind" fn _PG_init() {
 #[pg_schema]
 mod tests {
     include!("tests/sql_api.rs");
+    include!("tests/operator.rs");
+    include!("tests/observability.rs");
 }
 
 /// Required by `cargo pgrx test`.

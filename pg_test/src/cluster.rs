@@ -173,15 +173,17 @@ impl Cluster {
     /// Sets `outbox.fault_injection` server-wide and waits until the worker has reloaded.
     pub fn set_fault(&self, point: &str) {
         let mut c = self.connect();
+        // ALTER SYSTEM cannot run in a transaction block: one statement per call.
         if point == "none" {
-            c.batch_execute("ALTER SYSTEM RESET outbox.fault_injection; SELECT pg_reload_conf();")
+            c.batch_execute("ALTER SYSTEM RESET outbox.fault_injection")
                 .expect("reset fault");
         } else {
             c.batch_execute(&format!(
-                "ALTER SYSTEM SET outbox.fault_injection = '{point}'; SELECT pg_reload_conf();"
+                "ALTER SYSTEM SET outbox.fault_injection = '{point}'"
             ))
             .expect("set fault");
         }
+        c.batch_execute("SELECT pg_reload_conf()").expect("reload");
         // The worker reloads at its next loop; give it one poll interval.
         std::thread::sleep(Duration::from_millis(700));
     }

@@ -17,7 +17,7 @@ pub enum ExternalIdSource {
 /// A read-only lookup at the provider, used by reconcile.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReconcileConfig {
-    /// URL template; `{effect_key}` and `{external_id}` are replaced (percent-encoded).
+    /// URL template; placeholders are listed in `reconcile::lookup`.
     pub url: String,
     pub method: String,
     /// JSON pointer to a boolean "found" in the answer; without it, any 2xx means found.
@@ -34,6 +34,9 @@ pub struct ChannelOptions {
     pub connect_timeout_ms: u64,
     pub idempotency_header: Option<String>,
     pub idempotency_window_ms: Option<u64>,
+    /// A header that carries the effect key for correlation only (the provider stores it
+    /// and can be asked for it by reconcile, but does not dedupe by it).
+    pub reference_header: Option<String>,
     pub external_id: Option<ExternalIdSource>,
     pub reconcile: Option<ReconcileConfig>,
     pub retry: RetryPolicy,
@@ -65,6 +68,7 @@ const KNOWN_KEYS: &[&str] = &[
     "connect_timeout_ms",
     "idempotency_header",
     "idempotency_window_ms",
+    "reference_header",
     "external_id",
     "reconcile",
     "retry",
@@ -83,6 +87,7 @@ impl Default for ChannelOptions {
             connect_timeout_ms: 3_000,
             idempotency_header: None,
             idempotency_window_ms: None,
+            reference_header: None,
             external_id: None,
             reconcile: None,
             retry: RetryPolicy::default(),
@@ -209,6 +214,16 @@ impl ChannelOptions {
                 "idempotency_window_ms" => {
                     o.idempotency_window_ms = Some(positive_int(key, value, i64::MAX as u64)?)
                 }
+                "reference_header" => {
+                    let h = string(key, value)?;
+                    if !is_http_token(h) {
+                        return Err(OptionError::new(
+                            key,
+                            format!("\"{h}\" is not a valid HTTP header name"),
+                        ));
+                    }
+                    o.reference_header = Some(h.to_string());
+                }
                 "external_id" => {
                     let s = string(key, value)?;
                     o.external_id = Some(if let Some(name) = s.strip_prefix("header:") {
@@ -269,6 +284,7 @@ impl ChannelOptions {
             "connect_timeout_ms": self.connect_timeout_ms,
             "idempotency_header": self.idempotency_header,
             "idempotency_window_ms": self.idempotency_window_ms,
+            "reference_header": self.reference_header,
             "external_id": self.external_id.as_ref().map(|e| match e {
                 ExternalIdSource::Body(p) => p.clone(),
                 ExternalIdSource::Header(h) => format!("header:{h}"),
@@ -357,15 +373,18 @@ fn parse_reconcile(v: &Value) -> Result<ReconcileConfig, OptionError> {
         .get("url")
         .ok_or_else(|| OptionError::new("reconcile.url", "is required"))?;
     let url = string("reconcile.url", url)?.to_string();
-    if !url.contains("{effect_key}") && !url.contains("{external_id}") {
-        return Err(OptionError::new(
-            "reconcile.url",
-            "must contain {effect_key} or {external_id} to name the message it looks up",
-        ));
-    }
-    let probe = url
-        .replace("{effect_key}", "k")
-        .replace("{external_id}", "e");
+    crate::reconcile::lookup::validate_template(&url)
+        .map_err(|m| OptionError::new("reconcile.url", m))?;
+    let probe = crate::reconcile::lookup::fill(
+        &url,
+        &crate::reconcile::lookup::Subject {
+            effect_key: "k".into(),
+            external_id: Some("e".into()),
+            payload: "{}".into(),
+            created_at_s: 0,
+        },
+    )
+    .unwrap_or_else(|_| url.replace(['{', '}'], ""));
     validate_endpoint("reconcile.url", &probe)?;
     let method = match obj.get("method") {
         None | Some(Value::Null) => "GET".to_string(),
@@ -420,6 +439,7 @@ mod tests {
             "headers": {"Authorization": "Bearer x"},
             "idempotency_header": "Idempotency-Key",
             "idempotency_window_ms": 86400000,
+            "reference_header": "X-Client-Reference",
             "external_id": "header:X-Message-Id",
             "reconcile": {"url": "http://127.0.0.1:1/m/{effect_key}", "found": "/found", "external_id": "/id"},
             "retry": {"max_attempts": 3},
@@ -493,12 +513,9 @@ mod tests {
             err(json!({"retry": {"jitter": "some"}})).option,
             "retry.jitter"
         );
-        assert_eq!(
-            err(json!({"classify": {"999": "transient"}}))
-                .option
-                .starts_with("classify"),
-            true
-        );
+        assert!(err(json!({"classify": {"999": "transient"}}))
+            .option
+            .starts_with("classify"));
         assert_eq!(err(json!([])).option, "options");
     }
 

@@ -19,10 +19,8 @@ unsafe extern "C-unwind" fn on_xact_event(
 ) {
     use pg_sys::XactEvent::*;
     match event {
-        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => {
-            if WAKE_PENDING.replace(false) {
-                slots::wake_workers();
-            }
+        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT if WAKE_PENDING.replace(false) => {
+            slots::wake_workers();
         }
         XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT | XACT_EVENT_PREPARE => {
             WAKE_PENDING.set(false);

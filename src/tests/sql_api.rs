@@ -144,8 +144,8 @@ fn enqueue_refuses_bad_input_and_writes_nothing() {
         assert_eq!(sqlstate(&sql), code, "{sql}");
     }
     Spi::run("SET outbox.max_payload_bytes = 100").unwrap();
-    let big = format!("SELECT outbox.enqueue('enq', jsonb_build_object('t', repeat('x', 200)), 'k-big')");
-    assert_eq!(sqlstate(&big), "54000");
+    let big = "SELECT outbox.enqueue('enq', jsonb_build_object('t', repeat('x', 200)), 'k-big')";
+    assert_eq!(sqlstate(big), "54000");
     assert_eq!(count("SELECT count(*) FROM outbox.messages"), 0);
     // Exactly 255 bytes is allowed.
     let ok = "k".repeat(255);

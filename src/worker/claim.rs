@@ -48,16 +48,17 @@ WITH ch AS (
       FROM due
      WHERE m.id = due.id
  RETURNING m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers, m.attempts,
-           m.created_at, m.first_attempt_at
+           coalesce(m.budget_started_at, m.created_at) AS budget_started_at, m.first_attempt_at,
+           m.attempts - m.budget_base AS budget_attempt
 ), attempt AS (
     INSERT INTO outbox._attempts (message_id, attempt, kind, effect_key_sent, worker_pid)
     SELECT c.id, c.attempts, 'send', c.effect_key, $4 FROM claimed c
     RETURNING id, message_id
 )
 SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.effect_key, c.payload::text, c.headers::text,
-       (extract(epoch FROM c.created_at) * 1000)::int8,
+       (extract(epoch FROM c.budget_started_at) * 1000)::int8,
        (extract(epoch FROM c.first_attempt_at) * 1000)::int8,
-       l.message_id, l.external_id
+       l.message_id, l.external_id, c.budget_attempt
   FROM claimed c
   JOIN attempt a ON a.message_id = c.id
   LEFT JOIN outbox._ledger l ON l.tenant = c.tenant AND l.effect_key = c.effect_key
@@ -141,8 +142,11 @@ pub struct Job {
     pub effect_key: String,
     pub payload: String,
     pub headers: Option<String>,
-    pub created_at_ms: i64,
+    /// Start of the current retry budget (enqueue, or an operator's retry).
+    pub budget_started_at_ms: i64,
     pub first_attempt_at_ms: i64,
+    /// Attempts counted against the current budget, this one included.
+    pub budget_attempt: i32,
     /// Set when the effect is already in the ledger: (message that recorded it, external id).
     pub ledger: Option<(i64, Option<String>)>,
 }
@@ -179,8 +183,9 @@ pub fn claim_due(
             effect_key: row.get::<String>(6)?.unwrap_or_default(),
             payload: row.get::<String>(7)?.unwrap_or_else(|| "null".into()),
             headers: row.get::<String>(8)?,
-            created_at_ms: row.get::<i64>(9)?.unwrap_or_default(),
+            budget_started_at_ms: row.get::<i64>(9)?.unwrap_or_default(),
             first_attempt_at_ms: row.get::<i64>(10)?.unwrap_or_default(),
+            budget_attempt: row.get::<i32>(13)?.unwrap_or(1),
             ledger: ledger_message.map(|m| (m, None)),
         });
         if let (Some(job), Some(_)) = (jobs.last_mut(), ledger_message) {
@@ -195,4 +200,66 @@ pub fn next_due_ms(client: &SpiClient<'_>) -> SpiResult<Option<i64>> {
         .select(NEXT_DUE, Some(1), &[])?
         .first()
         .get_one::<i64>()
+}
+
+/// Due `uncertain` messages on channels that can reconcile: their next read-only lookup.
+/// The lookup is leased by pushing `next_attempt_at` past the lease, so that no other worker
+/// looks the same message up meanwhile.
+const CLAIM_LOOKUPS: &str = "
+WITH due AS (
+    SELECT m.id
+      FROM outbox._messages m
+      JOIN outbox._channels c ON c.id = m.channel_id
+     WHERE m.state = 'uncertain'
+       AND jsonb_typeof(c.options -> 'reconcile') = 'object'
+       AND NOT c.paused
+       AND m.next_attempt_at <= now()
+     ORDER BY m.next_attempt_at
+     LIMIT $1
+       FOR UPDATE OF m SKIP LOCKED
+)
+UPDATE outbox._messages m
+   SET next_attempt_at = now() + $2 * interval '1 millisecond'
+  FROM due
+ WHERE m.id = due.id
+RETURNING m.id, m.channel_id, m.effect_key, m.external_id, m.payload::text,
+          extract(epoch FROM m.created_at)::int8, m.reconcile_attempts";
+
+/// A message due for a reconcile lookup.
+#[derive(Debug, Clone)]
+pub struct LookupJob {
+    pub message_id: i64,
+    pub channel_id: i32,
+    pub subject: crate::reconcile::lookup::Subject,
+    pub lookups_so_far: i32,
+}
+
+pub fn claim_lookups(
+    client: &mut SpiClient<'_>,
+    limit: i32,
+    lease_ms: i64,
+) -> SpiResult<Vec<LookupJob>> {
+    let rows = client.update(
+        CLAIM_LOOKUPS,
+        None,
+        &[limit.into(), (lease_ms as f64).into()],
+    )?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        let Some(message_id) = row.get::<i64>(1)? else {
+            continue;
+        };
+        out.push(LookupJob {
+            message_id,
+            channel_id: row.get::<i32>(2)?.unwrap_or_default(),
+            subject: crate::reconcile::lookup::Subject {
+                effect_key: row.get::<String>(3)?.unwrap_or_default(),
+                external_id: row.get::<String>(4)?,
+                payload: row.get::<String>(5)?.unwrap_or_else(|| "null".into()),
+                created_at_s: row.get::<i64>(6)?.unwrap_or_default(),
+            },
+            lookups_so_far: row.get::<i32>(7)?.unwrap_or_default(),
+        });
+    }
+    Ok(out)
 }

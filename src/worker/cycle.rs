@@ -1,21 +1,25 @@
 //! One worker cycle: recover lost leases and claim (one transaction), check the barrier,
 //! send (no transaction open), decide, record (one transaction).
 
-use super::claim::{self, Channel, Channels, Job};
+use super::claim::{self, Channel, Channels, Job, LookupJob};
 use super::decide::{self, AttemptContext, Verdict};
-use super::record::{self, Outcomes};
+use super::record::{self, Outcomes, Tally};
 use super::{recovery, retention, slots};
 use crate::channels::http::{self, Outgoing, Transport};
 use crate::classify::Class;
 use crate::gucs::{self, FaultPoint};
 use crate::outbox::state::State;
+use crate::reconcile::{self, lookup, lookup::Lookup};
 use pgrx::bgworkers::BackgroundWorker;
 use pgrx::prelude::*;
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 /// Lost leases recovered per cycle at most.
 const RECOVER_PER_CYCLE: i64 = 500;
+/// Reconcile lookups per cycle at most.
+const LOOKUPS_PER_CYCLE: i32 = 50;
 /// Retention statements per retention run at most.
 const RETENTION_ROUNDS: usize = 20;
 
@@ -94,17 +98,19 @@ impl Worker {
         });
 
         let jitter = &mut self.jitter;
-        let (channels, jobs, next_due_ms) = BackgroundWorker::transaction(AssertUnwindSafe(|| {
-            Spi::connect_mut(|client| -> pgrx::spi::SpiResult<_> {
+        let (channels, lookups, jobs, next_due_ms) = BackgroundWorker::transaction(
+            AssertUnwindSafe(|| {
+                Spi::connect_mut(|client| -> pgrx::spi::SpiResult<_> {
                 let channels = Channels::load(client)?;
                 let lost = recovery::find_lost_leases(client, include_own_slot, index as i32, RECOVER_PER_CYCLE)?;
                 if !lost.is_empty() {
                     let mut outcomes = Outcomes::default();
+                    let mut tallies: HashMap<i32, Tally> = HashMap::new();
                     for l in &lost {
                         let ctx = AttemptContext {
-                            attempt: l.attempt.max(1) as u32,
+                            attempt: l.budget_attempt.max(1) as u32,
                             now_ms: now_ms(),
-                            enqueued_at_ms: l.created_at_ms,
+                            enqueued_at_ms: l.budget_started_at_ms,
                             first_attempt_at_ms: l.first_attempt_at_ms,
                         };
                         let verdict = match channels.by_id.get(&l.channel_id).map(|c| &c.options) {
@@ -116,21 +122,28 @@ impl Worker {
                                 format!("channel {} no longer exists", l.channel_id),
                             ),
                         };
+                        tallies.entry(l.channel_id).or_default().count(verdict.state, true);
                         outcomes.push(l.message_id, l.attempt_id.unwrap_or(0), l.attempt, verdict);
                     }
                     record::record(client, &outcomes)?;
+                    record::record_stats(client, &tallies)?;
                     record::record_recovery_rows(client, &outcomes.settled, pid)?;
                     log!("outbox_delivery worker {index}: recovered {} message(s) whose attempt was interrupted", lost.len());
                 }
+                let lookups = claim::claim_lookups(client, LOOKUPS_PER_CYCLE, lease_ms)?;
                 let jobs = claim::claim_due(client, batch_size as i32, lease_ms, index as i32, pid)?;
                 let next_due = if jobs.len() < batch_size { claim::next_due_ms(client)? } else { None };
-                Ok((channels, jobs, next_due))
+                Ok((channels, lookups, jobs, next_due))
             })
             .unwrap_or_else(|e| panic!("outbox_delivery worker: claim failed: {e}"))
-        }));
+            }),
+        );
         self.longest_retry_horizon_ms = channels.longest_retry_horizon_ms();
         self.transport.retain(|id| channels.by_id.contains_key(&id));
 
+        if !lookups.is_empty() {
+            self.reconcile(&channels, lookups);
+        }
         if jobs.is_empty() {
             return CycleReport {
                 claimed: 0,
@@ -146,9 +159,14 @@ impl Worker {
 
         // The barrier and unusable channels first; everything else is sent.
         let mut outcomes = Outcomes::default();
+        let mut tallies: HashMap<i32, Tally> = HashMap::new();
         let mut to_send: Vec<(usize, reqwest::Client, Outgoing)> = Vec::new();
         for (i, job) in jobs.iter().enumerate() {
             if let Some((recorded_by_message, external_id)) = &job.ledger {
+                tallies
+                    .entry(job.channel_id)
+                    .or_default()
+                    .count(State::Delivered, false);
                 outcomes.push(
                     job.message_id,
                     job.attempt_id,
@@ -167,6 +185,10 @@ impl Worker {
                 continue;
             }
             let Some(channel) = channels.by_id.get(&job.channel_id) else {
+                tallies
+                    .entry(job.channel_id)
+                    .or_default()
+                    .count(State::Failed, true);
                 outcomes.push(
                     job.message_id,
                     job.attempt_id,
@@ -181,12 +203,18 @@ impl Worker {
             };
             match self.outgoing(job, channel) {
                 Ok((client, out)) => to_send.push((i, client, out)),
-                Err(error) => outcomes.push(
-                    job.message_id,
-                    job.attempt_id,
-                    job.attempt,
-                    unusable_channel(Class::Permanent, State::Failed, error),
-                ),
+                Err(error) => {
+                    tallies
+                        .entry(job.channel_id)
+                        .or_default()
+                        .count(State::Failed, true);
+                    outcomes.push(
+                        job.message_id,
+                        job.attempt_id,
+                        job.attempt,
+                        unusable_channel(Class::Permanent, State::Failed, error),
+                    )
+                }
             }
         }
 
@@ -207,9 +235,9 @@ impl Worker {
                 continue;
             };
             let ctx = AttemptContext {
-                attempt: job.attempt.max(1) as u32,
+                attempt: job.budget_attempt.max(1) as u32,
                 now_ms: now,
-                enqueued_at_ms: job.created_at_ms,
+                enqueued_at_ms: job.budget_started_at_ms,
                 first_attempt_at_ms: job.first_attempt_at_ms,
             };
             let verdict = decide::after_transmission(t, options, ctx, &mut || self.jitter.next());
@@ -227,6 +255,10 @@ impl Worker {
                     verdict.error.as_deref().unwrap_or("")
                 );
             }
+            tallies
+                .entry(job.channel_id)
+                .or_default()
+                .count(verdict.state, true);
             outcomes.push(job.message_id, job.attempt_id, job.attempt, verdict);
         }
         crash_if(FaultPoint::CrashAfterResponse, fault, &jobs);
@@ -234,8 +266,11 @@ impl Worker {
         slots::update(index, |s| s.phase = slots::Phase::Recording);
         let delivered = outcomes.delivered.len() as i64;
         BackgroundWorker::transaction(AssertUnwindSafe(|| {
-            Spi::connect_mut(|client| record::record(client, &outcomes))
-                .unwrap_or_else(|e| panic!("outbox_delivery worker: record failed: {e}"));
+            Spi::connect_mut(|client| {
+                record::record(client, &outcomes)?;
+                record::record_stats(client, &tallies)
+            })
+            .unwrap_or_else(|e| panic!("outbox_delivery worker: record failed: {e}"));
             crash_if(FaultPoint::CrashBeforeCommit, fault, &jobs);
         }));
         debug1!(
@@ -252,6 +287,87 @@ impl Worker {
             claimed: jobs.len(),
             next_due_ms: None,
         }
+    }
+
+    /// Runs due reconcile lookups (read-only) and records what they found.
+    fn reconcile(&mut self, channels: &Channels, lookups: Vec<LookupJob>) {
+        let mut runs = Vec::new();
+        let mut settled = Vec::new();
+        for job in lookups {
+            let Some(channel) = channels.by_id.get(&job.channel_id) else {
+                continue;
+            };
+            let Ok(options) = &channel.options else {
+                continue;
+            };
+            let Some(config) = &options.reconcile else {
+                continue;
+            };
+            let result = match (
+                lookup::fill(&config.url, &job.subject),
+                self.transport
+                    .client(job.channel_id, &channel.version, options),
+            ) {
+                (Ok(url), Ok(client)) => {
+                    runs.push((
+                        job.clone(),
+                        options.clone(),
+                        self.runtime.spawn(lookup::lookup(
+                            client,
+                            options.clone(),
+                            url,
+                            job.subject.clone(),
+                        )),
+                    ));
+                    continue;
+                }
+                (Err(e), _) | (_, Err(e)) => Lookup::Unavailable {
+                    error: e,
+                    http_status: None,
+                },
+            };
+            settled.push((job, options.clone(), result));
+        }
+        for (job, options, handle) in runs {
+            let result = self
+                .runtime
+                .block_on(handle)
+                .unwrap_or_else(|e| Lookup::Unavailable {
+                    error: format!("lookup task ended abnormally: {e}"),
+                    http_status: None,
+                });
+            settled.push((job, options, result));
+        }
+        let pid = self.pid;
+        BackgroundWorker::transaction(AssertUnwindSafe(|| {
+            Spi::connect_mut(|client| -> pgrx::spi::SpiResult<()> {
+                let mut tallies: HashMap<i32, Tally> = HashMap::new();
+                for (job, options, result) in &settled {
+                    let state = reconcile::record_lookup(
+                        client,
+                        job.message_id,
+                        result,
+                        options,
+                        job.lookups_so_far,
+                        pid,
+                    )?;
+                    if state.as_deref() == Some("delivered") {
+                        tallies
+                            .entry(job.channel_id)
+                            .or_default()
+                            .count(State::Delivered, true);
+                    }
+                    log!(
+                        "outbox_delivery: reconcile of message {}: {} (now {})",
+                        job.message_id,
+                        result.as_str(),
+                        state.as_deref().unwrap_or("unchanged")
+                    );
+                }
+                record::record_stats(client, &tallies)
+            })
+            .unwrap_or_else(|e| panic!("outbox_delivery worker: recording lookups failed: {e}"))
+        }));
     }
 
     /// The request for one job on its channel, or why it cannot be sent.
@@ -283,6 +399,10 @@ impl Worker {
                 .any(|(c, _)| c.eq_ignore_ascii_case(n))
         });
         headers.extend(options.headers.iter().cloned());
+        if let Some(reference) = &options.reference_header {
+            headers.retain(|(n, _)| !n.eq_ignore_ascii_case(reference));
+            headers.push((reference.clone(), job.effect_key.clone()));
+        }
         if let Some(key_header) = &options.idempotency_header {
             headers.retain(|(n, _)| !n.eq_ignore_ascii_case(key_header));
             headers.push((key_header.clone(), job.effect_key.clone()));

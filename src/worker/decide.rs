@@ -232,6 +232,10 @@ fn settle(
             },
             None if options.reconcile.is_some() => {
                 v.state = State::Uncertain;
+                v.next_at_ms = Some(
+                    ctx.now_ms
+                        .saturating_add(options.retry.base_ms.min(i64::MAX as u64) as i64),
+                );
                 note(&mut v, "no resend before a read-only reconcile".into());
             }
             None => {
@@ -381,7 +385,8 @@ mod tests {
         ] {
             let v = after_transmission(&dropped(), &o, ctx(1), &mut half());
             assert_eq!(v.state, State::Uncertain);
-            assert_eq!(v.next_at_ms, None);
+            // Only a channel that can reconcile schedules anything: its read-only lookup.
+            assert_eq!(v.next_at_ms.is_some(), o.reconcile.is_some());
         }
     }
 

@@ -177,8 +177,9 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
             worker.retention();
             last_retention = Instant::now();
         }
-        if report.claimed >= gucs::batch_size() {
-            // A full batch: more is probably due. Check signals, then go on.
+        if report.claimed > 0 {
+            // More may be due, and this batch may have scheduled a retry sooner than the
+            // poll interval: the next cycle claims again or learns when the next one is due.
             if !BackgroundWorker::wait_latch(Some(Duration::from_millis(0)))
                 && BackgroundWorker::sigterm_received()
             {

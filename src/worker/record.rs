@@ -237,3 +237,91 @@ pub fn record_recovery_rows(
     )?;
     Ok(())
 }
+
+/// Per-channel counters of one batch, folded into `_channel_stats` and `_channel_minutes`.
+const RECORD_STATS: &str = "
+WITH s AS (
+    SELECT * FROM unnest($1::int4[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $6::int8[])
+        AS s(channel_id, delivered, attempts_failed, exhausted, failed, uncertain)
+), minutes AS (
+    INSERT INTO outbox._channel_minutes AS b (channel_id, minute, delivered, failed)
+    SELECT s.channel_id, date_trunc('minute', now()), s.delivered, s.attempts_failed FROM s
+        ON CONFLICT (channel_id, minute) DO UPDATE
+       SET delivered = b.delivered + excluded.delivered, failed = b.failed + excluded.failed
+)
+INSERT INTO outbox._channel_stats AS cs
+       (channel_id, delivered_total, attempts_failed_total, exhausted_total, failed_total, uncertain_total,
+        error_streak, error_streak_since, last_success_at, last_failure_at)
+SELECT s.channel_id, s.delivered, s.attempts_failed, s.exhausted, s.failed, s.uncertain,
+       CASE WHEN s.delivered > 0 THEN 0 ELSE s.attempts_failed END,
+       CASE WHEN s.delivered = 0 AND s.attempts_failed > 0 THEN now() END,
+       CASE WHEN s.delivered > 0 THEN now() END,
+       CASE WHEN s.attempts_failed > 0 THEN now() END
+  FROM s
+    ON CONFLICT (channel_id) DO UPDATE
+   SET delivered_total = cs.delivered_total + excluded.delivered_total,
+       attempts_failed_total = cs.attempts_failed_total + excluded.attempts_failed_total,
+       exhausted_total = cs.exhausted_total + excluded.exhausted_total,
+       failed_total = cs.failed_total + excluded.failed_total,
+       uncertain_total = cs.uncertain_total + excluded.uncertain_total,
+       error_streak = CASE WHEN excluded.delivered_total > 0 THEN 0
+                           ELSE cs.error_streak + excluded.attempts_failed_total END,
+       error_streak_since = CASE WHEN excluded.delivered_total > 0 THEN NULL
+                                 WHEN cs.error_streak = 0 AND excluded.attempts_failed_total > 0 THEN now()
+                                 ELSE cs.error_streak_since END,
+       last_success_at = coalesce(excluded.last_success_at, cs.last_success_at),
+       last_failure_at = coalesce(excluded.last_failure_at, cs.last_failure_at)";
+
+/// What one batch did on one channel.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tally {
+    pub delivered: i64,
+    pub attempts_failed: i64,
+    pub exhausted: i64,
+    pub failed: i64,
+    pub uncertain: i64,
+}
+
+impl Tally {
+    /// Counts one outcome; `was_attempt` is false for a barrier hit (nothing was sent).
+    pub fn count(&mut self, state: State, was_attempt: bool) {
+        match state {
+            State::Delivered => self.delivered += 1,
+            _ if !was_attempt => {}
+            other => {
+                self.attempts_failed += 1;
+                match other {
+                    State::Exhausted => self.exhausted += 1,
+                    State::Failed => self.failed += 1,
+                    State::Uncertain => self.uncertain += 1,
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+pub fn record_stats(
+    client: &mut SpiClient<'_>,
+    tallies: &std::collections::HashMap<i32, Tally>,
+) -> SpiResult<()> {
+    if tallies.is_empty() {
+        return Ok(());
+    }
+    let mut ids: Vec<i32> = tallies.keys().copied().collect();
+    ids.sort_unstable(); // a fixed order: concurrent workers lock the rows the same way
+    let col = |f: fn(&Tally) -> i64| ids.iter().map(|id| f(&tallies[id])).collect::<Vec<i64>>();
+    client.update(
+        RECORD_STATS,
+        None,
+        &[
+            ids.clone().into(),
+            col(|t| t.delivered).into(),
+            col(|t| t.attempts_failed).into(),
+            col(|t| t.exhausted).into(),
+            col(|t| t.failed).into(),
+            col(|t| t.uncertain).into(),
+        ],
+    )?;
+    Ok(())
+}

@@ -6,9 +6,10 @@ use pgrx::spi::{SpiClient, SpiResult};
 
 const FIND_LOST_LEASES: &str = "
 SELECT m.id, m.channel_id, m.attempts,
-       (extract(epoch FROM m.created_at) * 1000)::int8,
+       (extract(epoch FROM coalesce(m.budget_started_at, m.created_at)) * 1000)::int8,
        (extract(epoch FROM coalesce(m.first_attempt_at, m.created_at)) * 1000)::int8,
-       (SELECT max(a.id) FROM outbox._attempts a WHERE a.message_id = m.id AND a.kind = 'send')
+       (SELECT max(a.id) FROM outbox._attempts a WHERE a.message_id = m.id AND a.kind = 'send'),
+       m.attempts - m.budget_base
   FROM outbox._messages m
  WHERE m.state = 'sending'
    AND (m.lease_until < now() OR ($1 AND m.lease_owner = $2))
@@ -22,9 +23,11 @@ pub struct LostLease {
     pub message_id: i64,
     pub channel_id: i32,
     pub attempt: i32,
-    pub created_at_ms: i64,
+    pub budget_started_at_ms: i64,
     pub first_attempt_at_ms: i64,
     pub attempt_id: Option<i64>,
+    /// Attempts counted against the current budget.
+    pub budget_attempt: i32,
 }
 
 pub fn find_lost_leases(
@@ -47,9 +50,10 @@ pub fn find_lost_leases(
             message_id,
             channel_id: row.get::<i32>(2)?.unwrap_or_default(),
             attempt: row.get::<i32>(3)?.unwrap_or(1),
-            created_at_ms: row.get::<i64>(4)?.unwrap_or_default(),
+            budget_started_at_ms: row.get::<i64>(4)?.unwrap_or_default(),
             first_attempt_at_ms: row.get::<i64>(5)?.unwrap_or_default(),
             attempt_id: row.get::<i64>(6)?,
+            budget_attempt: row.get::<i32>(7)?.unwrap_or(1),
         });
     }
     Ok(out)

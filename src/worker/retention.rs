@@ -29,6 +29,10 @@ DELETE FROM outbox._ledger l
         ORDER BY x.recorded_at
         LIMIT $2))";
 
+/// Per-minute figures older than a day.
+const PURGE_MINUTES: &str =
+    "DELETE FROM outbox._channel_minutes WHERE minute < now() - interval '1 day'";
+
 /// Removes one batch of each; returns (messages, ledger entries) removed.
 pub fn purge(
     client: &mut SpiClient<'_>,
@@ -43,5 +47,6 @@ pub fn purge(
     )?;
     let ledger_s = (ledger_retention_s as f64).max(longest_retry_horizon_ms as f64 / 1000.0);
     let ledger = client.update(PURGE_LEDGER, None, &[ledger_s.into(), PURGE_BATCH.into()])?;
+    client.update(PURGE_MINUTES, None, &[])?;
     Ok((messages.len(), ledger.len()))
 }

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-fn block_all_signals() -> libc::sigset_t {
+pub fn block_all_signals() -> libc::sigset_t {
     unsafe {
         let mut all: libc::sigset_t = std::mem::zeroed();
         let mut previous: libc::sigset_t = std::mem::zeroed();
@@ -13,7 +13,7 @@ fn block_all_signals() -> libc::sigset_t {
     }
 }
 
-fn restore_signals(previous: &libc::sigset_t) {
+pub fn restore_signals(previous: &libc::sigset_t) {
     unsafe {
         libc::pthread_sigmask(libc::SIG_SETMASK, previous, std::ptr::null_mut());
     }

@@ -1,0 +1,1272 @@
+//! End-to-end tests of the delivery worker against the real cluster (`scripts/cluster.sh`,
+//! located by `OUTBOX_BASE` / `OUTBOX_PGPORT`) and the provider simulator.
+//!
+//! Run: `cargo test -p outbox_e2e --release --test worker -- --test-threads=1`.
+//!
+//! Every test uses its own channel names and its own simulator, so messages never cross
+//! between tests; every server-wide setting a test changes is reset by a guard, also when
+//! the test fails.
+
+use outbox_e2e::cluster::{unique, Cluster};
+use outbox_e2e::sim::{Action, Received, Simulator};
+use postgres::{Client, GenericClient, NoTls};
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+/// How long a message may take to reach a state it is expected to reach.
+const SETTLE: Duration = Duration::from_secs(30);
+/// How long a negative check ("nothing more is sent") watches.
+const QUIET: Duration = Duration::from_millis(1500);
+
+// ---------------------------------------------------------------------------------------
+// Helpers (local to this file)
+// ---------------------------------------------------------------------------------------
+
+fn create_channel(c: &mut Client, name: &str, endpoint: &str, options: &str) {
+    c.execute(
+        "SELECT outbox.create_channel($1::text, $2::text, $3::text::jsonb)",
+        &[&name, &endpoint, &options],
+    )
+    .unwrap_or_else(|e| panic!("create_channel({name}, {endpoint}, {options}): {e}"));
+}
+
+fn enqueue_with<C: GenericClient>(
+    c: &mut C,
+    channel: &str,
+    payload: &str,
+    key: &str,
+    ordering_key: Option<&str>,
+    headers: Option<&str>,
+) -> i64 {
+    c.query_one(
+        "SELECT outbox.enqueue($1::text, $2::text::jsonb, $3::text, $4::text, NULL::timestamptz, $5::text::jsonb)",
+        &[&channel, &payload, &key, &ordering_key, &headers],
+    )
+    .unwrap_or_else(|e| panic!("enqueue on {channel} with key {key}: {e}"))
+    .get(0)
+}
+
+fn enqueue<C: GenericClient>(c: &mut C, channel: &str, payload: &str, key: &str) -> i64 {
+    enqueue_with(c, channel, payload, key, None, None)
+}
+
+fn effect_key(c: &mut Client, source: &str, op: &str) -> String {
+    c.query_one(
+        "SELECT outbox.effect_key($1::text, $2::text)",
+        &[&source, &op],
+    )
+    .expect("effect_key")
+    .get(0)
+}
+
+#[derive(Debug, Clone)]
+#[allow(dead_code)]
+struct Msg {
+    id: i64,
+    state: String,
+    attempts: i32,
+    effect_key: String,
+    external_id: Option<String>,
+    last_error_class: Option<String>,
+    last_error: Option<String>,
+    last_http_status: Option<i32>,
+}
+
+fn message(c: &mut Client, id: i64) -> Result<Option<Msg>, postgres::Error> {
+    Ok(c.query_opt(
+        "SELECT state::text, attempts, effect_key, external_id, last_error_class::text, last_error, last_http_status
+           FROM outbox.messages WHERE id = $1",
+        &[&id],
+    )?
+    .map(|r| Msg {
+        id,
+        state: r.get(0),
+        attempts: r.get(1),
+        effect_key: r.get(2),
+        external_id: r.get(3),
+        last_error_class: r.get(4),
+        last_error: r.get(5),
+        last_http_status: r.get(6),
+    }))
+}
+
+#[derive(Debug, Clone)]
+#[allow(dead_code)]
+struct Attempt {
+    attempt: i32,
+    kind: String,
+    outcome: Option<String>,
+    error_class: Option<String>,
+    http_status: Option<i32>,
+    error: Option<String>,
+    external_id: Option<String>,
+    effect_key_sent: Option<String>,
+    worker_pid: Option<i32>,
+    started_at_us: i64,
+}
+
+fn attempts(c: &mut Client, id: i64) -> Vec<Attempt> {
+    c.query(
+        "SELECT attempt, kind, outcome, error_class::text, http_status, error, external_id,
+                effect_key_sent, worker_pid, (extract(epoch FROM started_at) * 1000000)::int8
+           FROM outbox.attempts WHERE message_id = $1 ORDER BY attempt_id",
+        &[&id],
+    )
+    .expect("attempts")
+    .iter()
+    .map(|r| Attempt {
+        attempt: r.get(0),
+        kind: r.get(1),
+        outcome: r.get(2),
+        error_class: r.get(3),
+        http_status: r.get(4),
+        error: r.get(5),
+        external_id: r.get(6),
+        effect_key_sent: r.get(7),
+        worker_pid: r.get(8),
+        started_at_us: r.get(9),
+    })
+    .collect()
+}
+
+/// Polls `f` with a connection that survives server restarts (reconnects after an error)
+/// until it returns `Some`, or `timeout` passes.
+fn poll<T>(
+    cluster: &Cluster,
+    timeout: Duration,
+    mut f: impl FnMut(&mut Client) -> Result<Option<T>, postgres::Error>,
+) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    let mut client: Option<Client> = None;
+    loop {
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = Client::connect(&cluster.conninfo(), NoTls).ok();
+        }
+        if let Some(c) = client.as_mut() {
+            match f(c) {
+                Ok(Some(v)) => return Some(v),
+                Ok(None) => {}
+                Err(_) => client = None,
+            }
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits until message `id` satisfies `pred`; panics with the last state seen.
+fn wait_msg(
+    cluster: &Cluster,
+    id: i64,
+    timeout: Duration,
+    what: &str,
+    pred: impl Fn(&Msg) -> bool,
+) -> Msg {
+    let mut last = None;
+    let found = poll(cluster, timeout, |c| {
+        let m = message(c, id)?;
+        last.clone_from(&m);
+        Ok(m.filter(|m| pred(m)))
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "message {id} did not become {what} within {timeout:?}; last seen: {last:?}; see {}",
+            cluster.log_path().display()
+        )
+    })
+}
+
+fn wait_state(cluster: &Cluster, id: i64, state: &str) -> Msg {
+    wait_msg(cluster, id, SETTLE, state, |m| m.state == state)
+}
+
+/// Waits until both delivery workers run; returns their PIDs.
+fn wait_for_two_workers(cluster: &Cluster) -> Vec<i32> {
+    poll(cluster, Duration::from_secs(60), |c| {
+        let pids = cluster.worker_pids(c);
+        let ready: i64 = c
+            .query_one(
+                "SELECT count(*) FROM outbox.worker_status() WHERE pid IS NOT NULL AND state NOT IN ('starting', 'stopped')",
+                &[],
+            )?
+            .get(0);
+        Ok((pids.len() == 2 && ready == 2).then_some(pids))
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "two delivery workers did not come up within 60 s; see {}",
+            cluster.log_path().display()
+        )
+    })
+}
+
+/// Resets a server-wide setting (ALTER SYSTEM RESET + reload) when dropped, so that a
+/// failing test does not leave the shared cluster changed. Errors are ignored on purpose:
+/// it may run while a panic unwinds.
+struct SettingGuard<'a> {
+    cluster: &'a Cluster,
+    name: &'static str,
+}
+
+impl<'a> SettingGuard<'a> {
+    fn new(cluster: &'a Cluster, name: &'static str) -> Self {
+        SettingGuard { cluster, name }
+    }
+}
+
+/// ALTER SYSTEM RESET + reload. Two separate statements: ALTER SYSTEM refuses to run in
+/// the implicit transaction block of a multi-statement simple query.
+fn reset_setting(cluster: &Cluster, name: &str) -> Result<(), postgres::Error> {
+    let mut c = Client::connect(&cluster.conninfo(), NoTls)?;
+    c.batch_execute(&format!("ALTER SYSTEM RESET {name}"))?;
+    c.batch_execute("SELECT pg_reload_conf()")
+}
+
+impl Drop for SettingGuard<'_> {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if reset_setting(self.cluster, self.name).is_ok() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        // The workers reload at their next loop.
+        std::thread::sleep(Duration::from_millis(700));
+    }
+}
+
+/// Sets a sighup setting server-wide and reloads (separate statements, see
+/// [`reset_setting`]).
+fn set_setting(c: &mut Client, name: &str, value: &str) {
+    c.batch_execute(&format!("ALTER SYSTEM SET {name} = '{value}'"))
+        .unwrap_or_else(|e| panic!("ALTER SYSTEM SET {name} = {value}: {e:?}"));
+    c.batch_execute("SELECT pg_reload_conf()")
+        .unwrap_or_else(|e| panic!("pg_reload_conf(): {e:?}"));
+}
+
+/// Arms `outbox.fault_injection` and waits until the workers have reloaded (what
+/// `Cluster::set_fault` does, kept here so this file's reset guard and setter share one
+/// code path).
+fn set_fault(cluster: &Cluster, point: &str) {
+    set_setting(&mut cluster.connect(), "outbox.fault_injection", point);
+    std::thread::sleep(Duration::from_millis(700));
+}
+
+fn body_json(r: &Received) -> serde_json::Value {
+    serde_json::from_slice(&r.body)
+        .unwrap_or_else(|e| panic!("body of request {} is not JSON ({e})", r.seq))
+}
+
+fn header<'r>(r: &'r Received, name: &str) -> Option<&'r str> {
+    r.headers
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.as_str())
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. Commit → delivered
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn commit_is_delivered_with_ledger_attempt_and_headers() {
+    let cluster = Cluster::from_env();
+    cluster.wait_for_worker();
+    let sim = Simulator::start();
+    let ch = unique("w_deliver");
+    let mut c = cluster.connect();
+    create_channel(
+        &mut c,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"idempotency_header": "Idempotency-Key", "external_id": "/id",
+            "headers": {"Authorization": "Bearer t0ken-1", "X-Static": "static-1"}}"#,
+    );
+    let key = effect_key(&mut c, &unique("turn"), "send_reply");
+    let payload = r#"{"to": "user-7", "text": "Your order shipped", "n": [1, 2, 3]}"#;
+    let id = {
+        let mut tx = c.transaction().unwrap();
+        let id = enqueue_with(
+            &mut tx,
+            &ch,
+            payload,
+            &key,
+            None,
+            Some(r#"{"X-Request-Id": "req-42", "X-Tenant-Hint": "acme"}"#),
+        );
+        tx.commit().unwrap();
+        id
+    };
+
+    let m = wait_state(&cluster, id, "delivered");
+    assert!(sim.wait_for_stored(&ch, 1, Duration::from_secs(5)));
+    let stored = sim.stored(&ch);
+    assert_eq!(stored.len(), 1, "the provider stored exactly one message");
+    assert_eq!(sim.send_count(&ch), 1, "exactly one request was sent");
+    let ext = stored[0].external_id.clone();
+    assert_eq!(m.external_id.as_deref(), Some(ext.as_str()));
+    assert_eq!(m.effect_key, key);
+    assert_eq!(m.attempts, 1);
+    assert_eq!(m.last_http_status, Some(200));
+
+    // The ledger: one entry, recorded by the worker, with the provider's id.
+    let ledger = c
+        .query(
+            "SELECT message_id, external_id, recorded_by FROM outbox.ledger WHERE effect_key = $1",
+            &[&key],
+        )
+        .unwrap();
+    assert_eq!(ledger.len(), 1, "one ledger entry for the effect");
+    assert_eq!(ledger[0].get::<_, i64>(0), id);
+    assert_eq!(
+        ledger[0].get::<_, Option<String>>(1).as_deref(),
+        Some(ext.as_str())
+    );
+    assert_eq!(ledger[0].get::<_, String>(2), "worker");
+
+    // One attempt row: a send, delivered, HTTP 200, with the key and the external id.
+    let a = attempts(&mut c, id);
+    assert_eq!(a.len(), 1, "one attempt row: {a:?}");
+    assert_eq!(a[0].kind, "send");
+    assert_eq!(a[0].attempt, 1);
+    assert_eq!(a[0].outcome.as_deref(), Some("delivered"));
+    assert_eq!(a[0].http_status, Some(200));
+    assert_eq!(a[0].error_class, None);
+    assert_eq!(a[0].external_id.as_deref(), Some(ext.as_str()));
+    assert_eq!(a[0].effect_key_sent.as_deref(), Some(key.as_str()));
+    let pids = cluster.worker_pids(&mut c);
+    assert!(
+        a[0].worker_pid.is_some_and(|p| pids.contains(&p)),
+        "attempt made by a running worker: {:?} not in {pids:?}",
+        a[0].worker_pid
+    );
+
+    // What the provider received.
+    let sends = sim.sends(&ch);
+    assert_eq!(sends.len(), 1);
+    let r = &sends[0];
+    assert_eq!(r.method, "POST");
+    assert_eq!(r.status, Some(200));
+    assert_eq!(header(r, "Idempotency-Key"), Some(key.as_str()));
+    assert_eq!(r.key.as_deref(), Some(key.as_str()));
+    assert_eq!(
+        body_json(r),
+        serde_json::from_str::<serde_json::Value>(payload).unwrap(),
+        "the body is the payload"
+    );
+    assert_eq!(header(r, "Authorization"), Some("Bearer t0ken-1"));
+    assert_eq!(header(r, "X-Static"), Some("static-1"));
+    assert_eq!(header(r, "X-Request-Id"), Some("req-42"));
+    assert_eq!(header(r, "X-Tenant-Hint"), Some("acme"));
+    assert_eq!(header(r, "Content-Type"), Some("application/json"));
+    assert_eq!(sim.header_values(&ch, "Idempotency-Key"), vec![key.clone()]);
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. Re-enqueue of a delivered key; the ledger barrier after retention-like deletion
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn reenqueue_returns_same_id_and_ledger_blocks_resend_after_row_deleted() {
+    let cluster = Cluster::from_env();
+    cluster.wait_for_worker();
+    let sim = Simulator::start();
+    let ch = unique("w_ledger");
+    let mut c = cluster.connect();
+    create_channel(
+        &mut c,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"idempotency_header": "Idempotency-Key", "external_id": "/id"}"#,
+    );
+    let key = effect_key(&mut c, &unique("turn"), "send_reply");
+    let payload = r#"{"text": "once"}"#;
+    let id = enqueue(&mut c, &ch, payload, &key);
+    wait_state(&cluster, id, "delivered");
+    assert_eq!(sim.send_count(&ch), 1);
+    let ext = sim.stored(&ch)[0].external_id.clone();
+
+    // The same effect again: the same message, nothing new.
+    let again = enqueue(&mut c, &ch, payload, &key);
+    assert_eq!(again, id, "re-enqueue of a delivered effect returns its id");
+    let n: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.messages WHERE effect_key = $1",
+            &[&key],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1, "still one message for the key");
+    std::thread::sleep(QUIET);
+    assert_eq!(sim.send_count(&ch), 1, "no second request");
+    assert_eq!(attempts(&mut c, id).len(), 1, "no second attempt");
+
+    // Simulate retention: the message and its attempts are gone, the ledger stays.
+    c.execute("DELETE FROM outbox._attempts WHERE message_id = $1", &[&id])
+        .unwrap();
+    let deleted = c
+        .execute("DELETE FROM outbox._messages WHERE id = $1", &[&id])
+        .unwrap();
+    assert_eq!(deleted, 1);
+    assert_eq!(
+        cluster_status(&mut c, id).as_deref(),
+        Some("delivered"),
+        "status() of a removed message whose effect is in the ledger"
+    );
+
+    let new_id = enqueue(&mut c, &ch, payload, &key);
+    assert_ne!(new_id, id, "the removed message is not found: a new row");
+    let m = wait_state(&cluster, new_id, "delivered");
+    std::thread::sleep(QUIET);
+    assert_eq!(
+        sim.send_count(&ch),
+        1,
+        "the barrier: an effect in the ledger is never sent again"
+    );
+    assert_eq!(sim.stored(&ch).len(), 1);
+    assert_eq!(
+        m.external_id.as_deref(),
+        Some(ext.as_str()),
+        "the new row carries the recorded external id"
+    );
+    let a = attempts(&mut c, new_id);
+    assert_eq!(a.len(), 1, "{a:?}");
+    assert_eq!(a[0].kind, "send");
+    assert_eq!(a[0].http_status, None, "nothing was sent: no HTTP status");
+    let outcome = a[0].outcome.clone().unwrap_or_default();
+    assert!(
+        outcome.contains("not sent") && outcome.contains("ledger"),
+        "the attempt says it was not sent because of the ledger: {outcome:?}"
+    );
+    // The ledger still names the first message, once.
+    let ledger = c
+        .query(
+            "SELECT message_id, external_id FROM outbox.ledger WHERE effect_key = $1",
+            &[&key],
+        )
+        .unwrap();
+    assert_eq!(ledger.len(), 1);
+    assert_eq!(ledger[0].get::<_, i64>(0), id);
+    assert_eq!(
+        ledger[0].get::<_, Option<String>>(1).as_deref(),
+        Some(ext.as_str())
+    );
+}
+
+fn cluster_status(c: &mut Client, id: i64) -> Option<String> {
+    c.query_one("SELECT outbox.status($1)::text", &[&id])
+        .unwrap()
+        .get(0)
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. Ordering key while the first message keeps failing
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn ordering_key_waits_for_a_failing_first_message() {
+    let cluster = Cluster::from_env();
+    cluster.wait_for_worker();
+    let sim = Simulator::start();
+    let ch = unique("w_order");
+    sim.set_plan(&ch, vec![Action::Status(503), Action::Status(503)]);
+    let mut c = cluster.connect();
+    create_channel(
+        &mut c,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"idempotency_header": "Idempotency-Key",
+            "retry": {"base_ms": 200, "max_ms": 400, "jitter": "none", "max_attempts": 4}}"#,
+    );
+    let okey = unique("conversation");
+    let keys: Vec<String> = (0..3).map(|i| unique(&format!("ord{i}"))).collect();
+    let ids: Vec<i64> = {
+        let mut tx = c.transaction().unwrap();
+        let ids = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                enqueue_with(
+                    &mut tx,
+                    &ch,
+                    &format!(r#"{{"seq": {i}}}"#),
+                    k,
+                    Some(&okey),
+                    None,
+                )
+            })
+            .collect();
+        tx.commit().unwrap();
+        ids
+    };
+    assert!(ids.windows(2).all(|w| w[0] < w[1]));
+
+    // While the first one is still failing, the others have not been tried.
+    assert!(
+        sim.wait_for_sends(&ch, 1, SETTLE),
+        "first attempt never came"
+    );
+    let waiting: Vec<i32> = ids[1..]
+        .iter()
+        .map(|id| message(&mut c, *id).unwrap().unwrap().attempts)
+        .collect();
+    if sim.send_count(&ch) < 3 {
+        assert_eq!(
+            waiting,
+            vec![0, 0],
+            "later messages of the ordering key were claimed while the first was failing"
+        );
+    }
+
+    for id in &ids {
+        wait_state(&cluster, *id, "delivered");
+    }
+    let m1 = message(&mut c, ids[0]).unwrap().unwrap();
+    assert_eq!(m1.attempts, 3, "503, 503, then accepted");
+
+    let stored: Vec<Option<String>> = sim.stored(&ch).into_iter().map(|s| s.key).collect();
+    assert_eq!(
+        stored,
+        keys.iter().cloned().map(Some).collect::<Vec<_>>(),
+        "the provider stored them in enqueue order"
+    );
+    let sends = sim.sends(&ch);
+    let summary: Vec<(Option<String>, String)> = sends
+        .iter()
+        .map(|r| (r.key.clone(), r.outcome.clone()))
+        .collect();
+    assert_eq!(
+        sends.len(),
+        5,
+        "3 sends of the first, 1 of each other: {summary:?}"
+    );
+    let first_accepted = sends
+        .iter()
+        .find(|r| r.key.as_deref() == Some(keys[0].as_str()) && r.status == Some(200))
+        .expect("first message accepted")
+        .seq;
+    let first_key_sends: Vec<&str> = sends
+        .iter()
+        .filter(|r| r.key.as_deref() == Some(keys[0].as_str()))
+        .map(|r| r.outcome.as_str())
+        .collect();
+    assert_eq!(
+        first_key_sends,
+        vec!["status:503", "status:503", "accepted"]
+    );
+    for (i, k) in keys.iter().enumerate().skip(1) {
+        let seqs: Vec<u64> = sends
+            .iter()
+            .filter(|r| r.key.as_deref() == Some(k.as_str()))
+            .map(|r| r.seq)
+            .collect();
+        assert_eq!(seqs.len(), 1, "message {i} sent once: {summary:?}");
+        assert!(
+            seqs[0] > first_accepted,
+            "message {i} was requested (seq {}) before the first was delivered (seq {first_accepted}): {summary:?}",
+            seqs[0]
+        );
+    }
+    // The third waited for the second too.
+    let seq_of = |k: &str| {
+        sends
+            .iter()
+            .find(|r| r.key.as_deref() == Some(k))
+            .map(|r| r.seq)
+            .unwrap()
+    };
+    assert!(seq_of(&keys[2]) > seq_of(&keys[1]));
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. kill -9 of a worker mid-batch on a deduping channel
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn kill_9_mid_batch_on_deduping_channel_stores_each_effect_once() {
+    let cluster = Cluster::from_env();
+    let pids_before = wait_for_two_workers(&cluster);
+    let sim = Simulator::start();
+    let ch = unique("w_kill");
+    sim.set_dedupe(&ch, "Idempotency-Key");
+    sim.set_default(&ch, Action::Hang { store: true });
+    let mut c = cluster.connect();
+    create_channel(
+        &mut c,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"idempotency_header": "Idempotency-Key", "external_id": "/id",
+            "retry": {"base_ms": 200, "max_ms": 1000, "jitter": "none"}}"#,
+    );
+    let keys: Vec<String> = (0..5).map(|i| unique(&format!("k9_{i}"))).collect();
+    let ids: Vec<i64> = {
+        let mut tx = c.transaction().unwrap();
+        let ids = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| enqueue(&mut tx, &ch, &format!(r#"{{"n": {i}}}"#), k))
+            .collect();
+        tx.commit().unwrap();
+        ids
+    };
+    assert!(
+        sim.wait_for_stored(&ch, 5, SETTLE),
+        "the provider did not get the batch: {} stored",
+        sim.stored(&ch).len()
+    );
+    let states: Vec<String> = ids
+        .iter()
+        .map(|id| message(&mut c, *id).unwrap().unwrap().state)
+        .collect();
+    assert!(
+        states.iter().all(|s| s == "sending"),
+        "all in flight: {states:?}"
+    );
+    let in_flight_pids: Vec<i32> = c
+        .query(
+            "SELECT DISTINCT worker_pid FROM outbox.attempts WHERE message_id = ANY($1) AND kind = 'send'",
+            &[&ids],
+        )
+        .unwrap()
+        .iter()
+        .filter_map(|r| r.get::<_, Option<i32>>(0))
+        .collect();
+    let victim = *in_flight_pids.first().expect("a worker has them in flight");
+    assert!(
+        pids_before.contains(&victim),
+        "{victim} is a worker: {pids_before:?}"
+    );
+    drop(c);
+
+    cluster.kill_worker(victim);
+    sim.set_default(&ch, Action::Accept);
+
+    // The postmaster crash-restarts the server and starts new workers.
+    let pids_after = poll(&cluster, Duration::from_secs(60), |c| {
+        let p = cluster.worker_pids(c);
+        Ok((p.len() == 2 && p.iter().all(|p| !pids_before.contains(p))).then_some(p))
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "the workers were not restarted after kill -9 of {victim}; see {}",
+            cluster.log_path().display()
+        )
+    });
+    assert!(!pids_after.contains(&victim));
+
+    for id in &ids {
+        wait_msg(&cluster, *id, Duration::from_secs(60), "delivered", |m| {
+            m.state == "delivered"
+        });
+    }
+
+    // The provider stored each effect exactly once.
+    let stored = sim.stored(&ch);
+    let stored_keys: Vec<String> = stored.iter().filter_map(|s| s.key.clone()).collect();
+    assert_eq!(stored.len(), 5, "stored: {stored_keys:?}");
+    assert_eq!(
+        stored_keys.iter().collect::<HashSet<_>>(),
+        keys.iter().collect::<HashSet<_>>(),
+        "each effect key stored exactly once"
+    );
+    let mut per_key: HashMap<String, Vec<String>> = HashMap::new();
+    for r in sim.sends(&ch) {
+        per_key
+            .entry(r.key.clone().expect("every send carries the key"))
+            .or_default()
+            .push(r.outcome.clone());
+    }
+    for k in &keys {
+        assert_eq!(
+            per_key.get(k).map(Vec::as_slice),
+            Some(&["hang".to_string(), "deduped".to_string()][..]),
+            "key {k}: one hung send, then one same-key resend answered from the dedupe store"
+        );
+    }
+
+    let mut c = cluster.connect();
+    for (id, key) in ids.iter().zip(&keys) {
+        let m = message(&mut c, *id).unwrap().unwrap();
+        let ext = stored
+            .iter()
+            .find(|s| s.key.as_deref() == Some(key.as_str()))
+            .map(|s| s.external_id.clone());
+        assert_eq!(m.external_id, ext, "message {id} has the provider's id");
+        let a = attempts(&mut c, *id);
+        assert!(
+            a.iter()
+                .all(|a| a.effect_key_sent.as_deref() == Some(key.as_str())),
+            "message {id}: the same key on every attempt: {a:?}"
+        );
+        assert_eq!(
+            a.iter().filter(|a| a.kind == "send").count(),
+            2,
+            "message {id}: two send attempts: {a:?}"
+        );
+        assert!(
+            a.iter().any(|a| a.kind == "recovery"),
+            "message {id}: a recovery decision: {a:?}"
+        );
+        let ledger: i64 = c
+            .query_one(
+                "SELECT count(*) FROM outbox.ledger WHERE effect_key = $1 AND message_id = $2",
+                &[key, id],
+            )
+            .unwrap()
+            .get(0);
+        assert_eq!(ledger, 1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. Fault injection points
+// ---------------------------------------------------------------------------------------
+
+/// Enqueues one message with `point` armed and waits until the crash and its recovery
+/// have happened (the fault is reset then); returns (simulator, channel, message id, the
+/// server log written meanwhile) for the checks.
+fn run_fault(point: &str, dedupe: bool) -> (Simulator, String, i64, String) {
+    let cluster = Cluster::from_env();
+    wait_for_two_workers(&cluster);
+    let sim = Simulator::start();
+    let ch = unique(&format!("w_{point}"));
+    let mut c = cluster.connect();
+    let options = if dedupe {
+        sim.set_dedupe(&ch, "Idempotency-Key");
+        r#"{"idempotency_header": "Idempotency-Key", "external_id": "/id",
+            "retry": {"base_ms": 200, "max_ms": 1000, "jitter": "none"}}"#
+    } else {
+        r#"{"external_id": "/id", "retry": {"base_ms": 200, "max_ms": 1000, "jitter": "none"}}"#
+    };
+    create_channel(&mut c, &ch, &sim.send_url(&ch), options);
+
+    let guard = SettingGuard::new(&cluster, "outbox.fault_injection");
+    let mark = cluster.log_mark();
+    set_fault(&cluster, point);
+    let id = enqueue(&mut c, &ch, r#"{"text": "fault"}"#, &unique("fault"));
+    drop(c);
+    // Claimed (attempt 1), the worker died, and the restarted worker recovered it.
+    wait_msg(&cluster, id, SETTLE, "recovered (not sending)", |m| {
+        m.attempts >= 1 && m.state != "sending"
+    });
+    drop(guard);
+
+    let log = cluster.log_since(mark);
+    // "... fault injection POINT: worker dies with messages [ID, ...] in flight" (the log
+    // line prefix holds "[pid]" too: read the last bracket).
+    let needle = format!("fault injection {point}:");
+    let in_flight = |l: &str| -> Vec<i64> {
+        l.rsplit_once('[')
+            .and_then(|(_, rest)| rest.split_once(']'))
+            .map(|(list, _)| {
+                list.split(',')
+                    .filter_map(|x| x.trim().parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let fired = log
+        .lines()
+        .any(|l| l.contains(&needle) && in_flight(l).contains(&id));
+    assert!(
+        fired,
+        "the fault {point} did not fire with message {id} in flight; log:\n{log}"
+    );
+    assert!(
+        log.contains("whose attempt was interrupted"),
+        "a worker recovered the interrupted attempt; log:\n{log}"
+    );
+    (sim, ch, id, log)
+}
+
+fn assert_recovered_and_delivered_once(point: &str, expected_sends: usize) {
+    let cluster = Cluster::from_env();
+    let (sim, ch, id, _log) = run_fault(point, true);
+    let m = wait_state(&cluster, id, "delivered");
+    let stored = sim.stored(&ch);
+    assert_eq!(stored.len(), 1, "{point}: stored exactly once");
+    assert_eq!(
+        m.external_id.as_deref(),
+        Some(stored[0].external_id.as_str())
+    );
+    assert_eq!(stored[0].key.as_deref(), Some(m.effect_key.as_str()));
+    let outcomes: Vec<String> = sim.sends(&ch).iter().map(|r| r.outcome.clone()).collect();
+    assert_eq!(
+        outcomes.len(),
+        expected_sends,
+        "{point}: sends {outcomes:?}"
+    );
+    if expected_sends == 2 {
+        assert_eq!(outcomes, vec!["accepted", "deduped"], "{point}");
+    }
+    let mut c = cluster.connect();
+    let a = attempts(&mut c, id);
+    let recovery: Vec<&Attempt> = a.iter().filter(|a| a.kind == "recovery").collect();
+    assert_eq!(recovery.len(), 1, "{point}: one recovery decision: {a:?}");
+    assert_eq!(
+        recovery[0].outcome.as_deref(),
+        Some("recovered: queued"),
+        "{point}: deduping channel → same-key retry: {a:?}"
+    );
+    assert_eq!(recovery[0].error_class.as_deref(), Some("ambiguous"));
+    assert!(
+        a.iter()
+            .all(|a| a.effect_key_sent.as_deref() == Some(m.effect_key.as_str())),
+        "{point}: the same key on every attempt: {a:?}"
+    );
+    let last_send = a.iter().rfind(|a| a.kind == "send").unwrap();
+    assert_eq!(last_send.outcome.as_deref(), Some("delivered"));
+    assert_eq!(last_send.http_status, Some(200));
+    let ledger: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.ledger WHERE message_id = $1",
+            &[&id],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(ledger, 1, "{point}: one ledger entry");
+}
+
+#[test]
+fn fault_crash_after_claim_on_deduping_channel_is_delivered_once() {
+    assert_recovered_and_delivered_once("crash_after_claim", 1);
+}
+
+#[test]
+fn fault_crash_after_send_on_deduping_channel_is_delivered_once() {
+    assert_recovered_and_delivered_once("crash_after_send", 2);
+}
+
+#[test]
+fn fault_crash_after_response_on_deduping_channel_is_delivered_once() {
+    assert_recovered_and_delivered_once("crash_after_response", 2);
+}
+
+#[test]
+fn fault_crash_before_commit_on_deduping_channel_is_delivered_once() {
+    assert_recovered_and_delivered_once("crash_before_commit", 2);
+}
+
+fn assert_uncertain_never_resent(point: &str, sends_left_by_crash: usize) {
+    let cluster = Cluster::from_env();
+    let (sim, ch, id, _log) = run_fault(point, false);
+    let m = wait_state(&cluster, id, "uncertain");
+    assert_eq!(m.last_error_class.as_deref(), Some("ambiguous"));
+    assert_eq!(
+        sim.send_count(&ch),
+        sends_left_by_crash,
+        "{point}: what the crash left"
+    );
+    std::thread::sleep(QUIET);
+    assert_eq!(
+        sim.send_count(&ch),
+        sends_left_by_crash,
+        "{point}: never blindly resent"
+    );
+    assert_eq!(sim.stored(&ch).len(), sends_left_by_crash);
+    let mut c = cluster.connect();
+    let m = message(&mut c, id).unwrap().unwrap();
+    assert_eq!(m.state, "uncertain", "{point}: stays uncertain");
+    assert_eq!(m.attempts, 1);
+    let a = attempts(&mut c, id);
+    let recovery: Vec<&Attempt> = a.iter().filter(|a| a.kind == "recovery").collect();
+    assert_eq!(recovery.len(), 1, "{point}: one recovery decision: {a:?}");
+    assert_eq!(recovery[0].outcome.as_deref(), Some("recovered: uncertain"));
+    assert_eq!(a.iter().filter(|a| a.kind == "send").count(), 1, "{a:?}");
+    let ledger: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.ledger WHERE message_id = $1",
+            &[&id],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        ledger, 0,
+        "{point}: no ledger entry for an unconfirmed effect"
+    );
+}
+
+#[test]
+fn fault_crash_after_claim_without_dedupe_is_uncertain_and_not_sent() {
+    assert_uncertain_never_resent("crash_after_claim", 0);
+}
+
+#[test]
+fn fault_crash_after_send_without_dedupe_is_uncertain_and_not_resent() {
+    assert_uncertain_never_resent("crash_after_send", 1);
+}
+
+// ---------------------------------------------------------------------------------------
+// 6. SIGHUP changes batch_size without a restart
+// ---------------------------------------------------------------------------------------
+
+fn settings_lines_with(log: &str, needle: &str) -> HashSet<String> {
+    log.lines()
+        .filter(|l| l.contains(" settings: ") && l.contains(needle))
+        .filter_map(|l| {
+            let rest = &l[l.find("outbox_delivery worker ")? + "outbox_delivery worker ".len()..];
+            Some(rest.split_whitespace().next()?.to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn sighup_changes_batch_size_without_restart() {
+    let cluster = Cluster::from_env();
+    let pids_before = wait_for_two_workers(&cluster);
+    let mut c = cluster.connect();
+    let guard = SettingGuard::new(&cluster, "outbox.batch_size");
+    let mark = cluster.log_mark();
+    set_setting(&mut c, "outbox.batch_size", "3");
+
+    // Both workers log their new settings.
+    let ok = outbox_e2e::cluster::wait_until(SETTLE, || {
+        settings_lines_with(&cluster.log_since(mark), "batch_size=3").len() == 2
+    });
+    assert!(
+        ok,
+        "no settings line with batch_size=3 from both workers; log:\n{}",
+        cluster.log_since(mark)
+    );
+    let show: String = cluster
+        .connect()
+        .query_one("SHOW outbox.batch_size", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(show, "3");
+
+    // The new size is in force: claims take at most 3 messages.
+    let sim = Simulator::start();
+    let ch = unique("w_batch");
+    sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(20)));
+    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
+    let ids: Vec<i64> = {
+        let mut tx = c.transaction().unwrap();
+        let ids = (0..9)
+            .map(|i| enqueue(&mut tx, &ch, &format!(r#"{{"n": {i}}}"#), &unique("batch")))
+            .collect();
+        tx.commit().unwrap();
+        ids
+    };
+    for id in &ids {
+        wait_state(&cluster, *id, "delivered");
+    }
+    assert_eq!(sim.stored(&ch).len(), 9);
+    let mut claims: HashMap<(Option<i32>, i64), usize> = HashMap::new();
+    for id in &ids {
+        for a in attempts(&mut c, *id) {
+            *claims.entry((a.worker_pid, a.started_at_us)).or_default() += 1;
+        }
+    }
+    let largest = claims.values().copied().max().unwrap_or(0);
+    assert!(
+        largest <= 3,
+        "a claim took {largest} messages with batch_size = 3: {claims:?}"
+    );
+    assert!(claims.len() >= 3, "9 messages in claims of at most 3");
+
+    let pids_after = cluster.worker_pids(&mut c);
+    assert_eq!(pids_after, pids_before, "no worker restarted");
+
+    // Reset and see it applied.
+    let mark = cluster.log_mark();
+    reset_setting(&cluster, "outbox.batch_size").unwrap();
+    let ok = outbox_e2e::cluster::wait_until(SETTLE, || {
+        settings_lines_with(&cluster.log_since(mark), "batch_size=200").len() == 2
+    });
+    assert!(
+        ok,
+        "batch_size not back to 200; log:\n{}",
+        cluster.log_since(mark)
+    );
+    drop(guard);
+    assert_eq!(cluster.worker_pids(&mut c), pids_before);
+}
+
+// ---------------------------------------------------------------------------------------
+// 7. Two workers never send the same message
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn two_workers_never_send_the_same_message() {
+    const N: usize = 500;
+    let cluster = Cluster::from_env();
+    let pids = wait_for_two_workers(&cluster);
+    let sim = Simulator::start();
+    let ch = unique("w_load");
+    sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(5)));
+    let mut c = cluster.connect();
+    // No idempotency header: the provider cannot dedupe, every duplicate send would show.
+    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
+    let keys: Vec<String> = (0..N).map(|i| format!("{}-{i}", unique("load"))).collect();
+    // Several commits, so that both workers are woken while work is pending.
+    let mut ids = Vec::with_capacity(N);
+    for chunk in keys.chunks(50) {
+        let mut tx = c.transaction().unwrap();
+        for k in chunk {
+            let headers = format!(r#"{{"X-Effect-Key": "{k}"}}"#);
+            ids.push(enqueue_with(
+                &mut tx,
+                &ch,
+                &format!(r#"{{"key": "{k}"}}"#),
+                k,
+                None,
+                Some(&headers),
+            ));
+        }
+        tx.commit().unwrap();
+    }
+
+    let done = poll(&cluster, Duration::from_secs(120), |c| {
+        let n: i64 = c
+            .query_one(
+                "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'delivered'",
+                &[&ch],
+            )?
+            .get(0);
+        Ok((n as usize == N).then_some(()))
+    });
+    let states: Vec<(String, i64)> = c
+        .query(
+            "SELECT state::text, count(*) FROM outbox.messages WHERE channel = $1 GROUP BY 1",
+            &[&ch],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert!(done.is_some(), "not all delivered: {states:?}");
+
+    let sends = sim.sends(&ch);
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for r in &sends {
+        let k = r.key.clone().expect("X-Effect-Key on every send");
+        assert_eq!(
+            body_json(r)["key"].as_str(),
+            Some(k.as_str()),
+            "body and key header belong to the same message"
+        );
+        *seen.entry(k).or_default() += 1;
+    }
+    let dups: Vec<(&String, &usize)> = seen.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(dups.is_empty(), "keys received more than once: {dups:?}");
+    assert_eq!(sends.len(), N, "every message sent exactly once");
+    assert_eq!(
+        seen.keys().collect::<HashSet<_>>(),
+        keys.iter().collect::<HashSet<_>>()
+    );
+    assert_eq!(sim.stored(&ch).len(), N);
+
+    let per_message: Vec<(i64, i64)> = c
+        .query(
+            "SELECT message_id, count(*) FROM outbox.attempts WHERE message_id = ANY($1) GROUP BY 1 HAVING count(*) <> 1",
+            &[&ids],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert!(
+        per_message.is_empty(),
+        "messages with other than one attempt: {per_message:?}"
+    );
+
+    let used: HashSet<i32> = c
+        .query(
+            "SELECT DISTINCT worker_pid FROM outbox.attempts WHERE message_id = ANY($1)",
+            &[&ids],
+        )
+        .unwrap()
+        .iter()
+        .filter_map(|r| r.get::<_, Option<i32>>(0))
+        .collect();
+    assert!(
+        used.iter().all(|p| pids.contains(p)),
+        "attempts by unknown pids {used:?} (workers {pids:?})"
+    );
+    if used.len() == 2 {
+        assert_eq!(used, pids.iter().copied().collect::<HashSet<_>>());
+    } else {
+        eprintln!(
+            "note: the load of {N} messages did not spread over both workers (used {used:?} of {pids:?}); \
+             the no-duplicate checks above still hold"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 8. Retention
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn retention_purges_old_delivered_and_keeps_everything_else() {
+    let cluster = Cluster::from_env();
+    cluster.wait_for_worker();
+    let sim = Simulator::start();
+    let ok_ch = unique("w_ret_ok");
+    let fail_ch = unique("w_ret_fail");
+    let held_ch = unique("w_ret_held");
+    sim.set_default(&fail_ch, Action::Status(401));
+    let mut c = cluster.connect();
+    create_channel(
+        &mut c,
+        &ok_ch,
+        &sim.send_url(&ok_ch),
+        r#"{"external_id": "/id"}"#,
+    );
+    create_channel(&mut c, &fail_ch, &sim.send_url(&fail_ch), "{}");
+    create_channel(&mut c, &held_ch, &sim.send_url(&held_ch), "{}");
+    c.execute(
+        "SELECT outbox.pause_channel($1::text, 'retention test')",
+        &[&held_ch],
+    )
+    .unwrap();
+
+    let ok_key = unique("ret_ok");
+    let delivered = enqueue(&mut c, &ok_ch, r#"{"r": 1}"#, &ok_key);
+    let failed = enqueue(&mut c, &fail_ch, r#"{"r": 2}"#, &unique("ret_fail"));
+    let held = enqueue(&mut c, &held_ch, r#"{"r": 3}"#, &unique("ret_held"));
+    let dm = wait_state(&cluster, delivered, "delivered");
+    let fm = wait_state(&cluster, failed, "failed");
+    assert_eq!(fm.last_http_status, Some(401));
+    assert_eq!(fm.last_error_class.as_deref(), Some("permanent"));
+    assert_eq!(attempts(&mut c, delivered).len(), 1);
+    assert_eq!(attempts(&mut c, failed).len(), 1);
+
+    let _guard = SettingGuard::new(&cluster, "outbox.retention");
+    set_setting(&mut c, "outbox.retention", "1");
+
+    let gone = poll(&cluster, Duration::from_secs(40), |c| {
+        let n: i64 = c
+            .query_one(
+                "SELECT count(*) FROM outbox._messages WHERE id = $1",
+                &[&delivered],
+            )?
+            .get(0);
+        Ok((n == 0).then_some(()))
+    });
+    assert!(
+        gone.is_some(),
+        "the delivered message was not purged within 40 s with outbox.retention = 1"
+    );
+
+    assert_eq!(
+        attempts(&mut c, delivered).len(),
+        0,
+        "its attempts are purged with it"
+    );
+    let ledger = c
+        .query(
+            "SELECT message_id, external_id FROM outbox.ledger WHERE effect_key = $1",
+            &[&ok_key],
+        )
+        .unwrap();
+    assert_eq!(ledger.len(), 1, "the ledger entry stays");
+    assert_eq!(ledger[0].get::<_, i64>(0), delivered);
+    assert_eq!(ledger[0].get::<_, Option<String>>(1), dm.external_id);
+    assert_eq!(
+        cluster_status(&mut c, delivered).as_deref(),
+        Some("delivered"),
+        "status() still says delivered"
+    );
+
+    let f = message(&mut c, failed)
+        .unwrap()
+        .expect("failed message kept");
+    assert_eq!(f.state, "failed");
+    assert_eq!(attempts(&mut c, failed).len(), 1, "its attempts kept");
+    let h = message(&mut c, held).unwrap().expect("queued message kept");
+    assert_eq!(h.state, "queued");
+    assert_eq!(h.attempts, 0);
+    assert_eq!(
+        sim.send_count(&held_ch),
+        0,
+        "a paused channel sends nothing"
+    );
+    // Unknown ids stay unknown.
+    assert_eq!(cluster_status(&mut c, -1), None);
+}
+
+// ---------------------------------------------------------------------------------------
+// 9. Bad rows never stop the worker
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn bad_rows_never_stop_the_worker() {
+    let cluster = Cluster::from_env();
+    let pids_before = wait_for_two_workers(&cluster);
+    let sim = Simulator::start();
+    let bad_hdr_ch = unique("w_badhdr");
+    let dns_ch = unique("w_dns");
+    let good_ch = unique("w_good");
+    let mut c = cluster.connect();
+    create_channel(&mut c, &bad_hdr_ch, &sim.send_url(&bad_hdr_ch), "{}");
+    create_channel(
+        &mut c,
+        &dns_ch,
+        "http://nonexistent.invalid/x",
+        r#"{"retry": {"base_ms": 60000, "max_ms": 60000, "jitter": "none"}}"#,
+    );
+    create_channel(
+        &mut c,
+        &good_ch,
+        &sim.send_url(&good_ch),
+        r#"{"external_id": "/id"}"#,
+    );
+
+    // A header value HTTP cannot carry (a control character).
+    let bad = enqueue_with(
+        &mut c,
+        &bad_hdr_ch,
+        r#"{"x": 1}"#,
+        &unique("badhdr"),
+        None,
+        Some(r#"{"X-Bad": "a\u0001b"}"#),
+    );
+    let dns = enqueue(&mut c, &dns_ch, r#"{"x": 2}"#, &unique("dns"));
+
+    let m = wait_state(&cluster, bad, "failed");
+    assert_eq!(m.last_error_class.as_deref(), Some("permanent"));
+    let err = m.last_error.clone().unwrap_or_default();
+    assert!(
+        err.contains("X-Bad") && err.contains("not sent"),
+        "a readable error naming the header: {err:?}"
+    );
+    assert_eq!(sim.send_count(&bad_hdr_ch), 0, "nothing was sent");
+
+    let d = wait_msg(&cluster, dns, SETTLE, "a transient DNS failure", |m| {
+        m.attempts >= 1 && m.last_error_class.is_some()
+    });
+    // Stop its retries (every 60 s) before checking, so the shared cluster stays quiet.
+    c.execute(
+        "SELECT outbox.pause_channel($1::text, 'end of test')",
+        &[&dns_ch],
+    )
+    .unwrap();
+    assert_eq!(d.last_error_class.as_deref(), Some("transient"), "{d:?}");
+    assert_eq!(d.state, "queued", "a transient error is retried: {d:?}");
+    let err = d.last_error.clone().unwrap_or_default();
+    assert!(err.contains("DNS"), "phase DNS in last_error: {err:?}");
+    let a = attempts(&mut c, dns);
+    assert_eq!(a[0].error_class.as_deref(), Some("transient"));
+    assert!(a[0].error.as_deref().unwrap_or("").contains("DNS"), "{a:?}");
+
+    // After those, normal work goes on, on another channel and on the bad header's channel.
+    let good = enqueue(&mut c, &good_ch, r#"{"x": 3}"#, &unique("good"));
+    let also = enqueue(&mut c, &bad_hdr_ch, r#"{"x": 4}"#, &unique("good2"));
+    let g = wait_state(&cluster, good, "delivered");
+    wait_state(&cluster, also, "delivered");
+    assert_eq!(sim.stored(&good_ch).len(), 1);
+    assert_eq!(
+        g.external_id.as_deref(),
+        Some(sim.stored(&good_ch)[0].external_id.as_str())
+    );
+    assert_eq!(sim.stored(&bad_hdr_ch).len(), 1);
+    assert_eq!(
+        cluster.worker_pids(&mut c),
+        pids_before,
+        "no worker crashed or restarted"
+    );
+}

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Benchmarks, side by side with their baselines in the same run, on a throwaway cluster:
+#   1. enqueue: outbox.enqueue() vs a plain INSERT into a table of the same shape and
+#      indexes (pgbench, 1 and 8 clients);
+#   2. the claim-only baseline: a hand-written SKIP LOCKED claim loop in plain SQL;
+#   3. delivery: deliveries/s for a backlog to a loopback sink, the sink's own ceiling
+#      (wrk), and COMMIT -> request latency idle and under load;
+#   4. worker RSS and table/index sizes.
+# Figures only; nothing is asserted. Usage: scripts/bench.sh [backlog=10000]
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+export PATH="$HOME/.cargo/bin:$PATH"
+BACKLOG=${1:-10000}
+DURATION=${BENCH_SECONDS:-10}
+export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench}
+export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54817}
+export OUTBOX_WORKERS=${OUTBOX_WORKERS:-1}
+export OUTBOX_EXTRA_CONF=${OUTBOX_EXTRA_CONF:-"outbox.batch_size = 200"}
+
+bash scripts/setup.sh >/dev/null
+command -v wrk >/dev/null || { apt-get install -y -qq wrk >/dev/null 2>&1 || true; }
+bash scripts/cluster.sh install
+cargo build -q --release -p outbox_e2e --bin bench --bin provider-sim
+bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
+bash scripts/cluster.sh start >/dev/null
+trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true; kill ${SINK_PID:-0} 2>/dev/null || true' EXIT
+
+SOCK=$OUTBOX_BASE/sock
+psql() { bash scripts/cluster.sh psql -q "$@"; }
+pgb() { runuser -u postgres -- /usr/lib/postgresql/15/bin/pgbench -h "$SOCK" -p "$OUTBOX_PGPORT" -n "$@" outbox 2>/dev/null; }
+tps() { awk '/^tps/ {print int($3)}'; }
+
+echo "machine: $(nproc) cores, $(free -g | awk '/Mem/ {print $2}') GiB; PostgreSQL $(/usr/lib/postgresql/15/bin/postgres --version | awk '{print $3}')"
+
+# 1. Enqueue vs plain INSERT ------------------------------------------------------------
+psql <<'SQL'
+SELECT outbox.create_channel('bench_enqueue', 'http://127.0.0.1:9/x');
+SELECT outbox.pause_channel('bench_enqueue', 'enqueue benchmark: nothing is sent');
+CREATE TABLE public.plain_outbox (LIKE outbox._messages INCLUDING ALL);
+CREATE SEQUENCE public.plain_outbox_seq;
+ALTER TABLE public.plain_outbox ALTER COLUMN id SET DEFAULT nextval('public.plain_outbox_seq');
+SQL
+WORK=$(mktemp -d)
+chmod 755 "$WORK"
+cat >"$WORK/enqueue.sql" <<'SQL'
+SELECT outbox.enqueue('bench_enqueue', '{"to": "user-1", "text": "benchmark message"}'::jsonb, md5(random()::text || clock_timestamp()::text));
+SQL
+cat >"$WORK/insert.sql" <<'SQL'
+INSERT INTO public.plain_outbox (tenant, channel_id, effect_key, payload, next_attempt_at)
+VALUES ('default', 1, md5(random()::text || clock_timestamp()::text), '{"to": "user-1", "text": "benchmark message"}'::jsonb, now());
+SQL
+for clients in 1 8; do
+  e=$(pgb -c $clients -j $clients -T "$DURATION" -f "$WORK/enqueue.sql" | tps)
+  p=$(pgb -c $clients -j $clients -T "$DURATION" -f "$WORK/insert.sql" | tps)
+  awk -v c=$clients -v e="$e" -v p="$p" 'BEGIN { printf "enqueue_%dc %d tps | plain_insert_%dc %d tps | plain/enqueue %.2fx\n", c, e, c, p, p / e }'
+done
+
+# 2. Claim-only baseline: what a user would write (claim 100 with SKIP LOCKED, mark done) --
+psql <<SQL
+TRUNCATE public.plain_outbox;
+INSERT INTO public.plain_outbox (tenant, channel_id, effect_key, payload, next_attempt_at)
+SELECT 'default', 1, 'k' || g, '{"text": "benchmark message"}', now() FROM generate_series(1, 2000000) g;
+VACUUM ANALYZE public.plain_outbox;
+SQL
+cat >"$WORK/claim.sql" <<'SQL'
+WITH c AS (SELECT id FROM public.plain_outbox WHERE state = 'queued' AND next_attempt_at <= now()
+            ORDER BY next_attempt_at, id LIMIT 100 FOR UPDATE SKIP LOCKED)
+UPDATE public.plain_outbox p SET state = 'delivered', updated_at = now() FROM c WHERE p.id = c.id;
+SQL
+claims=$(pgb -c 1 -j 1 -T "$DURATION" -f "$WORK/claim.sql" | tps)
+echo "claim_only_loop $((claims * 100)) msg/s (plain SQL, 100 per claim, 1 connection, no HTTP)"
+psql -c "DROP TABLE public.plain_outbox; DROP SEQUENCE public.plain_outbox_seq;"
+
+# 3. The sink's own ceiling (wrk, keep-alive POSTs to the simulator) ----------------------
+target/release/provider-sim --port 18799 --quiet --no-record-requests --no-record-bodies >/dev/null 2>&1 &
+SINK_PID=$!
+sleep 0.5
+if command -v wrk >/dev/null; then
+  cat >"$WORK/post.lua" <<'LUA'
+wrk.method = "POST"
+wrk.body = '{"to": "user-1", "text": "benchmark message"}'
+wrk.headers["Content-Type"] = "application/json"
+LUA
+  sink=$(wrk -t1 -c64 -d"${DURATION}s" -s "$WORK/post.lua" http://127.0.0.1:18799/ch/sink | awk '/Requests\/sec/ {print int($2)}')
+  echo "sink_ceiling $sink req/s (wrk, 64 keep-alive connections)"
+fi
+kill $SINK_PID 2>/dev/null || true
+
+# 4. Delivery throughput and latency ------------------------------------------------------
+target/release/bench --backlog "$BACKLOG" --latency-samples 200
+
+# 5. Footprint ----------------------------------------------------------------------------
+for pid in $(psql -Atc "SELECT pid FROM outbox.worker_status() WHERE pid IS NOT NULL"); do
+  echo "worker_rss $(($(awk '/VmRSS/ {print $2}' /proc/$pid/status) / 1024)) MB (pid $pid)"
+done
+psql -Atc "SELECT 'size ' || c.relname || ' ' || pg_size_pretty(pg_relation_size(c.oid)) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'outbox' AND c.relkind IN ('r', 'i') ORDER BY pg_relation_size(c.oid) DESC LIMIT 8"
+rm -rf "$WORK"

@@ -1,0 +1,157 @@
+-- outbox_delivery: metrics, alerts and the Prometheus exposition.
+-- Cheap at any backlog: state counts read the partial indexes (index-only), the queue's age
+-- reads the head of the due index, and rates come from counters the worker keeps.
+
+CREATE FUNCTION outbox._setting(name text, fallback integer) RETURNS integer
+LANGUAGE sql STABLE
+AS $fn$
+    SELECT coalesce(pg_catalog.current_setting(name, true)::integer, fallback)
+$fn$;
+
+CREATE VIEW outbox.metrics AS
+WITH per_channel AS (
+    SELECT c.id,
+           c.name AS channel,
+           (SELECT count(*) FROM outbox._messages m WHERE m.channel_id = c.id AND m.state = 'queued') AS queued,
+           (SELECT count(*) FROM outbox._messages m WHERE m.channel_id = c.id AND m.state = 'sending') AS sending,
+           (SELECT count(*) FROM outbox._messages m WHERE m.state = 'uncertain' AND m.channel_id = c.id) AS uncertain,
+           (SELECT count(*) FROM outbox._messages m WHERE m.state = 'exhausted' AND m.channel_id = c.id) AS exhausted,
+           (SELECT count(*) FROM outbox._messages m WHERE m.state = 'failed' AND m.channel_id = c.id) AS failed,
+           (SELECT greatest(0, extract(epoch FROM pg_catalog.now() - h.next_attempt_at))::numeric(12, 3)
+              FROM (SELECT m.next_attempt_at FROM outbox._messages m
+                     WHERE m.channel_id = c.id AND m.state = 'queued'
+                     ORDER BY m.next_attempt_at LIMIT 1) h) AS oldest_queued_age_s,
+           coalesce((SELECT sum(b.delivered) FROM outbox._channel_minutes b
+                      WHERE b.channel_id = c.id AND b.minute >= date_trunc('minute', pg_catalog.now()) - interval '4 minutes'), 0)::bigint AS delivered_5m,
+           coalesce((SELECT sum(b.failed) FROM outbox._channel_minutes b
+                      WHERE b.channel_id = c.id AND b.minute >= date_trunc('minute', pg_catalog.now()) - interval '4 minutes'), 0)::bigint AS failed_5m,
+           coalesce(s.error_streak, 0) AS error_streak,
+           s.error_streak_since,
+           coalesce(s.exhausted_total, 0) AS exhausted_total,
+           coalesce(s.delivered_total, 0) AS delivered_total,
+           coalesce(s.attempts_failed_total, 0) AS attempts_failed_total,
+           coalesce(s.failed_total, 0) AS failed_total,
+           c.paused
+      FROM outbox._channels c
+      LEFT JOIN outbox._channel_stats s ON s.channel_id = c.id
+), rows AS (
+    SELECT 'channel'::text AS scope, channel, queued, sending, uncertain, exhausted, failed,
+           oldest_queued_age_s, delivered_5m, failed_5m, error_streak, error_streak_since,
+           exhausted_total, delivered_total, attempts_failed_total, failed_total, paused
+      FROM per_channel
+    UNION ALL
+    SELECT 'total', NULL, coalesce(sum(queued), 0)::bigint, coalesce(sum(sending), 0)::bigint,
+           coalesce(sum(uncertain), 0)::bigint, coalesce(sum(exhausted), 0)::bigint,
+           coalesce(sum(failed), 0)::bigint, max(oldest_queued_age_s),
+           coalesce(sum(delivered_5m), 0)::bigint, coalesce(sum(failed_5m), 0)::bigint,
+           coalesce(max(error_streak), 0), min(error_streak_since),
+           coalesce(sum(exhausted_total), 0)::bigint, coalesce(sum(delivered_total), 0)::bigint,
+           coalesce(sum(attempts_failed_total), 0)::bigint, coalesce(sum(failed_total), 0)::bigint,
+           NULL
+      FROM per_channel
+)
+SELECT scope, channel, queued, sending, uncertain, exhausted, failed, oldest_queued_age_s,
+       delivered_5m, failed_5m,
+       CASE WHEN delivered_5m + failed_5m > 0
+            THEN round(delivered_5m::numeric / (delivered_5m + failed_5m), 4) END AS success_rate_5m,
+       error_streak, exhausted_total, delivered_total, attempts_failed_total, failed_total,
+       error_streak_since, paused
+  FROM rows;
+COMMENT ON VIEW outbox.metrics IS
+    'One row per channel and one total: messages by state, oldest due queued age, deliveries and failed attempts in the last 5 minutes, success rate, error streak, totals.';
+
+CREATE VIEW outbox.alerts AS
+SELECT 'queue_age'::text AS alert,
+       m.channel,
+       CASE WHEN m.oldest_queued_age_s > 4 * outbox._setting('outbox.alert_queue_age_s', 300)
+            THEN 'critical' ELSE 'warning' END AS severity,
+       m.oldest_queued_age_s AS value,
+       outbox._setting('outbox.alert_queue_age_s', 300)::numeric AS threshold,
+       pg_catalog.now() - make_interval(secs => m.oldest_queued_age_s::double precision) AS since
+  FROM outbox.metrics m
+ WHERE m.scope = 'channel' AND NOT m.paused
+   AND m.oldest_queued_age_s > outbox._setting('outbox.alert_queue_age_s', 300)
+UNION ALL
+SELECT 'error_streak', c.name, 'warning', s.error_streak::numeric,
+       outbox._setting('outbox.alert_error_streak', 10)::numeric, s.error_streak_since
+  FROM outbox._channel_stats s
+  JOIN outbox._channels c ON c.id = s.channel_id
+ WHERE s.error_streak >= outbox._setting('outbox.alert_error_streak', 10)
+UNION ALL
+SELECT 'terminal_failures', c.name, 'critical', count(*)::numeric, 0::numeric, min(m.updated_at)
+  FROM outbox._messages m
+  JOIN outbox._channels c ON c.id = m.channel_id
+ WHERE m.state IN ('failed', 'exhausted') AND m.updated_at > pg_catalog.now() - interval '1 hour'
+ GROUP BY c.name
+UNION ALL
+SELECT 'uncertain', c.name, 'critical', count(*)::numeric,
+       outbox._setting('outbox.alert_uncertain_age_s', 300)::numeric, min(m.updated_at)
+  FROM outbox._messages m
+  JOIN outbox._channels c ON c.id = m.channel_id
+ WHERE m.state = 'uncertain'
+   AND (jsonb_typeof(c.options -> 'reconcile') IS DISTINCT FROM 'object'
+        OR m.updated_at < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_uncertain_age_s', 300)))
+ GROUP BY c.name;
+COMMENT ON VIEW outbox.alerts IS
+    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s where it can). since = when it began.';
+
+CREATE FUNCTION outbox._prom_label(v text) RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $fn$
+    SELECT replace(replace(replace(coalesce(v, ''), E'\\', E'\\\\'), '"', E'\\"'), E'\n', E'\\n')
+$fn$;
+
+CREATE FUNCTION outbox.prometheus() RETURNS text
+LANGUAGE sql STABLE
+AS $fn$
+WITH m AS (SELECT * FROM outbox.metrics WHERE scope = 'channel'),
+families(ord, name, kind, help) AS (VALUES
+    (1, 'outbox_messages', 'gauge', 'Messages by channel and state.'),
+    (2, 'outbox_oldest_queued_age_seconds', 'gauge', 'How long the oldest due queued message of a channel has waited.'),
+    (3, 'outbox_delivered_total', 'counter', 'Messages confirmed delivered (by a 2xx or by reconcile).'),
+    (4, 'outbox_attempts_failed_total', 'counter', 'Attempts that did not deliver.'),
+    (5, 'outbox_exhausted_total', 'counter', 'Messages whose retry budget ran out.'),
+    (6, 'outbox_failed_total', 'counter', 'Messages that failed permanently.'),
+    (7, 'outbox_error_streak', 'gauge', 'Consecutive failed attempts on a channel.'),
+    (8, 'outbox_success_rate_5m', 'gauge', 'Share of attempts in the last 5 minutes that delivered.'),
+    (9, 'outbox_alert', 'gauge', 'Active alerts (1 per alert).'),
+    (10, 'outbox_worker_up', 'gauge', 'Delivery workers running.')
+),
+samples(ord, line) AS (
+    SELECT 1, format('outbox_messages{channel="%s",state="%s"} %s', outbox._prom_label(m.channel), s.state, s.n)
+      FROM m CROSS JOIN LATERAL (VALUES ('queued', m.queued), ('sending', m.sending), ('uncertain', m.uncertain),
+                                        ('exhausted', m.exhausted), ('failed', m.failed)) AS s(state, n)
+    UNION ALL
+    SELECT 2, format('outbox_oldest_queued_age_seconds{channel="%s"} %s', outbox._prom_label(m.channel), coalesce(m.oldest_queued_age_s, 0)) FROM m
+    UNION ALL
+    SELECT 3, format('outbox_delivered_total{channel="%s"} %s', outbox._prom_label(m.channel), m.delivered_total) FROM m
+    UNION ALL
+    SELECT 4, format('outbox_attempts_failed_total{channel="%s"} %s', outbox._prom_label(m.channel), m.attempts_failed_total) FROM m
+    UNION ALL
+    SELECT 5, format('outbox_exhausted_total{channel="%s"} %s', outbox._prom_label(m.channel), m.exhausted_total) FROM m
+    UNION ALL
+    SELECT 6, format('outbox_failed_total{channel="%s"} %s', outbox._prom_label(m.channel), m.failed_total) FROM m
+    UNION ALL
+    SELECT 7, format('outbox_error_streak{channel="%s"} %s', outbox._prom_label(m.channel), m.error_streak) FROM m
+    UNION ALL
+    SELECT 8, format('outbox_success_rate_5m{channel="%s"} %s', outbox._prom_label(m.channel), m.success_rate_5m)
+      FROM m WHERE m.success_rate_5m IS NOT NULL
+    UNION ALL
+    SELECT 9, format('outbox_alert{alert="%s",channel="%s",severity="%s"} 1', a.alert, outbox._prom_label(a.channel), a.severity)
+      FROM outbox.alerts a
+    UNION ALL
+    SELECT 10, format('outbox_worker_up %s', count(*)) FROM outbox.worker_status() w WHERE w.pid IS NOT NULL
+)
+SELECT string_agg(x.line, E'\n' ORDER BY x.ord, x.sub, x.line) || E'\n'
+  FROM (SELECT f.ord, 0 AS sub, format('# HELP %s %s', f.name, f.help) AS line FROM families f
+        UNION ALL
+        SELECT f.ord, 1, format('# TYPE %s %s', f.name, f.kind) FROM families f
+        UNION ALL
+        SELECT s.ord, 2, s.line FROM samples s) x
+$fn$;
+COMMENT ON FUNCTION outbox.prometheus() IS
+    'Prometheus text exposition of outbox.metrics, outbox.alerts and the workers; *_total counters are kept in the database and only grow across restarts.';
+
+GRANT USAGE ON SCHEMA outbox TO pg_monitor;
+GRANT SELECT ON outbox.metrics, outbox.alerts TO pg_monitor;
+GRANT EXECUTE ON FUNCTION outbox.prometheus() TO pg_monitor;

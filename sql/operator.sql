@@ -1,0 +1,224 @@
+-- outbox_delivery: the operator's work queue and actions. Every action locks the message
+-- row first (two operators acting at once are serialized: one effect, two log rows that
+-- tell the story) and writes one row to outbox.operator_log.
+
+CREATE VIEW outbox.work_queue AS
+SELECT m.id,
+       c.name AS channel,
+       m.state,
+       CASE m.state
+           WHEN 'uncertain' THEN 'outcome unknown: the provider may or may not have it'
+           WHEN 'exhausted' THEN 'retry budget spent on transient errors'
+           WHEN 'failed'    THEN 'permanent error'
+       END AS reason,
+       m.last_error,
+       m.attempts,
+       m.owner,
+       pg_catalog.now() - m.created_at AS age,
+       CASE
+           WHEN m.state = 'uncertain' AND jsonb_typeof(c.options -> 'reconcile') = 'object'
+               THEN pg_catalog.format('reconcile: SELECT outbox.reconcile(%s)', m.id)
+           WHEN m.state = 'uncertain'
+               THEN pg_catalog.format('ask the provider, then outbox.resolve(%s, ''delivered''|''failed'', reason) or outbox.retry(%s, reason)', m.id, m.id)
+           WHEN m.state = 'exhausted'
+               THEN pg_catalog.format('check the channel for an outage, then outbox.retry(%s, reason)', m.id)
+           ELSE pg_catalog.format('fix the cause (token, recipient, payload), then outbox.retry(%s, reason) or outbox.cancel(%s, reason)', m.id, m.id)
+       END AS suggested_action,
+       m.last_error_class,
+       m.last_http_status,
+       m.effect_key,
+       m.tenant,
+       m.updated_at
+  FROM outbox._messages m
+  LEFT JOIN outbox._channels c ON c.id = m.channel_id
+ WHERE m.state IN ('uncertain', 'exhausted', 'failed');
+COMMENT ON VIEW outbox.work_queue IS
+    'Every message that waits for a human (uncertain, exhausted, failed): why, who owns it, how old, and what to do.';
+
+CREATE FUNCTION outbox._require_reason(reason text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+AS $fn$
+BEGIN
+    IF reason IS NULL OR pg_catalog.btrim(reason) = '' THEN
+        RAISE EXCEPTION 'reason must not be NULL or empty'
+            USING ERRCODE = '22023',
+                  HINT = 'Say why: it is kept in outbox.operator_log with your name.';
+    END IF;
+END
+$fn$;
+
+-- Locks one message for an operator action; unknown id: 02000.
+CREATE FUNCTION outbox._lock_message(id bigint) RETURNS outbox._messages
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    v outbox._messages;
+BEGIN
+    IF id IS NULL THEN
+        RAISE EXCEPTION 'id must not be NULL' USING ERRCODE = '22023';
+    END IF;
+    SELECT * INTO v FROM outbox._messages m WHERE m.id = _lock_message.id FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'message % does not exist', _lock_message.id
+            USING ERRCODE = '02000',
+                  HINT = 'Find messages in outbox.messages or outbox.work_queue; delivered messages older than outbox.retention are removed.';
+    END IF;
+    RETURN v;
+END
+$fn$;
+
+CREATE FUNCTION outbox._requeue(id bigint) RETURNS void
+LANGUAGE sql VOLATILE
+AS $fn$
+    UPDATE outbox._messages m
+       SET state = 'queued', next_attempt_at = pg_catalog.now(), budget_base = m.attempts,
+           budget_started_at = pg_catalog.now(), lease_until = NULL, lease_owner = NULL,
+           updated_at = pg_catalog.now()
+     WHERE m.id = _requeue.id;
+    SELECT outbox._wake_at_commit();
+$fn$;
+
+CREATE FUNCTION outbox.retry(id bigint, reason text) RETURNS outbox.state
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    v_msg     outbox._messages;
+    v_options jsonb;
+    v_after   outbox.state;
+    v_lookup  text;
+    v_detail  jsonb := '{}';
+BEGIN
+    PERFORM outbox._require_reason(retry.reason);
+    v_msg := outbox._lock_message(retry.id);
+    SELECT c.options INTO v_options FROM outbox._channels c WHERE c.id = v_msg.channel_id;
+
+    CASE v_msg.state
+    WHEN 'sending' THEN
+        RAISE EXCEPTION 'message % is being sent right now; retry refused', v_msg.id
+            USING ERRCODE = '55000', HINT = 'Wait for the attempt''s outcome (its lease ends by itself), then look again.';
+    WHEN 'delivered', 'cancelled', 'queued' THEN
+        RAISE NOTICE 'message % is %: nothing to retry', v_msg.id, v_msg.state;
+        v_after := v_msg.state;
+        v_detail := jsonb_build_object('result', 'no-op');
+    WHEN 'uncertain' THEN
+        IF jsonb_typeof(v_options -> 'reconcile') = 'object' THEN
+            -- The provider may have it: ask before anything is resent.
+            v_lookup := outbox.reconcile(v_msg.id);
+            v_detail := jsonb_build_object('reconcile', v_lookup);
+            SELECT m.state INTO v_after FROM outbox._messages m WHERE m.id = v_msg.id;
+            IF v_lookup = 'unavailable' THEN
+                RAISE NOTICE 'message %: the provider could not be asked; nothing was resent', v_msg.id
+                    USING HINT = 'Try again later, or settle it with outbox.resolve() after checking by hand.';
+            ELSIF v_lookup = 'not_supported' OR (v_lookup = 'not_found' AND v_after <> 'queued') THEN
+                PERFORM outbox._requeue(v_msg.id);
+                v_after := 'queued';
+            END IF;
+        ELSE
+            PERFORM outbox._requeue(v_msg.id);
+            v_after := 'queued';
+        END IF;
+    ELSE -- exhausted, failed: a fresh budget, the same effect key
+        PERFORM outbox._requeue(v_msg.id);
+        v_after := 'queued';
+    END CASE;
+
+    INSERT INTO outbox._operator_log (action, message_id, reason, state_before, state_after, detail)
+    VALUES ('retry', v_msg.id, retry.reason, v_msg.state, v_after,
+            v_detail || jsonb_build_object('effect_key', v_msg.effect_key));
+    RETURN v_after;
+END
+$fn$;
+COMMENT ON FUNCTION outbox.retry(bigint, text) IS
+    'Operator: requeue with the same effect key (fresh budget for exhausted/failed); an uncertain message is reconciled first where the channel can; sending: 55000; delivered/cancelled: no-op.';
+
+CREATE FUNCTION outbox.resolve(id bigint, outcome text, reason text, external_id text DEFAULT NULL)
+RETURNS outbox.state
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    v_msg   outbox._messages;
+    v_after outbox.state;
+BEGIN
+    IF outcome IS NULL OR outcome NOT IN ('delivered', 'failed', 'cancelled') THEN
+        RAISE EXCEPTION 'outcome must be delivered, failed or cancelled, not %', coalesce(pg_catalog.quote_literal(outcome), 'NULL')
+            USING ERRCODE = '22023';
+    END IF;
+    PERFORM outbox._require_reason(resolve.reason);
+    v_msg := outbox._lock_message(resolve.id);
+    IF v_msg.state = 'sending' THEN
+        RAISE EXCEPTION 'message % is being sent right now; resolve refused', v_msg.id
+            USING ERRCODE = '55000', HINT = 'Wait for the attempt''s outcome, then look again.';
+    END IF;
+    IF v_msg.state = 'delivered' AND outcome <> 'delivered' THEN
+        RAISE EXCEPTION 'message % was delivered (confirmed); it cannot be resolved as %', v_msg.id, outcome
+            USING ERRCODE = '55000';
+    END IF;
+    v_after := outcome::outbox.state;
+    IF v_msg.state <> 'delivered' THEN
+        UPDATE outbox._messages m
+           SET state = v_after,
+               external_id = coalesce(resolve.external_id, m.external_id),
+               delivered_at = CASE WHEN v_after = 'delivered' THEN pg_catalog.now() ELSE m.delivered_at END,
+               lease_until = NULL, lease_owner = NULL, updated_at = pg_catalog.now()
+         WHERE m.id = v_msg.id;
+        IF v_after = 'delivered' THEN
+            INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
+            VALUES (v_msg.tenant, v_msg.effect_key, v_msg.id, coalesce(resolve.external_id, v_msg.external_id), 'operator')
+            ON CONFLICT (tenant, effect_key) DO NOTHING;
+        END IF;
+    ELSE
+        RAISE NOTICE 'message % is already delivered', v_msg.id;
+    END IF;
+    INSERT INTO outbox._operator_log (action, message_id, reason, state_before, state_after, detail)
+    VALUES ('resolve', v_msg.id, resolve.reason, v_msg.state, v_after,
+            jsonb_build_object('outcome', outcome, 'external_id', resolve.external_id));
+    RETURN v_after;
+END
+$fn$;
+COMMENT ON FUNCTION outbox.resolve(bigint, text, text, text) IS
+    'Operator: records a manual decision (delivered writes the ledger, so the effect is never sent again; failed; cancelled).';
+
+CREATE FUNCTION outbox.cancel(id bigint, reason text) RETURNS outbox.state
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    v_msg outbox._messages;
+BEGIN
+    PERFORM outbox._require_reason(cancel.reason);
+    v_msg := outbox._lock_message(cancel.id);
+    IF v_msg.state = 'delivered' THEN
+        RAISE EXCEPTION 'message % was delivered; it cannot be cancelled', v_msg.id USING ERRCODE = '55000';
+    END IF;
+    IF v_msg.state = 'sending' THEN
+        RAISE EXCEPTION 'message % is being sent right now; cancel refused', v_msg.id
+            USING ERRCODE = '55000', HINT = 'Wait for the attempt''s outcome, then cancel if it did not go through.';
+    END IF;
+    IF v_msg.state = 'cancelled' THEN
+        RAISE NOTICE 'message % is already cancelled', v_msg.id;
+    ELSE
+        UPDATE outbox._messages m SET state = 'cancelled', updated_at = pg_catalog.now() WHERE m.id = v_msg.id;
+    END IF;
+    INSERT INTO outbox._operator_log (action, message_id, reason, state_before, state_after)
+    VALUES ('cancel', v_msg.id, cancel.reason, v_msg.state, 'cancelled');
+    RETURN 'cancelled'::outbox.state;
+END
+$fn$;
+COMMENT ON FUNCTION outbox.cancel(bigint, text) IS
+    'Cancels a message that is not delivered and not in flight (delivered or sending: 55000).';
+
+CREATE FUNCTION outbox.assign(id bigint, owner text) RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    v_msg outbox._messages;
+BEGIN
+    v_msg := outbox._lock_message(assign.id);
+    UPDATE outbox._messages m SET owner = NULLIF(pg_catalog.btrim(assign.owner), ''), updated_at = pg_catalog.now()
+     WHERE m.id = v_msg.id;
+    INSERT INTO outbox._operator_log (action, message_id, state_before, state_after, detail)
+    VALUES ('assign', v_msg.id, v_msg.state, v_msg.state,
+            jsonb_build_object('owner_before', v_msg.owner, 'owner', NULLIF(pg_catalog.btrim(assign.owner), '')));
+END
+$fn$;
+COMMENT ON FUNCTION outbox.assign(bigint, text) IS
+    'Names the owner of a job in the work queue (NULL or empty clears it).';

@@ -1,0 +1,374 @@
+//! The read-only lookup at the provider: URL templates, the request, and what the answer
+//! means. Pure Rust plus the async request; no Postgres.
+//!
+//! Placeholders in `reconcile.url` (each value percent-encoded):
+//! - `{effect_key}` — the message's effect key (providers that store the idempotency key);
+//! - `{external_id}` — the provider's id from an earlier answer (only when one was recorded);
+//! - `{content_sha256}` — hex SHA-256 of the payload's normalized JSON text (jsonb's
+//!   canonical form: keys sorted, no insignificant whitespace), for providers that list
+//!   messages and let you match by content;
+//! - `{created_at}` — enqueue time in unix seconds, to bound a listing's time window;
+//! - `{payload:/json/pointer}` — a value from the payload, e.g. the recipient `{payload:/to}`.
+
+use super::super::channels::options::{ChannelOptions, ReconcileConfig};
+use crate::channels::http::body_pointer;
+use sha2::{Digest, Sha256};
+use std::time::{Duration, Instant};
+
+/// What a lookup found out.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Lookup {
+    /// The provider has the message.
+    Found {
+        external_id: Option<String>,
+        http_status: u16,
+    },
+    /// The provider answered that it does not have it.
+    NotFound { http_status: u16 },
+    /// No usable answer: try again later; nothing is concluded.
+    Unavailable {
+        error: String,
+        http_status: Option<u16>,
+    },
+}
+
+impl Lookup {
+    /// The name `outbox.reconcile()` returns and attempt rows record.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Lookup::Found { .. } => "delivered",
+            Lookup::NotFound { .. } => "not_found",
+            Lookup::Unavailable { .. } => "unavailable",
+        }
+    }
+
+    pub fn http_status(&self) -> Option<u16> {
+        match self {
+            Lookup::Found { http_status, .. } | Lookup::NotFound { http_status } => {
+                Some(*http_status)
+            }
+            Lookup::Unavailable { http_status, .. } => *http_status,
+        }
+    }
+}
+
+/// The facts of a message a lookup may use.
+#[derive(Debug, Clone)]
+pub struct Subject {
+    pub effect_key: String,
+    pub external_id: Option<String>,
+    pub payload: String,
+    pub created_at_s: i64,
+}
+
+/// Checks a URL template: it must name the message by at least one placeholder, and every
+/// placeholder must be known.
+pub fn validate_template(url: &str) -> Result<(), String> {
+    let mut named = false;
+    for p in placeholders(url)? {
+        match p.as_str() {
+            "effect_key" | "external_id" | "content_sha256" => named = true,
+            "created_at" => {}
+            other if other.starts_with("payload:/") => named = true,
+            other => return Err(format!("unknown placeholder {{{other}}}")),
+        }
+    }
+    if !named {
+        return Err("must contain {effect_key}, {external_id}, {content_sha256} or {payload:/pointer} to name the message it looks up".into());
+    }
+    Ok(())
+}
+
+fn placeholders(url: &str) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    let mut rest = url;
+    while let Some(start) = rest.find('{') {
+        let after = &rest[start + 1..];
+        let end = after
+            .find('}')
+            .ok_or_else(|| "has an unclosed {".to_string())?;
+        out.push(after[..end].to_string());
+        rest = &after[end + 1..];
+    }
+    Ok(out)
+}
+
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Hex SHA-256 of the payload text.
+pub fn content_sha256(payload: &str) -> String {
+    Sha256::digest(payload.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Fills the template for one message; `Err` when a value it needs is missing (e.g. no
+/// external id was ever recorded): the lookup is then not possible for that message.
+pub fn fill(template: &str, subject: &Subject) -> Result<String, String> {
+    let mut out = String::with_capacity(template.len() + 64);
+    let mut rest = template;
+    while let Some(start) = rest.find('{') {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 1..];
+        let end = after.find('}').ok_or_else(|| "unclosed {".to_string())?;
+        let name = &after[..end];
+        let value = match name {
+            "effect_key" => subject.effect_key.clone(),
+            "external_id" => subject.external_id.clone().ok_or_else(|| {
+                "the lookup needs {external_id} but none was recorded for this message".to_string()
+            })?,
+            "content_sha256" => content_sha256(&subject.payload),
+            "created_at" => subject.created_at_s.to_string(),
+            p if p.starts_with("payload:") => {
+                body_pointer(subject.payload.as_bytes(), &p["payload:".len()..]).ok_or_else(
+                    || format!("the payload has no value at {}", &p["payload:".len()..]),
+                )?
+            }
+            other => return Err(format!("unknown placeholder {{{other}}}")),
+        };
+        out.push_str(&percent_encode(&value));
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// What an answer means: 404 = not found; 2xx = found, unless the `found` pointer reads
+/// false, null or nothing; anything else concludes nothing.
+pub fn interpret(status: u16, body: &[u8], config: &ReconcileConfig) -> Lookup {
+    if status == 404 {
+        return Lookup::NotFound {
+            http_status: status,
+        };
+    }
+    if !(200..300).contains(&status) {
+        return Lookup::Unavailable {
+            error: format!("lookup answered HTTP {status}"),
+            http_status: Some(status),
+        };
+    }
+    let found = match &config.found {
+        None => true,
+        Some(pointer) => match serde_json::from_slice::<serde_json::Value>(body)
+            .ok()
+            .as_ref()
+            .and_then(|v| v.pointer(pointer))
+        {
+            None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => false,
+            Some(serde_json::Value::Array(a)) => !a.is_empty(),
+            Some(_) => true,
+        },
+    };
+    if !found {
+        return Lookup::NotFound {
+            http_status: status,
+        };
+    }
+    Lookup::Found {
+        external_id: config
+            .external_id
+            .as_ref()
+            .and_then(|p| body_pointer(body, p)),
+        http_status: status,
+    }
+}
+
+/// Runs the lookup. Read-only: the message itself is never sent.
+pub async fn lookup(
+    client: reqwest::Client,
+    options: ChannelOptions,
+    url: String,
+    subject: Subject,
+) -> Lookup {
+    let Some(config) = options.reconcile.clone() else {
+        return Lookup::Unavailable {
+            error: "the channel has no reconcile lookup".into(),
+            http_status: None,
+        };
+    };
+    let started = Instant::now();
+    let method =
+        reqwest::Method::from_bytes(config.method.as_bytes()).unwrap_or(reqwest::Method::GET);
+    let mut request = client
+        .request(method.clone(), &url)
+        .timeout(Duration::from_millis(options.timeout_ms));
+    for (name, value) in &options.headers {
+        request = request.header(name, value);
+    }
+    if method == reqwest::Method::POST {
+        let body = serde_json::json!({
+            "effect_key": subject.effect_key,
+            "external_id": subject.external_id,
+            "content_sha256": content_sha256(&subject.payload),
+            "created_at": subject.created_at_s,
+        });
+        request = request
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.to_string());
+    }
+    let response = match request.send().await {
+        Ok(r) => r,
+        Err(e) => {
+            return Lookup::Unavailable {
+                error: format!(
+                    "lookup failed after {} ms: {e}",
+                    started.elapsed().as_millis()
+                ),
+                http_status: None,
+            }
+        }
+    };
+    let status = response.status().as_u16();
+    match response.bytes().await {
+        Ok(body) => interpret(status, &body, &config),
+        Err(e) => Lookup::Unavailable {
+            error: format!(
+                "lookup answer unreadable after {} ms: {e}",
+                started.elapsed().as_millis()
+            ),
+            http_status: Some(status),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn subject() -> Subject {
+        Subject {
+            effect_key: "k 1/ü".into(),
+            external_id: None,
+            payload: r#"{"text": "hi", "to": "user@x.org"}"#.into(),
+            created_at_s: 1700000000,
+        }
+    }
+
+    fn config(found: Option<&str>, external_id: Option<&str>) -> ReconcileConfig {
+        ReconcileConfig {
+            url: "http://h/{effect_key}".into(),
+            method: "GET".into(),
+            found: found.map(str::to_string),
+            external_id: external_id.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn templates_are_validated() {
+        assert!(validate_template("http://h/m/{effect_key}").is_ok());
+        assert!(validate_template("http://h/m/{external_id}").is_ok());
+        assert!(validate_template(
+            "http://h/m?to={payload:/to}&since={created_at}&h={content_sha256}"
+        )
+        .is_ok());
+        assert!(validate_template("http://h/m?since={created_at}").is_err());
+        assert!(validate_template("http://h/m").is_err());
+        assert!(validate_template("http://h/m/{recipient}").is_err());
+        assert!(validate_template("http://h/m/{effect_key").is_err());
+    }
+
+    #[test]
+    fn fill_encodes_values() {
+        let s = subject();
+        assert_eq!(
+            fill("http://h/m/{effect_key}", &s).unwrap(),
+            "http://h/m/k%201%2F%C3%BC"
+        );
+        assert_eq!(
+            fill("http://h/m?to={payload:/to}", &s).unwrap(),
+            "http://h/m?to=user%40x.org"
+        );
+        assert_eq!(
+            fill("http://h/m?t={created_at}", &s).unwrap(),
+            "http://h/m?t=1700000000"
+        );
+        assert!(fill("http://h/m/{external_id}", &s).is_err());
+        assert!(fill("http://h/m?to={payload:/missing}", &s).is_err());
+        let h = fill("http://h/m/{content_sha256}", &s).unwrap();
+        assert_eq!(h.len(), "http://h/m/".len() + 64);
+    }
+
+    #[test]
+    fn answers_are_interpreted() {
+        let c = config(None, Some("/id"));
+        assert_eq!(
+            interpret(404, b"", &c),
+            Lookup::NotFound { http_status: 404 }
+        );
+        assert_eq!(
+            interpret(200, br#"{"id": "m-9"}"#, &c),
+            Lookup::Found {
+                external_id: Some("m-9".into()),
+                http_status: 200
+            }
+        );
+        assert!(matches!(
+            interpret(503, b"", &c),
+            Lookup::Unavailable {
+                http_status: Some(503),
+                ..
+            }
+        ));
+        assert!(matches!(
+            interpret(401, b"", &c),
+            Lookup::Unavailable { .. }
+        ));
+        let f = config(Some("/found"), None);
+        assert_eq!(
+            interpret(200, br#"{"found": false}"#, &f),
+            Lookup::NotFound { http_status: 200 }
+        );
+        assert_eq!(
+            interpret(200, br#"{"found": null}"#, &f),
+            Lookup::NotFound { http_status: 200 }
+        );
+        assert_eq!(
+            interpret(200, br#"{}"#, &f),
+            Lookup::NotFound { http_status: 200 }
+        );
+        assert_eq!(
+            interpret(200, b"garbage", &f),
+            Lookup::NotFound { http_status: 200 }
+        );
+        assert!(matches!(
+            interpret(200, br#"{"found": true}"#, &f),
+            Lookup::Found { .. }
+        ));
+        let list = config(Some("/items"), Some("/items/0/id"));
+        assert_eq!(
+            interpret(200, br#"{"items": []}"#, &list),
+            Lookup::NotFound { http_status: 200 }
+        );
+        assert_eq!(
+            interpret(200, br#"{"items": [{"id": 7}]}"#, &list),
+            Lookup::Found {
+                external_id: Some("7".into()),
+                http_status: 200
+            }
+        );
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(Lookup::NotFound { http_status: 404 }.as_str(), "not_found");
+        assert_eq!(
+            Lookup::Found {
+                external_id: None,
+                http_status: 200
+            }
+            .as_str(),
+            "delivered"
+        );
+    }
+}

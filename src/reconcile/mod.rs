@@ -1,0 +1,291 @@
+//! Reconcile: an ambiguous outcome is settled by asking the provider, read-only, whether it
+//! has the message — never by sending it again. Found → `delivered` with the provider's
+//! external id and a ledger entry `recorded_by = reconcile`; not found → requeued with the
+//! same effect key (or `exhausted` when its budget is spent); no usable answer → stays
+//! `uncertain` and is looked up again later with backoff.
+//!
+//! The worker reconciles due `uncertain` messages on its own; `outbox.reconcile(id)` and
+//! `outbox.reconcile()` do the same on demand.
+
+pub mod lookup;
+
+use crate::channels::options::ChannelOptions;
+use crate::error::{OrRaise, OutboxError};
+use lookup::{Lookup, Subject};
+use pgrx::prelude::*;
+use pgrx::spi::{SpiClient, SpiResult};
+use std::cell::RefCell;
+
+/// Applies a lookup's result to one message and records it as an attempt of kind
+/// `reconcile`. A message that is `sending` or already `delivered` is left alone.
+/// Returns the message's state afterwards (None if it was left alone).
+const RECORD_LOOKUP: &str = "
+WITH cur AS (
+    SELECT m.id, m.state,
+           (m.attempts - m.budget_base) >= coalesce((c.options -> 'retry' ->> 'max_attempts')::int, 8) AS spent
+      FROM outbox._messages m
+      LEFT JOIN outbox._channels c ON c.id = m.channel_id
+     WHERE m.id = $1
+), m AS (
+    UPDATE outbox._messages m
+       SET state = CASE WHEN $2 = 'delivered' THEN 'delivered'::outbox.state
+                        WHEN $2 = 'not_found' AND cur.state = 'uncertain' AND cur.spent THEN 'exhausted'::outbox.state
+                        WHEN $2 = 'not_found' AND cur.state = 'uncertain' THEN 'queued'::outbox.state
+                        ELSE m.state END,
+           delivered_at = CASE WHEN $2 = 'delivered' THEN now() ELSE m.delivered_at END,
+           external_id = CASE WHEN $2 = 'delivered' THEN coalesce($3, m.external_id) ELSE m.external_id END,
+           next_attempt_at = CASE WHEN $2 = 'not_found' THEN now()
+                                  WHEN $6::int8 IS NOT NULL THEN to_timestamp($6::int8 / 1000.0)
+                                  ELSE m.next_attempt_at END,
+           last_error = CASE WHEN $2 = 'delivered' THEN m.last_error ELSE $5 END,
+           reconcile_attempts = m.reconcile_attempts + 1,
+           updated_at = now()
+      FROM cur
+     WHERE m.id = cur.id AND m.state NOT IN ('delivered', 'sending')
+ RETURNING m.id, m.tenant, m.effect_key, m.external_id, m.attempts, m.state
+), ledger AS (
+    INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
+    SELECT m.tenant, m.effect_key, m.id, m.external_id, 'reconcile' FROM m WHERE $2 = 'delivered'
+        ON CONFLICT (tenant, effect_key) DO NOTHING
+), attempt AS (
+    INSERT INTO outbox._attempts (message_id, attempt, kind, finished_at, outcome, http_status, error,
+                                  external_id, effect_key_sent, worker_pid)
+    SELECT m.id, m.attempts, 'reconcile', now(), $2, $4, $5, $3, m.effect_key, $7 FROM m
+)
+SELECT m.state::text FROM m";
+
+/// One message with what a lookup needs, locked for the caller's transaction.
+const LOCK_SUBJECT: &str = "
+SELECT m.state::text, m.effect_key, m.external_id, m.payload::text,
+       extract(epoch FROM m.created_at)::int8, m.reconcile_attempts, c.id, c.options::text
+  FROM outbox._messages m
+  LEFT JOIN outbox._channels c ON c.id = m.channel_id
+ WHERE m.id = $1
+   FOR UPDATE OF m";
+
+/// Every `uncertain` message on a channel that can reconcile.
+const RECONCILABLE: &str = "
+SELECT m.id
+  FROM outbox._messages m
+  JOIN outbox._channels c ON c.id = m.channel_id
+ WHERE m.state = 'uncertain' AND jsonb_typeof(c.options -> 'reconcile') = 'object'
+ ORDER BY m.id";
+
+/// When the next lookup is due after one that concluded nothing: the channel's backoff
+/// ceiling for the number of lookups so far (no jitter: lookups are read-only and few).
+pub fn next_lookup_at_ms(options: &ChannelOptions, lookups_so_far: i32, now_ms: i64) -> i64 {
+    let delay = options
+        .retry
+        .backoff_ceiling_ms((lookups_so_far.max(0) as u32).saturating_add(1));
+    now_ms.saturating_add(delay.min(i64::MAX as u64) as i64)
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+/// Records a lookup's result; returns the message's state afterwards.
+pub fn record_lookup(
+    client: &mut SpiClient<'_>,
+    message_id: i64,
+    result: &Lookup,
+    options: &ChannelOptions,
+    lookups_so_far: i32,
+    pid: i32,
+) -> SpiResult<Option<String>> {
+    let (external_id, error, next_at) = match result {
+        Lookup::Found { external_id, .. } => (external_id.clone(), None, None),
+        Lookup::NotFound { http_status } => (
+            None,
+            Some(format!("reconcile: the provider does not have it (HTTP {http_status}); requeued with the same effect key")),
+            None,
+        ),
+        Lookup::Unavailable { error, .. } => (
+            None,
+            Some(format!("reconcile: {error}; still uncertain, looked up again later")),
+            Some(next_lookup_at_ms(options, lookups_so_far, now_ms())),
+        ),
+    };
+    let rows = client.update(
+        RECORD_LOOKUP,
+        None,
+        &[
+            message_id.into(),
+            result.as_str().into(),
+            external_id.into(),
+            result.http_status().map(i32::from).into(),
+            error.into(),
+            next_at.into(),
+            pid.into(),
+        ],
+    )?;
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    rows.first().get_one::<String>()
+}
+
+thread_local! {
+    /// A backend's own runtime for on-demand lookups; built on first use.
+    static BACKEND_RUNTIME: RefCell<Option<tokio::runtime::Runtime>> = const { RefCell::new(None) };
+}
+
+/// Runs a lookup from a backend: all signals stay blocked while the request runs (they are
+/// delivered right after), and the request is bounded by the channel's timeout.
+fn lookup_from_backend(options: &ChannelOptions, url: String, subject: Subject) -> Lookup {
+    let client = match reqwest::Client::builder()
+        .connect_timeout(std::time::Duration::from_millis(options.connect_timeout_ms))
+        .redirect(reqwest::redirect::Policy::none())
+        .no_proxy()
+        .build()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            return Lookup::Unavailable {
+                error: format!("HTTP client could not be built: {e}"),
+                http_status: None,
+            }
+        }
+    };
+    let previous = crate::worker::runtime::block_all_signals();
+    let result = BACKEND_RUNTIME.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if slot.is_none() {
+            *slot = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .on_thread_start(|| {
+                    crate::worker::runtime::block_all_signals();
+                })
+                .build()
+                .ok();
+        }
+        match slot.as_ref() {
+            Some(rt) => rt.block_on(lookup::lookup(client, options.clone(), url, subject)),
+            None => Lookup::Unavailable {
+                error: "no runtime for the lookup".into(),
+                http_status: None,
+            },
+        }
+    });
+    crate::worker::runtime::restore_signals(&previous);
+    result
+}
+
+fn unknown_message(id: i64) -> ! {
+    pgrx::pg_sys::panic::ErrorReport::new(
+        PgSqlErrorCode::ERRCODE_NO_DATA,
+        format!("message {id} does not exist"),
+        "outbox_delivery",
+    )
+    .set_hint("Find messages in outbox.messages or outbox.work_queue; delivered messages older than outbox.retention are removed.")
+    .report(PgLogLevel::ERROR);
+    unreachable!()
+}
+
+/// Reconciles one message in the current transaction (the message row stays locked until it
+/// ends, so that two operators cannot act on it at once).
+fn reconcile_locked(client: &mut SpiClient<'_>, id: i64) -> SpiResult<&'static str> {
+    let rows = client.update(LOCK_SUBJECT, Some(1), &[id.into()])?;
+    if rows.is_empty() {
+        unknown_message(id);
+    }
+    let row = rows.first();
+    let state: String = row.get(1)?.unwrap_or_default();
+    let subject = Subject {
+        effect_key: row.get(2)?.unwrap_or_default(),
+        external_id: row.get(3)?,
+        payload: row.get(4)?.unwrap_or_else(|| "null".into()),
+        created_at_s: row.get(5)?.unwrap_or_default(),
+    };
+    let lookups_so_far: i32 = row.get(6)?.unwrap_or_default();
+    let channel_options: Option<String> = row.get(8)?;
+    if state == "delivered" {
+        return Ok("delivered");
+    }
+    let Some(options) = channel_options
+        .and_then(|raw| serde_json::from_str(&raw).ok())
+        .and_then(|v: serde_json::Value| ChannelOptions::from_json(&v).ok())
+    else {
+        return Ok("not_supported");
+    };
+    let Some(config) = options.reconcile.clone() else {
+        return Ok("not_supported");
+    };
+    let Ok(url) = lookup::fill(&config.url, &subject) else {
+        return Ok("not_supported");
+    };
+    let result = lookup_from_backend(&options, url, subject);
+    let pid = unsafe { pgrx::pg_sys::MyProcPid };
+    record_lookup(client, id, &result, &options, lookups_so_far, pid)?;
+    Ok(result.as_str())
+}
+
+fn spi_failure(e: pgrx::spi::Error) -> ! {
+    pgrx::pg_sys::panic::ErrorReport::new(
+        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+        format!("outbox_delivery: SPI failure: {e}"),
+        "outbox_delivery",
+    )
+    .report(PgLogLevel::ERROR);
+    unreachable!()
+}
+
+/// `outbox.reconcile(id)`: a read-only lookup at the provider; never sends the message.
+#[pg_extern(name = "reconcile", volatile)]
+fn reconcile_one(id: Option<i64>) -> &'static str {
+    let id = id
+        .ok_or_else(|| {
+            OutboxError::invalid_argument(
+                "id",
+                "must not be NULL",
+                "Pass a message id from outbox.work_queue.",
+            )
+        })
+        .or_raise();
+    Spi::connect_mut(|client| reconcile_locked(client, id)).unwrap_or_else(|e| spi_failure(e))
+}
+
+/// `outbox.reconcile()`: every `uncertain` message on a channel that can reconcile.
+#[pg_extern(name = "reconcile", volatile)]
+fn reconcile_all() -> TableIterator<
+    'static,
+    (
+        name!(checked, i32),
+        name!(delivered, i32),
+        name!(not_found, i32),
+        name!(unavailable, i32),
+    ),
+> {
+    let counts = Spi::connect_mut(|client| -> SpiResult<(i32, i32, i32, i32)> {
+        let ids: Vec<i64> = client
+            .select(RECONCILABLE, None, &[])?
+            .filter_map(|row| row.get::<i64>(1).ok().flatten())
+            .collect();
+        let mut counts = (0, 0, 0, 0);
+        for id in ids {
+            counts.0 += 1;
+            match reconcile_locked(client, id)? {
+                "delivered" => counts.1 += 1,
+                "not_found" => counts.2 += 1,
+                _ => counts.3 += 1,
+            }
+        }
+        Ok(counts)
+    })
+    .unwrap_or_else(|e| spi_failure(e));
+    TableIterator::once(counts)
+}
+
+extension_sql!(
+    r#"
+COMMENT ON FUNCTION outbox.reconcile(bigint) IS
+    'Read-only lookup at the provider for one message; never sends it. Returns delivered, not_found, unavailable or not_supported. Unknown id: error 02000.';
+COMMENT ON FUNCTION outbox.reconcile() IS
+    'Reconciles every uncertain message on channels that can look messages up; returns the counts.';
+"#,
+    name = "reconcile_comments",
+    requires = [reconcile_one, reconcile_all]
+);
