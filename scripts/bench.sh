@@ -64,7 +64,7 @@ SELECT 'default', 1, 'k' || g, '{"text": "benchmark message"}', now() FROM gener
 VACUUM ANALYZE public.plain_outbox;
 SQL
 cat >"$WORK/claim.sql" <<'SQL'
-WITH c AS (SELECT id FROM public.plain_outbox WHERE state = 'queued' AND next_attempt_at <= now()
+WITH c AS (SELECT id FROM public.plain_outbox WHERE channel_id = 1 AND state = 'queued' AND next_attempt_at <= now()
             ORDER BY next_attempt_at, id LIMIT 100 FOR UPDATE SKIP LOCKED)
 UPDATE public.plain_outbox p SET state = 'delivered', updated_at = now() FROM c WHERE p.id = c.id;
 SQL
@@ -92,7 +92,8 @@ target/release/bench --backlog "$BACKLOG" --latency-samples 200
 
 # 5. Footprint ----------------------------------------------------------------------------
 for pid in $(psql -Atc "SELECT pid FROM outbox.worker_status() WHERE pid IS NOT NULL"); do
-  echo "worker_rss $(($(awk '/VmRSS/ {print $2}' /proc/$pid/status) / 1024)) MB (pid $pid)"
+  # Private memory (RssAnon) is the worker's own; RssShmem is shared_buffers pages it touched.
+  echo "worker_rss_private $(($(awk '/RssAnon/ {print $2}' /proc/$pid/status) / 1024)) MB, shared $(($(awk '/RssShmem/ {print $2}' /proc/$pid/status) / 1024)) MB (pid $pid)"
 done
 psql -Atc "SELECT 'size ' || c.relname || ' ' || pg_size_pretty(pg_relation_size(c.oid)) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'outbox' AND c.relkind IN ('r', 'i') ORDER BY pg_relation_size(c.oid) DESC LIMIT 8"
 rm -rf "$WORK"

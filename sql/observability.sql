@@ -1,6 +1,6 @@
 -- outbox_delivery: metrics, alerts and the Prometheus exposition.
--- Cheap at any backlog: state counts read the partial indexes (index-only), the queue's age
--- reads the head of the due index, and rates come from counters the worker keeps.
+-- Cheap at any backlog: state counts read the partial indexes (never the table), the
+-- queue's age reads the head of the due index, and rates come from counters the worker keeps.
 
 CREATE FUNCTION outbox._setting(name text, fallback integer) RETURNS integer
 LANGUAGE sql STABLE
@@ -8,15 +8,35 @@ AS $fn$
     SELECT coalesce(pg_catalog.current_setting(name, true)::integer, fallback)
 $fn$;
 
+-- Message counts of one channel, each from its partial index. The planner would pick a
+-- sequential scan when its statistics see few channels; the counts must not depend on that.
+CREATE FUNCTION outbox._state_counts(channel_id integer, OUT queued bigint, OUT sending bigint,
+                                     OUT uncertain bigint, OUT exhausted bigint, OUT failed bigint)
+LANGUAGE plpgsql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
+SET jit = off
+AS $fn$
+BEGIN
+    SELECT count(*) INTO queued FROM outbox._messages m
+     WHERE m.channel_id = _state_counts.channel_id AND m.state = 'queued';
+    SELECT count(*) INTO sending FROM outbox._messages m
+     WHERE m.channel_id = _state_counts.channel_id AND m.state = 'sending';
+    SELECT count(*) INTO uncertain FROM outbox._messages m
+     WHERE m.state = 'uncertain' AND m.channel_id = _state_counts.channel_id;
+    SELECT count(*) INTO exhausted FROM outbox._messages m
+     WHERE m.state = 'exhausted' AND m.channel_id = _state_counts.channel_id;
+    SELECT count(*) INTO failed FROM outbox._messages m
+     WHERE m.state = 'failed' AND m.channel_id = _state_counts.channel_id;
+END
+$fn$;
+
 CREATE VIEW outbox.metrics AS
 WITH per_channel AS (
     SELECT c.id,
            c.name AS channel,
-           (SELECT count(*) FROM outbox._messages m WHERE m.channel_id = c.id AND m.state = 'queued') AS queued,
-           (SELECT count(*) FROM outbox._messages m WHERE m.channel_id = c.id AND m.state = 'sending') AS sending,
-           (SELECT count(*) FROM outbox._messages m WHERE m.state = 'uncertain' AND m.channel_id = c.id) AS uncertain,
-           (SELECT count(*) FROM outbox._messages m WHERE m.state = 'exhausted' AND m.channel_id = c.id) AS exhausted,
-           (SELECT count(*) FROM outbox._messages m WHERE m.state = 'failed' AND m.channel_id = c.id) AS failed,
+           n.queued, n.sending, n.uncertain, n.exhausted, n.failed,
            (SELECT greatest(0, extract(epoch FROM pg_catalog.now() - h.next_attempt_at))::numeric(12, 3)
               FROM (SELECT m.next_attempt_at FROM outbox._messages m
                      WHERE m.channel_id = c.id AND m.state = 'queued'
@@ -33,6 +53,7 @@ WITH per_channel AS (
            coalesce(s.failed_total, 0) AS failed_total,
            c.paused
       FROM outbox._channels c
+      CROSS JOIN LATERAL outbox._state_counts(c.id) n
       LEFT JOIN outbox._channel_stats s ON s.channel_id = c.id
 ), rows AS (
     SELECT 'channel'::text AS scope, channel, queued, sending, uncertain, exhausted, failed,

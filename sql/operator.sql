@@ -109,6 +109,9 @@ BEGIN
             IF v_lookup = 'unavailable' THEN
                 RAISE NOTICE 'message %: the provider could not be asked; nothing was resent', v_msg.id
                     USING HINT = 'Try again later, or settle it with outbox.resolve() after checking by hand.';
+            ELSIF v_lookup = 'not_found' AND v_after = 'uncertain' THEN
+                RAISE NOTICE 'message %: not found yet, but its last attempt may still be in process at the provider; nothing was resent', v_msg.id
+                    USING HINT = 'Retry again once the channel''s reconcile settle time (twice its timeout by default) has passed.';
             ELSIF v_lookup = 'not_supported' OR (v_lookup = 'not_found' AND v_after <> 'queued') THEN
                 PERFORM outbox._requeue(v_msg.id);
                 v_after := 'queued';

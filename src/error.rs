@@ -17,6 +17,10 @@ pub enum OutboxError {
     UnknownChannel { name: String },
     /// A channel of that name already exists (42710).
     DuplicateChannel { name: String },
+    /// The function a sql channel names does not exist or has the wrong signature (42883).
+    UndefinedFunction { name: String, message: String },
+    /// The caller may not do this (42501).
+    InsufficientPrivilege { message: String, hint: &'static str },
 }
 
 impl OutboxError {
@@ -39,6 +43,10 @@ impl OutboxError {
             }
             OutboxError::UnknownChannel { .. } => PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
             OutboxError::DuplicateChannel { .. } => PgSqlErrorCode::ERRCODE_DUPLICATE_OBJECT,
+            OutboxError::UndefinedFunction { .. } => PgSqlErrorCode::ERRCODE_UNDEFINED_FUNCTION,
+            OutboxError::InsufficientPrivilege { .. } => {
+                PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE
+            }
         }
     }
 
@@ -52,6 +60,10 @@ impl OutboxError {
             }
             OutboxError::UnknownChannel { name } => format!("channel \"{name}\" does not exist"),
             OutboxError::DuplicateChannel { name } => format!("channel \"{name}\" already exists"),
+            OutboxError::UndefinedFunction { name, message } => {
+                format!("function {name}(jsonb, text): {message}")
+            }
+            OutboxError::InsufficientPrivilege { message, .. } => message.clone(),
         }
     }
 
@@ -76,6 +88,10 @@ impl OutboxError {
             OutboxError::DuplicateChannel { .. } => {
                 "Change an existing channel with outbox.alter_channel(name, options)."
             }
+            OutboxError::UndefinedFunction { .. } => {
+                "A sql channel calls function(payload jsonb, effect_key text) RETURNS text; create it first."
+            }
+            OutboxError::InsufficientPrivilege { hint, .. } => hint,
         }
     }
 

@@ -108,7 +108,7 @@ fn reconcile_channel_finds_the_message_and_never_resends() {
     sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
     let options = format!(
         r#"{{"reference_header": "X-Effect-Key", "external_id": "/id",
-            "reconcile": {{"url": "{}", "found": "/found", "external_id": "/id"}},
+            "reconcile": {{"url": "{}", "found": "/found", "external_id": "/id", "settle_ms": 300}},
             "retry": {{"base_ms": 200, "jitter": "none"}}}}"#,
         sim.lookup_url_by_key(&ch)
     );
@@ -226,7 +226,7 @@ fn manual_retry_reconciles_first_and_resends_with_the_same_key() {
     sim.set_lookup_plan(&ch, vec![LookupAction::Status(503); 50]);
     let options = format!(
         r#"{{"reference_header": "X-Effect-Key",
-            "reconcile": {{"url": "{}", "found": "/found"}},
+            "reconcile": {{"url": "{}", "found": "/found", "settle_ms": 300}},
             "retry": {{"base_ms": 60000, "jitter": "none"}}}}"#,
         sim.lookup_url_by_key(&ch)
     );
@@ -298,7 +298,7 @@ fn manual_retry_of_a_message_the_provider_has_delivers_without_resending() {
     sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
     sim.set_lookup_plan(&ch, vec![LookupAction::Status(503); 50]);
     let options = format!(
-        r#"{{"reference_header": "X-Effect-Key", "reconcile": {{"url": "{}", "found": "/found", "external_id": "/id"}},
+        r#"{{"reference_header": "X-Effect-Key", "reconcile": {{"url": "{}", "found": "/found", "external_id": "/id", "settle_ms": 300}},
             "retry": {{"base_ms": 60000}}}}"#,
         sim.lookup_url_by_key(&ch)
     );
@@ -352,7 +352,7 @@ fn reconcile_all_counts_and_cancel_is_logged() {
     );
     sim.set_lookup_plan(&ch, vec![LookupAction::Status(503); 10]);
     let options = format!(
-        r#"{{"reference_header": "X-Effect-Key", "reconcile": {{"url": "{}", "found": "/found"}},
+        r#"{{"reference_header": "X-Effect-Key", "reconcile": {{"url": "{}", "found": "/found", "settle_ms": 300}},
             "retry": {{"base_ms": 60000}}, "max_in_flight": 1}}"#,
         sim.lookup_url_by_key(&ch)
     );

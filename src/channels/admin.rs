@@ -1,8 +1,10 @@
 //! `create_channel` / `alter_channel`: every option validated before anything is written.
 
-use super::options::{validate_endpoint, ChannelOptions, OptionError};
+use super::options::{validate_endpoint, ChannelOptions, Kind, OptionError};
+use super::sql;
 use crate::error::{OrRaise, OutboxError};
 use pgrx::prelude::*;
+use pgrx::spi::SpiClient;
 use pgrx::JsonB;
 use serde_json::Value;
 
@@ -25,6 +27,76 @@ fn option_error(e: OptionError) -> OutboxError {
     OutboxError::InvalidOption {
         option: e.option,
         message: e.message,
+    }
+}
+
+/// Checks what an option object needs outside itself: an http channel's endpoint is a URL;
+/// a sql channel's endpoint is `sql`, its function exists with the right signature, its
+/// `run_as` role exists and is not a superuser, and the caller may administer channels.
+fn check_target(
+    client: &SpiClient<'_>,
+    endpoint: &str,
+    options: &ChannelOptions,
+) -> Result<(), pgrx::spi::Error> {
+    let Kind::Sql { function, run_as } = &options.kind else {
+        validate_endpoint("endpoint", endpoint)
+            .map_err(option_error)
+            .or_raise();
+        return Ok(());
+    };
+    if endpoint != "sql" {
+        option_error(OptionError {
+            option: "endpoint".into(),
+            message: format!("must be 'sql' for a channel of kind sql, not \"{endpoint}\""),
+        })
+        .raise();
+    }
+    let may = client
+        .select(sql::MAY_ADMINISTER, Some(1), &[])?
+        .first()
+        .get_one::<bool>()?;
+    if may != Some(true) {
+        OutboxError::InsufficientPrivilege {
+            message:
+                "only a superuser or a member of outbox_admin may point a channel at a function"
+                    .into(),
+            hint: "Ask an outbox_admin to create the channel.",
+        }
+        .raise();
+    }
+    let found = client.select(sql::FIND_FUNCTION, Some(1), &[function.as_str().into()])?;
+    if found.is_empty() {
+        OutboxError::UndefinedFunction {
+            name: function.clone(),
+            message: "does not exist".into(),
+        }
+        .raise();
+    }
+    if found.first().get::<bool>(2)? != Some(true) {
+        OutboxError::UndefinedFunction {
+            name: function.clone(),
+            message: "must return text (the external id)".into(),
+        }
+        .raise();
+    }
+    let role = client.select(sql::FIND_ROLE, Some(1), &[run_as.as_str().into()])?;
+    let superuser = if role.is_empty() {
+        None
+    } else {
+        role.first().get_one::<bool>()?
+    };
+    match superuser {
+        Some(false) => Ok(()),
+        Some(true) => option_error(OptionError {
+            option: "run_as".into(),
+            message: format!("role \"{run_as}\" is a superuser; effects run with least privilege"),
+        })
+        .raise(),
+        None => option_error(OptionError {
+            option: "run_as".into(),
+            message: format!("role \"{run_as}\" does not exist"),
+        })
+        .raise(),
     }
 }
 
@@ -59,9 +131,6 @@ fn create_channel(
 ) {
     let name = required("name", name);
     let endpoint = required("endpoint", endpoint);
-    validate_endpoint("endpoint", endpoint)
-        .map_err(option_error)
-        .or_raise();
     let options = options
         .map(|j| j.0)
         .unwrap_or_else(|| Value::Object(Default::default()));
@@ -71,6 +140,7 @@ fn create_channel(
     let normalized = parsed.to_json();
 
     Spi::connect_mut(|client| -> Result<(), pgrx::spi::Error> {
+        check_target(client, endpoint, &parsed)?;
         let inserted = client.update(
             INSERT_CHANNEL,
             None,
@@ -137,18 +207,16 @@ fn alter_channel(name: Option<&str>, options: Option<JsonB>) {
                 })
                 .map_err(option_error)
                 .or_raise();
-            validate_endpoint("endpoint", e)
-                .map_err(option_error)
-                .or_raise();
             endpoint = e.to_string();
         }
         let merged = ChannelOptions::merge(&current_options, &changes)
             .map_err(option_error)
             .or_raise();
-        let normalized = ChannelOptions::from_json(&merged)
+        let parsed = ChannelOptions::from_json(&merged)
             .map_err(option_error)
-            .or_raise()
-            .to_json();
+            .or_raise();
+        check_target(client, &endpoint, &parsed)?;
+        let normalized = parsed.to_json();
 
         client.update(
             UPDATE_CHANNEL,

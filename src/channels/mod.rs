@@ -3,3 +3,4 @@
 pub mod admin;
 pub mod http;
 pub mod options;
+pub mod sql;

@@ -24,10 +24,15 @@ pub struct ReconcileConfig {
     pub found: Option<String>,
     /// JSON pointer to the provider's id in the answer.
     pub external_id: Option<String>,
+    /// How long after an attempt started a "not found" is believed: a provider may still be
+    /// processing a request whose answer never came. None: twice the channel's timeout.
+    pub settle_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChannelOptions {
+    /// `http` (send to the endpoint) or `sql` (call a function in this database).
+    pub kind: Kind,
     pub method: String,
     pub headers: Vec<(String, String)>,
     pub timeout_ms: u64,
@@ -43,6 +48,29 @@ pub struct ChannelOptions {
     pub classify: Overrides,
     pub max_in_flight: u32,
 }
+
+/// How a channel performs its effect.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Kind {
+    Http,
+    /// `function(payload jsonb, effect_key text) → text`, called as `run_as`.
+    Sql {
+        function: String,
+        run_as: String,
+    },
+}
+
+/// Options that only mean something for an HTTP channel.
+const HTTP_ONLY: &[&str] = &[
+    "method",
+    "headers",
+    "idempotency_header",
+    "idempotency_window_ms",
+    "reference_header",
+    "external_id",
+    "reconcile",
+    "classify",
+];
 
 /// A rejected option, named by its path (e.g. `retry.base_ms`).
 #[derive(Debug, Clone, PartialEq)]
@@ -74,6 +102,8 @@ const KNOWN_KEYS: &[&str] = &[
     "retry",
     "classify",
     "max_in_flight",
+    "function",
+    "run_as",
 ];
 
 const METHODS: &[&str] = &["POST", "PUT", "PATCH", "GET", "DELETE"];
@@ -81,6 +111,7 @@ const METHODS: &[&str] = &["POST", "PUT", "PATCH", "GET", "DELETE"];
 impl Default for ChannelOptions {
     fn default() -> Self {
         ChannelOptions {
+            kind: Kind::Http,
             method: "POST".into(),
             headers: Vec::new(),
             timeout_ms: 10_000,
@@ -181,13 +212,14 @@ impl ChannelOptions {
             match key {
                 "kind" => {
                     let kind = string(key, value)?;
-                    if kind != "http" {
+                    if kind != "http" && kind != "sql" {
                         return Err(OptionError::new(
                             key,
-                            format!("\"{kind}\" is not a supported kind; supported: http"),
+                            format!("\"{kind}\" is not a supported kind; supported: http, sql"),
                         ));
                     }
                 }
+                "function" | "run_as" => {} // read below, with kind
                 "method" => {
                     let m = string(key, value)?.to_ascii_uppercase();
                     if !METHODS.contains(&m.as_str()) {
@@ -251,6 +283,14 @@ impl ChannelOptions {
                 _ => unreachable!("unknown keys were rejected above"),
             }
         }
+        if obj.get("kind").and_then(Value::as_str) == Some("sql") {
+            o.kind = sql_kind(obj)?;
+        } else if let Some(k) = ["function", "run_as"]
+            .iter()
+            .find(|k| obj.get(**k).is_some_and(|v| !v.is_null()))
+        {
+            return Err(OptionError::new(*k, "is only used by channels of kind sql"));
+        }
         if o.connect_timeout_ms > o.timeout_ms {
             return Err(OptionError::new(
                 "connect_timeout_ms",
@@ -276,6 +316,17 @@ impl ChannelOptions {
             .iter()
             .map(|(k, v)| (k.clone(), Value::String(v.clone())))
             .collect();
+        if let Kind::Sql { function, run_as } = &self.kind {
+            return json!({
+                "kind": "sql",
+                "function": function,
+                "run_as": run_as,
+                "timeout_ms": self.timeout_ms,
+                "connect_timeout_ms": self.connect_timeout_ms,
+                "retry": self.retry.to_json(),
+                "max_in_flight": self.max_in_flight,
+            });
+        }
         json!({
             "kind": "http",
             "method": self.method,
@@ -291,6 +342,7 @@ impl ChannelOptions {
             }),
             "reconcile": self.reconcile.as_ref().map(|r| json!({
                 "url": r.url, "method": r.method, "found": r.found, "external_id": r.external_id,
+                "settle_ms": r.settle_ms,
             })),
             "retry": self.retry.to_json(),
             "classify": self.classify.to_json(),
@@ -327,10 +379,50 @@ impl ChannelOptions {
         Ok(Value::Object(merged))
     }
 
+    /// How long after an attempt started a reconcile "not found" is believed.
+    pub fn reconcile_settle_ms(&self) -> u64 {
+        self.reconcile
+            .as_ref()
+            .and_then(|r| r.settle_ms)
+            .unwrap_or(self.timeout_ms.saturating_mul(2))
+    }
+
     /// The longest time a message of this channel may keep being retried.
     pub fn retry_horizon_ms(&self) -> u64 {
         self.retry.max_age_ms
     }
+}
+
+fn sql_kind(obj: &Map<String, Value>) -> Result<Kind, OptionError> {
+    if let Some(k) = HTTP_ONLY
+        .iter()
+        .find(|k| obj.get(**k).is_some_and(|v| !v.is_null()))
+    {
+        return Err(OptionError::new(*k, "is not used by channels of kind sql"));
+    }
+    let function = match obj.get("function") {
+        Some(Value::String(f)) if crate::channels::sql::is_function_name(f) => f.clone(),
+        Some(Value::String(f)) => {
+            return Err(OptionError::new(
+                "function",
+                format!("\"{f}\" is not a function name (schema.name, without arguments)"),
+            ))
+        }
+        _ => return Err(OptionError::new(
+            "function",
+            "is required for kind sql: the function (payload jsonb, effect_key text) returns text",
+        )),
+    };
+    let run_as = match obj.get("run_as") {
+        Some(Value::String(r)) if !r.is_empty() && r.len() <= 63 => r.clone(),
+        _ => {
+            return Err(OptionError::new(
+                "run_as",
+                "is required for kind sql: the role the function runs as (not a superuser)",
+            ))
+        }
+    };
+    Ok(Kind::Sql { function, run_as })
 }
 
 fn parse_headers(v: &Value) -> Result<Vec<(String, String)>, OptionError> {
@@ -362,7 +454,7 @@ fn parse_reconcile(v: &Value) -> Result<ReconcileConfig, OptionError> {
     let obj = v
         .as_object()
         .ok_or_else(|| OptionError::new("reconcile", format!("must be a JSON object, not {v}")))?;
-    const KEYS: &[&str] = &["url", "method", "found", "external_id"];
+    const KEYS: &[&str] = &["url", "method", "found", "external_id", "settle_ms"];
     if let Some(unknown) = obj.keys().find(|k| !KEYS.contains(&k.as_str())) {
         return Err(OptionError::new(
             format!("reconcile.{unknown}"),
@@ -407,11 +499,16 @@ fn parse_reconcile(v: &Value) -> Result<ReconcileConfig, OptionError> {
         None | Some(Value::Null) => None,
         Some(p) => Some(json_pointer("reconcile.external_id", p)?),
     };
+    let settle_ms = match obj.get("settle_ms") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(positive_int("reconcile.settle_ms", v, 86_400_000)?),
+    };
     Ok(ReconcileConfig {
         url,
         method,
         found,
         external_id,
+        settle_ms,
     })
 }
 
@@ -517,6 +614,36 @@ mod tests {
             .option
             .starts_with("classify"));
         assert_eq!(err(json!([])).option, "options");
+    }
+
+    #[test]
+    fn sql_channels() {
+        let o = ChannelOptions::from_json(
+            &json!({"kind": "sql", "function": "app.create_task", "run_as": "app_effects"}),
+        )
+        .unwrap();
+        assert_eq!(
+            o.kind,
+            Kind::Sql {
+                function: "app.create_task".into(),
+                run_as: "app_effects".into()
+            }
+        );
+        assert_eq!(ChannelOptions::from_json(&o.to_json()).unwrap(), o);
+        assert_eq!(
+            err(json!({"kind": "sql", "run_as": "r"})).option,
+            "function"
+        );
+        assert_eq!(
+            err(json!({"kind": "sql", "function": "f(jsonb)", "run_as": "r"})).option,
+            "function"
+        );
+        assert_eq!(
+            err(json!({"kind": "sql", "function": "app.f"})).option,
+            "run_as"
+        );
+        assert_eq!(err(json!({"kind": "sql", "function": "app.f", "run_as": "r", "idempotency_header": "K"})).option, "idempotency_header");
+        assert_eq!(err(json!({"function": "app.f"})).option, "function");
     }
 
     #[test]

@@ -261,6 +261,7 @@ mod tests {
             method: "GET".into(),
             found: found.map(str::to_string),
             external_id: external_id.map(str::to_string),
+            settle_ms: None,
         }
     }
 

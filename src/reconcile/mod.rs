@@ -22,26 +22,35 @@ use std::cell::RefCell;
 const RECORD_LOOKUP: &str = "
 WITH cur AS (
     SELECT m.id, m.state,
-           (m.attempts - m.budget_base) >= coalesce((c.options -> 'retry' ->> 'max_attempts')::int, 8) AS spent
+           (m.attempts - m.budget_base) >= coalesce((c.options -> 'retry' ->> 'max_attempts')::int, 8) AS spent,
+           last_send.at + $8::int8 * interval '1 millisecond' AS settled_at
       FROM outbox._messages m
       LEFT JOIN outbox._channels c ON c.id = m.channel_id
+      LEFT JOIN LATERAL (SELECT max(a.started_at) AS at FROM outbox._attempts a
+                          WHERE a.message_id = m.id AND a.kind = 'send') last_send ON true
      WHERE m.id = $1
+), verdict AS (
+    -- A not-found answer is believed only once the last attempt has settled at the provider.
+    SELECT cur.*, $2 = 'not_found' AND cur.state = 'uncertain'
+                  AND (cur.settled_at IS NULL OR cur.settled_at <= now()) AS requeue
+      FROM cur
 ), m AS (
     UPDATE outbox._messages m
        SET state = CASE WHEN $2 = 'delivered' THEN 'delivered'::outbox.state
-                        WHEN $2 = 'not_found' AND cur.state = 'uncertain' AND cur.spent THEN 'exhausted'::outbox.state
-                        WHEN $2 = 'not_found' AND cur.state = 'uncertain' THEN 'queued'::outbox.state
+                        WHEN v.requeue AND v.spent THEN 'exhausted'::outbox.state
+                        WHEN v.requeue THEN 'queued'::outbox.state
                         ELSE m.state END,
            delivered_at = CASE WHEN $2 = 'delivered' THEN now() ELSE m.delivered_at END,
            external_id = CASE WHEN $2 = 'delivered' THEN coalesce($3, m.external_id) ELSE m.external_id END,
-           next_attempt_at = CASE WHEN $2 = 'not_found' THEN now()
+           next_attempt_at = CASE WHEN v.requeue THEN now()
+                                  WHEN $2 = 'not_found' THEN greatest(v.settled_at, now() + interval '100 milliseconds')
                                   WHEN $6::int8 IS NOT NULL THEN to_timestamp($6::int8 / 1000.0)
                                   ELSE m.next_attempt_at END,
            last_error = CASE WHEN $2 = 'delivered' THEN m.last_error ELSE $5 END,
            reconcile_attempts = m.reconcile_attempts + 1,
            updated_at = now()
-      FROM cur
-     WHERE m.id = cur.id AND m.state NOT IN ('delivered', 'sending')
+      FROM verdict v
+     WHERE m.id = v.id AND m.state NOT IN ('delivered', 'sending')
  RETURNING m.id, m.tenant, m.effect_key, m.external_id, m.attempts, m.state
 ), ledger AS (
     INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
@@ -100,7 +109,9 @@ pub fn record_lookup(
         Lookup::Found { external_id, .. } => (external_id.clone(), None, None),
         Lookup::NotFound { http_status } => (
             None,
-            Some(format!("reconcile: the provider does not have it (HTTP {http_status}); requeued with the same effect key")),
+            Some(format!(
+                "reconcile: the provider does not have it (HTTP {http_status}); requeued with the same effect key once the last attempt has settled"
+            )),
             None,
         ),
         Lookup::Unavailable { error, .. } => (
@@ -120,6 +131,7 @@ pub fn record_lookup(
             error.into(),
             next_at.into(),
             pid.into(),
+            (options.reconcile_settle_ms().min(i64::MAX as u64) as i64).into(),
         ],
     )?;
     if rows.is_empty() {

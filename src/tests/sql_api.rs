@@ -206,3 +206,24 @@ fn views_show_budget_and_no_next_attempt_for_finished_messages() {
     Spi::run("UPDATE outbox._messages SET state = 'delivered' WHERE effect_key = 'k-vw'").unwrap();
     assert_eq!(count("SELECT count(*) FROM outbox.messages WHERE effect_key = 'k-vw' AND next_attempt_at IS NULL"), 1);
 }
+
+#[pg_test]
+fn sql_channels_name_an_existing_function_and_a_least_privilege_role() {
+    Spi::run("CREATE SCHEMA app").unwrap();
+    Spi::run("CREATE FUNCTION app.create_task(payload jsonb, effect_key text) RETURNS text LANGUAGE sql AS $$ SELECT effect_key $$").unwrap();
+    Spi::run("CREATE FUNCTION app.wrong_return(payload jsonb, effect_key text) RETURNS int LANGUAGE sql AS $$ SELECT 1 $$").unwrap();
+    Spi::run("CREATE ROLE outbox_test_effects NOLOGIN").unwrap();
+    let opts = |f: &str, r: &str| format!("'{{\"kind\": \"sql\", \"function\": \"{f}\", \"run_as\": \"{r}\"}}'");
+    assert_eq!(
+        sqlstate(&format!("SELECT outbox.create_channel('tasks', 'sql', {})", opts("app.create_task", "outbox_test_effects"))),
+        "00000"
+    );
+    assert_eq!(sqlstate(&format!("SELECT outbox.create_channel('t2', 'sql', {})", opts("app.missing", "outbox_test_effects"))), "42883");
+    assert_eq!(sqlstate(&format!("SELECT outbox.create_channel('t2', 'sql', {})", opts("app.wrong_return", "outbox_test_effects"))), "42883");
+    assert_eq!(sqlstate(&format!("SELECT outbox.create_channel('t2', 'sql', {})", opts("app.create_task", "no_such_role"))), "22023");
+    assert_eq!(sqlstate(&format!("SELECT outbox.create_channel('t2', 'sql', {})", opts("app.create_task", "postgres"))), "22023");
+    assert_eq!(sqlstate(&format!("SELECT outbox.create_channel('t2', 'http://h/x', {})", opts("app.create_task", "outbox_test_effects"))), "22023");
+    assert_eq!(sqlstate("SELECT outbox.create_channel('t2', 'sql', '{\"kind\": \"sql\", \"function\": \"app.create_task(jsonb)\", \"run_as\": \"outbox_test_effects\"}')"), "22023");
+    assert_eq!(sqlstate("SELECT outbox.alter_channel('tasks', '{\"function\": \"app.missing\"}')"), "42883");
+    assert_eq!(count("SELECT count(*) FROM outbox.channels WHERE name = 't2'"), 0);
+}

@@ -6,6 +6,8 @@ use super::decide::{self, AttemptContext, Verdict};
 use super::record::{self, Outcomes, Tally};
 use super::{recovery, retention, slots};
 use crate::channels::http::{self, Outgoing, Transport};
+use crate::channels::options::{ChannelOptions, Kind};
+use crate::channels::sql;
 use crate::classify::Class;
 use crate::gucs::{self, FaultPoint};
 use crate::outbox::state::State;
@@ -161,6 +163,7 @@ impl Worker {
         let mut outcomes = Outcomes::default();
         let mut tallies: HashMap<i32, Tally> = HashMap::new();
         let mut to_send: Vec<(usize, reqwest::Client, Outgoing)> = Vec::new();
+        let mut effects: Vec<usize> = Vec::new();
         for (i, job) in jobs.iter().enumerate() {
             if let Some((recorded_by_message, external_id)) = &job.ledger {
                 tallies
@@ -201,6 +204,14 @@ impl Worker {
                 );
                 continue;
             };
+            if let Ok(ChannelOptions {
+                kind: Kind::Sql { .. },
+                ..
+            }) = &channel.options
+            {
+                effects.push(i); // runs inside the record transaction
+                continue;
+            }
             match self.outgoing(job, channel) {
                 Ok((client, out)) => to_send.push((i, client, out)),
                 Err(error) => {
@@ -264,15 +275,49 @@ impl Worker {
         crash_if(FaultPoint::CrashAfterResponse, fault, &jobs);
 
         slots::update(index, |s| s.phase = slots::Phase::Recording);
-        let delivered = outcomes.delivered.len() as i64;
+        let jitter = &mut self.jitter;
         BackgroundWorker::transaction(AssertUnwindSafe(|| {
             Spi::connect_mut(|client| {
+                // Effects inside this database run here, each in its own subtransaction, so
+                // that they commit together with their ledger entry or not at all.
+                for &i in &effects {
+                    let job = &jobs[i];
+                    let Some(Ok(options)) = channels.by_id.get(&job.channel_id).map(|c| &c.options)
+                    else {
+                        continue;
+                    };
+                    let Kind::Sql { function, run_as } = &options.kind else {
+                        continue;
+                    };
+                    let outcome = sql::call_effect(
+                        client,
+                        function,
+                        run_as,
+                        options.timeout_ms,
+                        &job.payload,
+                        &job.effect_key,
+                    )?;
+                    let ctx = AttemptContext {
+                        attempt: job.budget_attempt.max(1) as u32,
+                        now_ms: now_ms(),
+                        enqueued_at_ms: job.budget_started_at_ms,
+                        first_attempt_at_ms: job.first_attempt_at_ms,
+                    };
+                    let verdict =
+                        decide::after_effect(&outcome, options, ctx, &mut || jitter.next());
+                    tallies
+                        .entry(job.channel_id)
+                        .or_default()
+                        .count(verdict.state, true);
+                    outcomes.push(job.message_id, job.attempt_id, job.attempt, verdict);
+                }
                 record::record(client, &outcomes)?;
                 record::record_stats(client, &tallies)
             })
             .unwrap_or_else(|e| panic!("outbox_delivery worker: record failed: {e}"));
             crash_if(FaultPoint::CrashBeforeCommit, fault, &jobs);
         }));
+        let delivered = outcomes.delivered.len() as i64;
         debug1!(
             "outbox_delivery worker {index}: batch of {} recorded ({} delivered, {} other outcomes)",
             jobs.len(),

@@ -7,7 +7,8 @@
 //! for reconcile or an operator.
 
 use crate::channels::http::Transmission;
-use crate::channels::options::ChannelOptions;
+use crate::channels::options::{ChannelOptions, Kind};
+use crate::channels::sql::{classify_sqlstate, EffectOutcome};
 use crate::classify::{classify, Class, SendFacts};
 use crate::outbox::state::State;
 use crate::retry_policy::{decide, parse_retry_after, Decision, FailureFacts};
@@ -115,6 +116,50 @@ pub fn after_transmission(
     }
 }
 
+/// Decides after calling a sql channel's function.
+pub fn after_effect(
+    outcome: &EffectOutcome,
+    options: &ChannelOptions,
+    ctx: AttemptContext,
+    rng: &mut dyn FnMut() -> f64,
+) -> Verdict {
+    match outcome {
+        EffectOutcome::Returned(external_id) => Verdict {
+            state: State::Delivered,
+            next_at_ms: None,
+            class: None,
+            http_status: None,
+            retry_after_ms: None,
+            external_id: external_id.clone(),
+            error: None,
+            outcome: "delivered".into(),
+        },
+        EffectOutcome::Raised { sqlstate, message } => {
+            let class = classify_sqlstate(sqlstate);
+            settle(
+                class,
+                None,
+                None,
+                None,
+                format!("sql: SQLSTATE {sqlstate}: {message}"),
+                options,
+                ctx,
+                rng,
+            )
+        }
+        EffectOutcome::Unavailable(e) => settle(
+            Class::Permanent,
+            None,
+            None,
+            None,
+            format!("sql: {e}"),
+            options,
+            ctx,
+            rng,
+        ),
+    }
+}
+
 /// Decides for a `sending` message whose lease expired: the worker stopped while the
 /// attempt was in flight, so the provider may or may not have it.
 pub fn after_lost_lease(
@@ -122,11 +167,18 @@ pub fn after_lost_lease(
     ctx: AttemptContext,
     rng: &mut dyn FnMut() -> f64,
 ) -> Verdict {
-    let what = format!(
-        "recovery: attempt {} was in flight when its worker stopped (lease expired)",
-        ctx.attempt
-    );
-    let mut v = settle(Class::Ambiguous, None, None, None, what, options, ctx, rng);
+    let (class, what) = match options.kind {
+        // A sql effect commits with its ledger entry: a lost attempt did not happen.
+        Kind::Sql { .. } => (
+            Class::Transient,
+            "recovery: the worker stopped before the effect's transaction committed; nothing happened".to_string(),
+        ),
+        Kind::Http => (
+            Class::Ambiguous,
+            "recovery: the attempt was in flight when its worker stopped (lease expired)".to_string(),
+        ),
+    };
+    let mut v = settle(class, None, None, None, what, options, ctx, rng);
     v.outcome = format!("recovered: {}", v.state.as_str());
     v
 }
@@ -232,10 +284,10 @@ fn settle(
             },
             None if options.reconcile.is_some() => {
                 v.state = State::Uncertain;
-                v.next_at_ms = Some(
-                    ctx.now_ms
-                        .saturating_add(options.retry.base_ms.min(i64::MAX as u64) as i64),
-                );
+                // The first lookup waits until the provider has had time to finish
+                // processing the request whose answer never came.
+                let wait = options.retry.base_ms.max(options.reconcile_settle_ms());
+                v.next_at_ms = Some(ctx.now_ms.saturating_add(wait.min(i64::MAX as u64) as i64));
                 note(&mut v, "no resend before a read-only reconcile".into());
             }
             None => {
@@ -405,6 +457,46 @@ mod tests {
         assert_eq!(
             after_lost_lease(&spent, ctx(1), &mut half()).state,
             State::Uncertain
+        );
+    }
+
+    #[test]
+    fn sql_effects() {
+        let o = opts(
+            json!({"kind": "sql", "function": "app.f", "run_as": "r", "retry": {"jitter": "none"}}),
+        );
+        let ok = after_effect(
+            &EffectOutcome::Returned(Some("task-1".into())),
+            &o,
+            ctx(1),
+            &mut half(),
+        );
+        assert_eq!(
+            (ok.state, ok.external_id.as_deref()),
+            (State::Delivered, Some("task-1"))
+        );
+        let deadlock = EffectOutcome::Raised {
+            sqlstate: "40P01".into(),
+            message: "deadlock detected".into(),
+        };
+        let v = after_effect(&deadlock, &o, ctx(1), &mut half());
+        assert_eq!((v.state, v.class), (State::Queued, Some(Class::Transient)));
+        let check = EffectOutcome::Raised {
+            sqlstate: "23514".into(),
+            message: "violates check".into(),
+        };
+        let v = after_effect(&check, &o, ctx(1), &mut half());
+        assert_eq!(v.state, State::Failed);
+        assert!(v.error.unwrap().contains("23514"));
+        let gone = EffectOutcome::Unavailable("function app.f(jsonb, text) does not exist".into());
+        assert_eq!(
+            after_effect(&gone, &o, ctx(1), &mut half()).state,
+            State::Failed
+        );
+        // A lost lease on a sql channel is not ambiguous: the effect did not commit.
+        assert_eq!(
+            after_lost_lease(&o, ctx(1), &mut half()).state,
+            State::Queued
         );
     }
 

@@ -1,0 +1,448 @@
+//! Business operations: one effect key per effect, and exactly-once effects inside this
+//! database through a `sql` channel — the function's writes commit with the ledger entry or
+//! not at all.
+
+use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
+use outbox_e2e::sim::{Action, Simulator};
+use postgres::Client;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(40);
+
+/// Resets `outbox.fault_injection` when dropped, even if the test fails.
+struct FaultGuard<'a>(&'a Cluster);
+
+impl Drop for FaultGuard<'_> {
+    fn drop(&mut self) {
+        self.0.set_fault("none");
+    }
+}
+
+/// The application's side: a task table, an effect function that creates a task, a
+/// least-privilege role it runs as, and a flaky function for retries.
+fn app_schema(c: &mut Client) -> String {
+    let s = unique("app");
+    let role = format!("{s}_effects");
+    c.batch_execute(&format!(
+        r#"
+        CREATE SCHEMA {s};
+        CREATE TABLE {s}.tasks (id bigserial PRIMARY KEY, effect_key text NOT NULL, title text NOT NULL,
+                                CONSTRAINT title_not_bad CHECK (title <> 'bad'));
+        CREATE SEQUENCE {s}.flaky_calls;
+        CREATE ROLE {role} NOLOGIN;
+        GRANT USAGE ON SCHEMA {s} TO {role};
+        GRANT INSERT, SELECT ON {s}.tasks TO {role};
+        GRANT USAGE ON SEQUENCE {s}.tasks_id_seq TO {role};
+        GRANT USAGE ON SEQUENCE {s}.flaky_calls TO {role};
+        CREATE FUNCTION {s}.create_task(payload jsonb, effect_key text) RETURNS text LANGUAGE sql AS $$
+            INSERT INTO {s}.tasks (effect_key, title) VALUES (effect_key, payload ->> 'title') RETURNING 'task-' || id
+        $$;
+        CREATE FUNCTION {s}.flaky_task(payload jsonb, effect_key text) RETURNS text LANGUAGE plpgsql AS $$
+        BEGIN
+            -- The insert is part of the effect: it must vanish whenever the call fails.
+            INSERT INTO {s}.tasks (effect_key, title) VALUES (effect_key, 'flaky');
+            -- nextval is not transactional: it counts calls, failed ones included.
+            IF nextval('{s}.flaky_calls') <= (payload ->> 'failures')::int THEN
+                RAISE EXCEPTION 'deadlock detected (simulated)' USING ERRCODE = '40P01';
+            END IF;
+            RETURN 'ok-' || effect_key;
+        END $$;
+        CREATE FUNCTION {s}.whoami(payload jsonb, effect_key text) RETURNS text LANGUAGE sql AS $$ SELECT current_user::text $$;
+        GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {s} TO {role};
+        "#
+    ))
+    .expect("app schema");
+    s
+}
+
+fn sql_channel(c: &mut Client, name: &str, function: &str, role: &str) {
+    let options = format!(
+        r#"{{"kind": "sql", "function": "{function}", "run_as": "{role}", "retry": {{"base_ms": 100, "jitter": "none", "max_attempts": 5}}}}"#
+    );
+    c.execute(
+        "SELECT outbox.create_channel($1, 'sql', $2::text::jsonb)",
+        &[&name, &options],
+    )
+    .expect("create sql channel");
+}
+
+fn http_channel(c: &mut Client, sim: &Simulator, name: &str) {
+    sim.set_dedupe(name, "Idempotency-Key");
+    c.execute(
+        "SELECT outbox.create_channel($1, $2, '{\"idempotency_header\": \"Idempotency-Key\", \"external_id\": \"/id\", \"retry\": {\"base_ms\": 100}}'::jsonb)",
+        &[&name, &sim.send_url(name)],
+    )
+    .expect("create http channel");
+}
+
+fn tasks(c: &mut Client, s: &str, key: &str) -> i64 {
+    c.query_one(
+        &format!("SELECT count(*) FROM {s}.tasks WHERE effect_key = $1"),
+        &[&key],
+    )
+    .unwrap()
+    .get(0)
+}
+
+/// One assistant turn with three effects, each keyed by effect_key(turn, operation).
+fn run_turn(c: &mut Client, turn: &str, reply: &str, task: &str, email: &str) -> [i64; 3] {
+    let mut tx = c.transaction().unwrap();
+    let mut ids = [0i64; 3];
+    for (i, (channel, op, payload)) in [
+        (reply, "send_reply", r#"{"text": "Your task is created"}"#),
+        (
+            task,
+            "create_task",
+            r#"{"title": "Call the customer back"}"#,
+        ),
+        (
+            email,
+            "send_email",
+            r#"{"to": "user@example.org", "subject": "Task created"}"#,
+        ),
+    ]
+    .iter()
+    .enumerate()
+    {
+        ids[i] = tx
+            .query_one(
+                "SELECT outbox.enqueue($1, $2::text::jsonb, outbox.effect_key($3, $4))",
+                &[channel, payload, &turn, op],
+            )
+            .unwrap()
+            .get(0);
+    }
+    tx.commit().unwrap();
+    ids
+}
+
+#[test]
+fn effect_runs_as_its_least_privilege_role() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let s = app_schema(&mut c);
+    let ch = unique("fx_who");
+    sql_channel(&mut c, &ch, &format!("{s}.whoami"), &format!("{s}_effects"));
+    let id: i64 = c
+        .query_one(
+            "SELECT outbox.enqueue($1, '{}'::jsonb, $2)",
+            &[&ch, &unique("k")],
+        )
+        .unwrap()
+        .get(0);
+    assert!(wait_for_state(&cluster, id, "delivered", T));
+    let ext: Option<String> = c
+        .query_one(
+            "SELECT external_id FROM outbox.messages WHERE id = $1",
+            &[&id],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        ext,
+        Some(format!("{s}_effects")),
+        "the function ran as run_as, not as a superuser"
+    );
+    let by: String = c
+        .query_one(
+            "SELECT recorded_by FROM outbox.ledger WHERE message_id = $1",
+            &[&id],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(by, "worker");
+}
+
+#[test]
+fn three_effect_turn_survives_every_crash_point_exactly_once() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let sim = Simulator::start();
+    let s = app_schema(&mut c);
+    let role = format!("{s}_effects");
+    for point in [
+        "crash_after_claim",
+        "crash_after_send",
+        "crash_after_response",
+        "crash_before_commit",
+    ] {
+        let reply = unique("fx_reply");
+        let task = unique("fx_task");
+        let email = unique("fx_email");
+        http_channel(&mut c, &sim, &reply);
+        sql_channel(&mut c, &task, &format!("{s}.create_task"), &role);
+        http_channel(&mut c, &sim, &email);
+        let turn = unique("turn");
+        let guard = FaultGuard(&cluster);
+        cluster.set_fault(point);
+        let ids = run_turn(&mut c, &turn, &reply, &task, &email);
+        // The turn is re-run after the crash (the application retries its own step): the
+        // same keys yield the same messages.
+        assert!(
+            wait_until(T, || ids.iter().all(|id| outbox_e2e::cluster::state_of(
+                &cluster, *id
+            )
+            .as_deref()
+                != Some("sending"))),
+            "{point}: still sending"
+        );
+        drop(guard);
+        let mut c2 = cluster.connect();
+        let again = run_turn(&mut c2, &turn, &reply, &task, &email);
+        assert_eq!(
+            again, ids,
+            "{point}: re-running the turn enqueues nothing new"
+        );
+        for id in ids {
+            assert!(
+                wait_for_state(&cluster, id, "delivered", T),
+                "{point}: message {id} not delivered"
+            );
+        }
+        let task_key: String = c2
+            .query_one("SELECT outbox.effect_key($1, 'create_task')", &[&turn])
+            .unwrap()
+            .get(0);
+        assert_eq!(
+            sim.stored(&reply).len(),
+            1,
+            "{point}: the reply provider holds one message"
+        );
+        assert_eq!(
+            tasks(&mut c2, &s, &task_key),
+            1,
+            "{point}: the task table holds one row"
+        );
+        assert_eq!(
+            sim.stored(&email).len(),
+            1,
+            "{point}: the email provider holds one message"
+        );
+        c = c2;
+    }
+}
+
+#[test]
+fn crash_before_commit_rolls_the_effect_back_with_its_ledger_entry() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let s = app_schema(&mut c);
+    let ch = unique("fx_commit");
+    sql_channel(
+        &mut c,
+        &ch,
+        &format!("{s}.create_task"),
+        &format!("{s}_effects"),
+    );
+    let key = unique("k");
+    let mark = cluster.log_mark();
+    let guard = FaultGuard(&cluster);
+    cluster.set_fault("crash_before_commit");
+    let id: i64 = c
+        .query_one(
+            "SELECT outbox.enqueue($1, '{\"title\": \"once\"}'::jsonb, $2)",
+            &[&ch, &key],
+        )
+        .unwrap()
+        .get(0);
+    assert!(
+        wait_until(T, || cluster
+            .log_since(mark)
+            .contains("crash_before_commit")),
+        "the fault fired"
+    );
+    drop(guard);
+    assert!(wait_for_state(&cluster, id, "delivered", T));
+    let mut c = cluster.connect();
+    assert_eq!(
+        tasks(&mut c, &s, &key),
+        1,
+        "the effect happened exactly once"
+    );
+    let kinds: Vec<String> = c
+        .query("SELECT kind || ':' || coalesce(outcome, '') FROM outbox.attempts WHERE message_id = $1 ORDER BY attempt_id", &[&id])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(
+        kinds
+            .iter()
+            .any(|k| k.starts_with("recovery:recovered: queued")),
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some("send:delivered"),
+        "{kinds:?}"
+    );
+}
+
+#[test]
+fn transient_sql_errors_retry_and_permanent_ones_fail_with_their_sqlstate() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let s = app_schema(&mut c);
+    let role = format!("{s}_effects");
+    let flaky = unique("fx_flaky");
+    sql_channel(&mut c, &flaky, &format!("{s}.flaky_task"), &role);
+    let id: i64 = c
+        .query_one(
+            "SELECT outbox.enqueue($1, '{\"failures\": 2}'::jsonb, $2)",
+            &[&flaky, &unique("k")],
+        )
+        .unwrap()
+        .get(0);
+    assert!(wait_for_state(&cluster, id, "delivered", T));
+    let rows: Vec<(i32, Option<String>, Option<String>)> = c
+        .query("SELECT attempt, error_class::text, error FROM outbox.attempts WHERE message_id = $1 AND kind = 'send' ORDER BY attempt", &[&id])
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(rows.len(), 3, "delivered on attempt 3: {rows:?}");
+    for row in &rows[..2] {
+        assert_eq!(row.1.as_deref(), Some("transient"));
+        assert!(row.2.as_deref().unwrap_or("").contains("40P01"), "{row:?}");
+    }
+    let calls: i64 = c
+        .query_one(&format!("SELECT last_value FROM {s}.flaky_calls"), &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(calls, 3, "three calls");
+    let key: String = c
+        .query_one(
+            "SELECT effect_key FROM outbox.messages WHERE id = $1",
+            &[&id],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        tasks(&mut c, &s, &key),
+        1,
+        "the failed calls' writes were rolled back with them"
+    );
+
+    let tasks_ch = unique("fx_check");
+    sql_channel(&mut c, &tasks_ch, &format!("{s}.create_task"), &role);
+    let bad: i64 = c
+        .query_one(
+            "SELECT outbox.enqueue($1, '{\"title\": \"bad\"}'::jsonb, $2)",
+            &[&tasks_ch, &unique("k")],
+        )
+        .unwrap()
+        .get(0);
+    let good: i64 = c
+        .query_one(
+            "SELECT outbox.enqueue($1, '{\"title\": \"good\"}'::jsonb, $2)",
+            &[&tasks_ch, &unique("k")],
+        )
+        .unwrap()
+        .get(0);
+    assert!(wait_for_state(&cluster, bad, "failed", T));
+    assert!(
+        wait_for_state(&cluster, good, "delivered", T),
+        "a failing effect does not poison its batch"
+    );
+    let (class, error): (Option<String>, Option<String>) = c
+        .query_one(
+            "SELECT last_error_class::text, last_error FROM outbox.messages WHERE id = $1",
+            &[&bad],
+        )
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!(class.as_deref(), Some("permanent"));
+    assert!(
+        error.as_deref().unwrap_or("").contains("23514"),
+        "{error:?}"
+    );
+    let attempts: i32 = c
+        .query_one(
+            "SELECT attempts FROM outbox.messages WHERE id = $1",
+            &[&bad],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(attempts, 1);
+}
+
+#[test]
+fn a_dropped_function_fails_readably_and_the_worker_goes_on() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let s = app_schema(&mut c);
+    let ch = unique("fx_dropped");
+    sql_channel(
+        &mut c,
+        &ch,
+        &format!("{s}.create_task"),
+        &format!("{s}_effects"),
+    );
+    c.execute(
+        "SELECT outbox.pause_channel($1, 'dropping the function')",
+        &[&ch],
+    )
+    .unwrap();
+    let id: i64 = c
+        .query_one(
+            "SELECT outbox.enqueue($1, '{\"title\": \"t\"}'::jsonb, $2)",
+            &[&ch, &unique("k")],
+        )
+        .unwrap()
+        .get(0);
+    c.batch_execute(&format!("DROP FUNCTION {s}.create_task(jsonb, text)"))
+        .unwrap();
+    let pids = cluster.worker_pids(&mut c);
+    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
+        .unwrap();
+    assert!(wait_for_state(&cluster, id, "failed", T));
+    let error: Option<String> = c
+        .query_one(
+            "SELECT last_error FROM outbox.messages WHERE id = $1",
+            &[&id],
+        )
+        .unwrap()
+        .get(0);
+    assert!(
+        error.as_deref().unwrap_or("").contains("does not exist"),
+        "{error:?}"
+    );
+    assert_eq!(
+        cluster.worker_pids(&mut c),
+        pids,
+        "the worker did not crash"
+    );
+}
+
+#[test]
+fn a_new_command_is_a_new_effect_and_a_rerun_is_not() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let sim = Simulator::start();
+    let s = app_schema(&mut c);
+    let reply = unique("fx_r");
+    let task = unique("fx_t");
+    let email = unique("fx_e");
+    http_channel(&mut c, &sim, &reply);
+    sql_channel(
+        &mut c,
+        &task,
+        &format!("{s}.create_task"),
+        &format!("{s}_effects"),
+    );
+    http_channel(&mut c, &sim, &email);
+    sim.set_plan(&reply, vec![Action::Accept]);
+    let first = run_turn(&mut c, &unique("turn"), &reply, &task, &email);
+    let second = run_turn(&mut c, &unique("turn"), &reply, &task, &email);
+    for id in first.iter().chain(second.iter()) {
+        assert!(wait_for_state(&cluster, *id, "delivered", T));
+    }
+    assert_ne!(first, second, "a new turn id is a new, legitimate effect");
+    assert_eq!(sim.stored(&reply).len(), 2);
+    assert_eq!(sim.stored(&email).len(), 2);
+    let rows: i64 = c
+        .query_one(&format!("SELECT count(*) FROM {s}.tasks"), &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 2);
+}

@@ -1,0 +1,198 @@
+//! The `sql` channel: an effect inside this database. The worker calls the channel's
+//! function `(payload jsonb, effect_key text) → text` inside the same local transaction that
+//! writes the ledger entry and marks the message delivered — both commit or neither, so the
+//! effect happens exactly once by construction.
+//!
+//! Each call runs in a subtransaction as the channel's `run_as` role (never a superuser),
+//! with the channel's `timeout_ms` as its statement timeout: a failing effect is rolled back,
+//! classified and recorded without touching the rest of the batch.
+
+use crate::classify::Class;
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use pgrx::spi::{SpiClient, SpiResult};
+use std::panic::AssertUnwindSafe;
+
+/// The function a channel names, resolved by its exact signature; its owner and whether
+/// it returns text. No row: it does not exist.
+pub const FIND_FUNCTION: &str = "
+SELECT quote_ident(n.nspname) || '.' || quote_ident(p.proname), p.prorettype = 'text'::regtype
+  FROM pg_catalog.pg_proc p
+  JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+ WHERE p.oid = pg_catalog.to_regprocedure($1 || '(jsonb, text)')";
+
+/// A role an effect may run as: it must exist and must not be a superuser.
+pub const FIND_ROLE: &str = "SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = $1";
+
+/// May the caller point a channel at a function? Superusers and members of outbox_admin.
+pub const MAY_ADMINISTER: &str = "
+SELECT r.rolsuper
+    OR (pg_catalog.to_regrole('outbox_admin') IS NOT NULL AND pg_catalog.pg_has_role(current_user, 'outbox_admin', 'MEMBER'))
+  FROM pg_catalog.pg_roles r WHERE r.rolname = current_user";
+
+const BECOME: &str = "SELECT pg_catalog.set_config('role', $1, true), pg_catalog.set_config('statement_timeout', $2, true)";
+const RETURN_TO_WORKER: &str = "SELECT pg_catalog.set_config('role', 'none', true), pg_catalog.set_config('statement_timeout', '0', true)";
+
+/// Serialization failures, deadlocks, lock timeouts and query cancels are worth another
+/// try; every other error of an effect is permanent.
+pub fn classify_sqlstate(sqlstate: &str) -> Class {
+    match sqlstate {
+        "40001" | "40P01" | "55P03" | "57014" => Class::Transient,
+        _ => Class::Permanent,
+    }
+}
+
+/// Is `name` a plain (optionally schema-qualified) function name? Quoted identifiers and
+/// argument lists are not accepted: the channel names the function, the signature is fixed.
+pub fn is_function_name(name: &str) -> bool {
+    let part = |p: &str| {
+        let mut chars = p.chars();
+        matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$')
+            && p.len() <= 63
+    };
+    let parts: Vec<&str> = name.split('.').collect();
+    (1..=2).contains(&parts.len()) && parts.iter().all(|p| part(p))
+}
+
+/// The 5-character SQLSTATE of an error code.
+pub fn sqlstate_text(code: PgSqlErrorCode) -> String {
+    let code = code as isize as u32;
+    (0..5)
+        .map(|i| (((code >> (6 * i)) & 0x3F) as u8 + b'0') as char)
+        .collect()
+}
+
+/// What calling an effect function did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EffectOutcome {
+    /// It returned; the text is the external id.
+    Returned(Option<String>),
+    /// It raised; its writes were rolled back.
+    Raised { sqlstate: String, message: String },
+    /// It could not be called (e.g. dropped since the channel was created).
+    Unavailable(String),
+}
+
+/// Calls `function(payload, effect_key)` as `run_as` in a subtransaction of the current
+/// transaction. On error the subtransaction is rolled back and the error returned.
+pub fn call_effect(
+    client: &mut SpiClient<'_>,
+    function: &str,
+    run_as: &str,
+    timeout_ms: u64,
+    payload: &str,
+    effect_key: &str,
+) -> SpiResult<EffectOutcome> {
+    let found = client.select(FIND_FUNCTION, Some(1), &[function.into()])?;
+    if found.is_empty() {
+        return Ok(EffectOutcome::Unavailable(format!(
+            "function {function}(jsonb, text) does not exist (dropped or renamed since the channel was created?)"
+        )));
+    }
+    let row = found.first();
+    let qualified: String = row.get(1)?.unwrap_or_default();
+    if row.get::<bool>(2)? != Some(true) {
+        return Ok(EffectOutcome::Unavailable(format!(
+            "function {function}(jsonb, text) no longer returns text"
+        )));
+    }
+    // The name comes from the catalog, quoted by quote_ident: no input reaches the SQL text.
+    let call = format!("SELECT {qualified}($1::jsonb, $2::text)");
+    let timeout = timeout_ms.to_string();
+
+    unsafe {
+        let outer_context = pg_sys::CurrentMemoryContext;
+        let outer_owner = pg_sys::CurrentResourceOwner;
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(outer_context);
+
+        let result = PgTryBuilder::new(AssertUnwindSafe(
+            || -> Result<Option<String>, (String, String)> {
+                client
+                    .update(BECOME, None, &[run_as.into(), timeout.as_str().into()])
+                    .map_err(|e| ("XX000".to_string(), e.to_string()))?;
+                let rows = client
+                    .update(call.as_str(), Some(1), &[payload.into(), effect_key.into()])
+                    .map_err(|e| ("XX000".to_string(), e.to_string()))?;
+                let external_id = rows
+                    .first()
+                    .get_one::<String>()
+                    .map_err(|e| ("XX000".to_string(), e.to_string()))?;
+                client
+                    .update(RETURN_TO_WORKER, None, &[])
+                    .map_err(|e| ("XX000".to_string(), e.to_string()))?;
+                Ok(external_id)
+            },
+        ))
+        .catch_others(|caught| {
+            let (code, message) = match &caught {
+                pg_sys::panic::CaughtError::PostgresError(r)
+                | pg_sys::panic::CaughtError::ErrorReport(r) => {
+                    (sqlstate_text(r.sql_error_code()), r.message().to_string())
+                }
+                pg_sys::panic::CaughtError::RustPanic { ereport, .. } => {
+                    ("XX000".to_string(), ereport.message().to_string())
+                }
+            };
+            Err((code, message))
+        })
+        .execute();
+
+        match result {
+            Ok(external_id) => {
+                pg_sys::ReleaseCurrentSubTransaction();
+                pg_sys::MemoryContextSwitchTo(outer_context);
+                pg_sys::CurrentResourceOwner = outer_owner;
+                Ok(EffectOutcome::Returned(external_id))
+            }
+            Err((sqlstate, message)) => {
+                pg_sys::MemoryContextSwitchTo(outer_context);
+                pg_sys::RollbackAndReleaseCurrentSubTransaction();
+                pg_sys::MemoryContextSwitchTo(outer_context);
+                pg_sys::CurrentResourceOwner = outer_owner;
+                Ok(EffectOutcome::Raised { sqlstate, message })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlstates() {
+        for code in ["40001", "40P01", "55P03", "57014"] {
+            assert_eq!(classify_sqlstate(code), Class::Transient, "{code}");
+        }
+        for code in ["23514", "23505", "42883", "P0001", "22P02", "XX000"] {
+            assert_eq!(classify_sqlstate(code), Class::Permanent, "{code}");
+        }
+        assert_eq!(
+            sqlstate_text(PgSqlErrorCode::ERRCODE_T_R_DEADLOCK_DETECTED),
+            "40P01"
+        );
+        assert_eq!(
+            sqlstate_text(PgSqlErrorCode::ERRCODE_CHECK_VIOLATION),
+            "23514"
+        );
+        assert_eq!(
+            sqlstate_text(PgSqlErrorCode::ERRCODE_QUERY_CANCELED),
+            "57014"
+        );
+    }
+
+    #[test]
+    fn function_names() {
+        assert!(is_function_name("app.create_task"));
+        assert!(is_function_name("create_task"));
+        assert!(is_function_name("_x.f$1"));
+        assert!(!is_function_name(""));
+        assert!(!is_function_name("app.create_task(jsonb, text)"));
+        assert!(!is_function_name("a.b.c"));
+        assert!(!is_function_name("app;drop table x"));
+        assert!(!is_function_name("\"App\".f"));
+        assert!(!is_function_name("1abc"));
+    }
+}
