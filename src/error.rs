@@ -127,3 +127,15 @@ impl<T> OrRaise<T> for Result<T, OutboxError> {
         }
     }
 }
+
+/// An SPI call failed in a way no input explains (a bug, not bad input): raise it as an
+/// internal error rather than unwinding through Postgres.
+pub fn spi_failure(e: pgrx::spi::Error) -> ! {
+    ErrorReport::new(
+        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+        format!("outbox_delivery: SPI failure: {e}"),
+        "outbox_delivery",
+    )
+    .report(PgLogLevel::ERROR);
+    unreachable!("an ERROR report does not return")
+}

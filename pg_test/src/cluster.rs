@@ -6,6 +6,7 @@
 //! (`OUTBOX_BASE`, `OUTBOX_PGPORT`, `OUTBOX_DB`), so several clusters can run side by side.
 
 use postgres::{Client, NoTls};
+
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -218,4 +219,40 @@ pub fn state_of(cluster: &Cluster, id: i64) -> Option<String> {
 /// Waits until message `id` is in `state`.
 pub fn wait_for_state(cluster: &Cluster, id: i64, state: &str, timeout: Duration) -> bool {
     wait_until(timeout, || state_of(cluster, id).as_deref() == Some(state))
+}
+
+/// Polls `f` with a connection that is re-opened whenever it breaks (the server may be
+/// crash-restarting) until it returns `Some`, or `timeout` passes.
+pub fn poll<T>(
+    cluster: &Cluster,
+    timeout: Duration,
+    mut f: impl FnMut(&mut Client) -> Result<Option<T>, postgres::Error>,
+) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    let mut client: Option<Client> = None;
+    loop {
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = Client::connect(&cluster.conninfo(), NoTls).ok();
+        }
+        if let Some(c) = client.as_mut() {
+            match f(c) {
+                Ok(Some(v)) => return Some(v),
+                Ok(None) => {}
+                Err(_) => client = None,
+            }
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `outbox.create_channel(name, endpoint, options)`; options are JSON text.
+pub fn create_channel(c: &mut Client, name: &str, endpoint: &str, options: &str) {
+    c.execute(
+        "SELECT outbox.create_channel($1::text, $2::text, $3::text::jsonb)",
+        &[&name, &endpoint, &options],
+    )
+    .unwrap_or_else(|e| panic!("create_channel({name}, {endpoint}, {options}): {e}"));
 }

@@ -22,12 +22,12 @@
 
 use openmetrics_parser::prometheus::parse_prometheus;
 use openmetrics_parser::{MetricsExposition, PrometheusType, PrometheusValue};
-use outbox_e2e::cluster::{unique, wait_until, Cluster};
+use outbox_e2e::cluster::{create_channel, poll, unique, wait_until, Cluster};
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::{Client, IsolationLevel, NoTls, SimpleQueryMessage};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long a message may take to reach a state it is expected to reach.
 const SETTLE: Duration = Duration::from_secs(30);
@@ -44,14 +44,6 @@ fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn create_channel(c: &mut Client, name: &str, endpoint: &str, options: &str) {
-    c.execute(
-        "SELECT outbox.create_channel($1::text, $2::text, $3::text::jsonb)",
-        &[&name, &endpoint, &options],
-    )
-    .unwrap_or_else(|e| panic!("create_channel({name:?}, {endpoint}, {options}): {e:?}"));
-}
-
 fn enqueue(c: &mut Client, channel: &str, key: &str) -> i64 {
     let payload = format!(r#"{{"to": "user-7", "key": "{key}"}}"#);
     c.query_one(
@@ -60,33 +52,6 @@ fn enqueue(c: &mut Client, channel: &str, key: &str) -> i64 {
     )
     .unwrap_or_else(|e| panic!("enqueue on {channel:?} with key {key}: {e}"))
     .get(0)
-}
-
-/// Polls `f` with a connection that survives server restarts (reconnects after an error)
-/// until it returns `Some`, or `timeout` passes.
-fn poll<T>(
-    cluster: &Cluster,
-    timeout: Duration,
-    mut f: impl FnMut(&mut Client) -> Result<Option<T>, postgres::Error>,
-) -> Option<T> {
-    let deadline = Instant::now() + timeout;
-    let mut client: Option<Client> = None;
-    loop {
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = Client::connect(&cluster.conninfo(), NoTls).ok();
-        }
-        if let Some(c) = client.as_mut() {
-            match f(c) {
-                Ok(Some(v)) => return Some(v),
-                Ok(None) => {}
-                Err(_) => client = None,
-            }
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn state(c: &mut Client, id: i64) -> Result<Option<String>, postgres::Error> {

@@ -3,20 +3,12 @@
 //! provider dedupes, a read-only lookup where it can be asked, `uncertain` otherwise — and
 //! the operator's actions are checked against the provider and the audit log.
 
-use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
+use outbox_e2e::cluster::{create_channel, unique, wait_for_state, wait_until, Cluster};
 use outbox_e2e::sim::{Action, LookupAction, Simulator};
 use postgres::Client;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(30);
-
-fn create_channel(c: &mut Client, name: &str, url: &str, options: &str) {
-    c.execute(
-        "SELECT outbox.create_channel($1, $2, $3::text::jsonb)",
-        &[&name, &url, &options],
-    )
-    .expect("create_channel");
-}
 
 fn enqueue(c: &mut Client, channel: &str, key: &str) -> i64 {
     c.query_one(

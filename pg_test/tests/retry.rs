@@ -6,7 +6,7 @@
 //!
 //! Run: `cargo test -p outbox_e2e --release --test retry -- --test-threads=1`.
 
-use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
+use outbox_e2e::cluster::{create_channel, unique, wait_for_state, wait_until, Cluster};
 use outbox_e2e::sim::{Action, Received, Simulator};
 use postgres::Client;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -16,14 +16,6 @@ const LONG: Duration = Duration::from_secs(30);
 // ---------------------------------------------------------------------------------------
 // helpers (local to this file)
 // ---------------------------------------------------------------------------------------
-
-fn create_channel(c: &mut Client, name: &str, endpoint: &str, options: &str) {
-    c.execute(
-        "SELECT outbox.create_channel($1, $2, $3::text::jsonb)",
-        &[&name, &endpoint, &options],
-    )
-    .unwrap_or_else(|e| panic!("create_channel {name} {options}: {e}"));
-}
 
 fn enqueue(c: &mut Client, channel: &str, key: &str) -> i64 {
     let payload = format!(r#"{{"to": "user-7", "key": "{key}"}}"#);

@@ -7,11 +7,11 @@
 //! between tests; every server-wide setting a test changes is reset by a guard, also when
 //! the test fails.
 
-use outbox_e2e::cluster::{unique, Cluster};
+use outbox_e2e::cluster::{create_channel, poll, unique, Cluster};
 use outbox_e2e::sim::{Action, Received, Simulator};
 use postgres::{Client, GenericClient, NoTls};
 use std::collections::{HashMap, HashSet};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long a message may take to reach a state it is expected to reach.
 const SETTLE: Duration = Duration::from_secs(30);
@@ -21,14 +21,6 @@ const QUIET: Duration = Duration::from_millis(1500);
 // ---------------------------------------------------------------------------------------
 // Helpers (local to this file)
 // ---------------------------------------------------------------------------------------
-
-fn create_channel(c: &mut Client, name: &str, endpoint: &str, options: &str) {
-    c.execute(
-        "SELECT outbox.create_channel($1::text, $2::text, $3::text::jsonb)",
-        &[&name, &endpoint, &options],
-    )
-    .unwrap_or_else(|e| panic!("create_channel({name}, {endpoint}, {options}): {e}"));
-}
 
 fn enqueue_with<C: GenericClient>(
     c: &mut C,
@@ -127,33 +119,6 @@ fn attempts(c: &mut Client, id: i64) -> Vec<Attempt> {
         started_at_us: r.get(9),
     })
     .collect()
-}
-
-/// Polls `f` with a connection that survives server restarts (reconnects after an error)
-/// until it returns `Some`, or `timeout` passes.
-fn poll<T>(
-    cluster: &Cluster,
-    timeout: Duration,
-    mut f: impl FnMut(&mut Client) -> Result<Option<T>, postgres::Error>,
-) -> Option<T> {
-    let deadline = Instant::now() + timeout;
-    let mut client: Option<Client> = None;
-    loop {
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = Client::connect(&cluster.conninfo(), NoTls).ok();
-        }
-        if let Some(c) = client.as_mut() {
-            match f(c) {
-                Ok(Some(v)) => return Some(v),
-                Ok(None) => {}
-                Err(_) => client = None,
-            }
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// Waits until message `id` satisfies `pred`; panics with the last state seen.

@@ -2,7 +2,7 @@
 
 use super::options::{validate_endpoint, ChannelOptions, Kind, OptionError};
 use super::sql;
-use crate::error::{OrRaise, OutboxError};
+use crate::error::{spi_failure, OrRaise, OutboxError};
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 use pgrx::JsonB;
@@ -242,16 +242,6 @@ fn alter_channel(name: Option<&str>, options: Option<JsonB>) {
         Ok(())
     })
     .unwrap_or_else(|e| spi_failure(e));
-}
-
-fn spi_failure(e: pgrx::spi::Error) -> ! {
-    pgrx::pg_sys::panic::ErrorReport::new(
-        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-        format!("outbox_delivery: SPI failure: {e}"),
-        "outbox_delivery",
-    )
-    .report(PgLogLevel::ERROR);
-    unreachable!()
 }
 
 extension_sql!(

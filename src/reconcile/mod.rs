@@ -10,7 +10,7 @@
 pub mod lookup;
 
 use crate::channels::options::ChannelOptions;
-use crate::error::{OrRaise, OutboxError};
+use crate::error::{spi_failure, OrRaise, OutboxError};
 use lookup::{Lookup, Subject};
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
@@ -233,16 +233,6 @@ fn reconcile_locked(client: &mut SpiClient<'_>, id: i64) -> SpiResult<&'static s
     let pid = unsafe { pgrx::pg_sys::MyProcPid };
     record_lookup(client, id, &result, &options, lookups_so_far, pid)?;
     Ok(result.as_str())
-}
-
-fn spi_failure(e: pgrx::spi::Error) -> ! {
-    pgrx::pg_sys::panic::ErrorReport::new(
-        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-        format!("outbox_delivery: SPI failure: {e}"),
-        "outbox_delivery",
-    )
-    .report(PgLogLevel::ERROR);
-    unreachable!()
 }
 
 /// `outbox.reconcile(id)`: a read-only lookup at the provider; never sends the message.
