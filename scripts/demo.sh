@@ -11,6 +11,9 @@ bash scripts/setup.sh
 echo "[demo] building and installing the extension and the demo provider"
 bash scripts/cluster.sh install
 cargo build -q --release -p outbox_e2e --bin provider-sim
+# The demo's cluster is throwaway: start from a fresh one, so that it always matches the
+# extension just installed.
+bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
 bash scripts/cluster.sh start
 
 pkill -f "provider-sim --port $SIM_PORT" 2>/dev/null || true
@@ -50,6 +53,9 @@ echo "[demo] outbox.attempts"
 psql -c "SELECT message_id, attempt, kind, outcome, http_status, external_id, round(extract(epoch FROM finished_at - started_at) * 1000, 1) AS ms FROM outbox.attempts ORDER BY attempt_id DESC LIMIT 6"
 echo "[demo] outbox.ledger"
 psql -c "SELECT message_id, left(effect_key, 16) || '…' AS effect_key, external_id, recorded_by, recorded_at FROM outbox.ledger ORDER BY recorded_at DESC LIMIT 6"
+echo "[demo] outbox.metrics and outbox.work_queue"
+psql -c "SELECT scope, channel, queued, sending, uncertain, exhausted, failed, delivered_5m, success_rate_5m, error_streak FROM outbox.metrics"
+psql -c "SELECT id, channel, state, reason, owner, suggested_action FROM outbox.work_queue"
 echo "[demo] outbox.worker_status()"
 psql -c "SELECT * FROM outbox.worker_status()"
 echo "[demo] what the provider received"

@@ -254,7 +254,7 @@ impl Worker {
             let verdict = decide::after_transmission(t, options, ctx, &mut || self.jitter.next());
             if verdict.state != State::Delivered && verdict.state != State::Queued {
                 log!(
-                    "outbox_delivery: message {} on channel \"{}\" is {} after attempt {}: {}",
+                    "outbox_delivery: message {} on channel \"{}\" is {} after attempt {} ({}): {}",
                     job.message_id,
                     channels
                         .by_id
@@ -263,6 +263,7 @@ impl Worker {
                         .unwrap_or("?"),
                     verdict.state.as_str(),
                     job.attempt,
+                    verdict.class.map(|c| c.as_str()).unwrap_or("-"),
                     verdict.error.as_deref().unwrap_or("")
                 );
             }

@@ -172,9 +172,9 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
         if BackgroundWorker::sigterm_received() {
             break;
         }
-        let report = worker.run_once();
+        let report = guarded(index, "delivery cycle", || worker.run_once());
         if last_retention.elapsed() >= RETENTION_EVERY {
-            worker.retention();
+            guarded(index, "retention", || worker.retention());
             last_retention = Instant::now();
         }
         if report.claimed > 0 {
@@ -200,6 +200,28 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
         }
     }
     stop(index);
+}
+
+/// Runs one step of the worker; an error in it (which rolls its transaction back) is
+/// written to the server log with its SQLSTATE, and the worker exits to be restarted.
+fn guarded<R>(index: usize, what: &str, f: impl FnOnce() -> R) -> R {
+    PgTryBuilder::new(std::panic::AssertUnwindSafe(f))
+        .catch_others(|caught| {
+            let (code, message) = match &caught {
+                pg_sys::panic::CaughtError::PostgresError(r) | pg_sys::panic::CaughtError::ErrorReport(r) => {
+                    (crate::channels::sql::sqlstate_text(r.sql_error_code()), r.message().to_string())
+                }
+                pg_sys::panic::CaughtError::RustPanic { ereport, .. } => ("XX000".into(), ereport.message().to_string()),
+            };
+            let hint = if code == "42703" || code == "42P01" || code == "42883" {
+                " (the extension's SQL objects do not match the installed library: update or recreate the extension)"
+            } else {
+                ""
+            };
+            log!("outbox_delivery worker {index}: {what} failed: SQLSTATE {code}: {message}{hint}; restarting");
+            unsafe { pg_sys::proc_exit(1) }
+        })
+        .execute()
 }
 
 /// Stops the worker. The exit code is 1 so that the postmaster restarts a worker that was
