@@ -21,6 +21,7 @@ DECLARE
     v_max_bytes  integer := coalesce(pg_catalog.current_setting('outbox.max_payload_bytes', true)::integer, 1048576);
     v_bytes      integer;
     v_bad_header text;
+    v_paused     boolean;
 BEGIN
     IF enqueue.effect_key IS NULL OR enqueue.effect_key = '' THEN
         RAISE EXCEPTION 'effect_key must not be NULL or empty'
@@ -66,7 +67,7 @@ BEGIN
         END IF;
     END IF;
 
-    SELECT c.id INTO v_channel_id FROM outbox._channels c WHERE c.name = enqueue.channel;
+    SELECT c.id, c.paused INTO v_channel_id, v_paused FROM outbox._channels c WHERE c.name = enqueue.channel;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'channel "%" does not exist', enqueue.channel
             USING ERRCODE = '42704',
@@ -103,7 +104,10 @@ BEGIN
         RETURN v_existing.id;
     END IF;
 
-    PERFORM outbox._wake_at_commit();
+    -- A paused channel sends nothing: no worker needs to wake for it (resume_channel wakes them).
+    IF NOT v_paused THEN
+        PERFORM outbox._wake_at_commit();
+    END IF;
     RETURN v_id;
 END
 $fn$;

@@ -31,9 +31,4 @@ impl State {
             State::Cancelled => "cancelled",
         }
     }
-
-    /// Does a message in this state wait for a human (the work queue)?
-    pub fn needs_attention(self) -> bool {
-        matches!(self, State::Uncertain | State::Exhausted | State::Failed)
-    }
 }

@@ -173,7 +173,10 @@ pub fn claim_due(
         let (Some(message_id), Some(attempt_id)) = (row.get::<i64>(1)?, row.get::<i64>(2)?) else {
             continue;
         };
-        let ledger_message = row.get::<i64>(11)?;
+        let ledger = match row.get::<i64>(11)? {
+            Some(recorded_by) => Some((recorded_by, row.get::<String>(12)?)),
+            None => None,
+        };
         jobs.push(Job {
             message_id,
             attempt_id,
@@ -186,11 +189,8 @@ pub fn claim_due(
             budget_started_at_ms: row.get::<i64>(9)?.unwrap_or_default(),
             first_attempt_at_ms: row.get::<i64>(10)?.unwrap_or_default(),
             budget_attempt: row.get::<i32>(13)?.unwrap_or(1),
-            ledger: ledger_message.map(|m| (m, None)),
+            ledger,
         });
-        if let (Some(job), Some(_)) = (jobs.last_mut(), ledger_message) {
-            job.ledger = Some((ledger_message.unwrap_or_default(), row.get::<String>(12)?));
-        }
     }
     Ok(jobs)
 }
