@@ -107,7 +107,6 @@ impl Worker {
                 let lost = recovery::find_lost_leases(client, include_own_slot, index as i32, RECOVER_PER_CYCLE)?;
                 if !lost.is_empty() {
                     let mut outcomes = Outcomes::default();
-                    let mut tallies: HashMap<i32, Tally> = HashMap::new();
                     for l in &lost {
                         let ctx = AttemptContext {
                             attempt: l.budget_attempt.max(1) as u32,
@@ -124,11 +123,9 @@ impl Worker {
                                 format!("channel {} no longer exists", l.channel_id),
                             ),
                         };
-                        tallies.entry(l.channel_id).or_default().count(verdict.state, true);
-                        outcomes.push(l.message_id, l.attempt_id.unwrap_or(0), l.attempt, verdict);
+                        outcomes.push_for(l.channel_id, true, l.message_id, l.attempt_id.unwrap_or(0), l.attempt, verdict);
                     }
                     record::record(client, &outcomes)?;
-                    record::record_stats(client, &tallies)?;
                     record::record_recovery_rows(client, &outcomes.settled, pid)?;
                     log!("outbox_delivery worker {index}: recovered {} message(s) whose attempt was interrupted", lost.len());
                 }
@@ -161,16 +158,13 @@ impl Worker {
 
         // The barrier and unusable channels first; everything else is sent.
         let mut outcomes = Outcomes::default();
-        let mut tallies: HashMap<i32, Tally> = HashMap::new();
         let mut to_send: Vec<(usize, reqwest::Client, Outgoing)> = Vec::new();
         let mut effects: Vec<usize> = Vec::new();
         for (i, job) in jobs.iter().enumerate() {
             if let Some((recorded_by_message, external_id)) = &job.ledger {
-                tallies
-                    .entry(job.channel_id)
-                    .or_default()
-                    .count(State::Delivered, false);
-                outcomes.push(
+                outcomes.push_for(
+                    job.channel_id,
+                    false,
                     job.message_id,
                     job.attempt_id,
                     job.attempt,
@@ -188,11 +182,9 @@ impl Worker {
                 continue;
             }
             let Some(channel) = channels.by_id.get(&job.channel_id) else {
-                tallies
-                    .entry(job.channel_id)
-                    .or_default()
-                    .count(State::Failed, true);
-                outcomes.push(
+                outcomes.push_for(
+                    job.channel_id,
+                    true,
                     job.message_id,
                     job.attempt_id,
                     job.attempt,
@@ -214,18 +206,14 @@ impl Worker {
             }
             match self.outgoing(job, channel) {
                 Ok((client, out)) => to_send.push((i, client, out)),
-                Err(error) => {
-                    tallies
-                        .entry(job.channel_id)
-                        .or_default()
-                        .count(State::Failed, true);
-                    outcomes.push(
-                        job.message_id,
-                        job.attempt_id,
-                        job.attempt,
-                        unusable_channel(Class::Permanent, State::Failed, error),
-                    )
-                }
+                Err(error) => outcomes.push_for(
+                    job.channel_id,
+                    true,
+                    job.message_id,
+                    job.attempt_id,
+                    job.attempt,
+                    unusable_channel(Class::Permanent, State::Failed, error),
+                ),
             }
         }
 
@@ -267,11 +255,14 @@ impl Worker {
                     verdict.error.as_deref().unwrap_or("")
                 );
             }
-            tallies
-                .entry(job.channel_id)
-                .or_default()
-                .count(verdict.state, true);
-            outcomes.push(job.message_id, job.attempt_id, job.attempt, verdict);
+            outcomes.push_for(
+                job.channel_id,
+                true,
+                job.message_id,
+                job.attempt_id,
+                job.attempt,
+                verdict,
+            );
         }
         crash_if(FaultPoint::CrashAfterResponse, fault, &jobs);
 
@@ -306,14 +297,16 @@ impl Worker {
                     };
                     let verdict =
                         decide::after_effect(&outcome, options, ctx, &mut || jitter.next());
-                    tallies
-                        .entry(job.channel_id)
-                        .or_default()
-                        .count(verdict.state, true);
-                    outcomes.push(job.message_id, job.attempt_id, job.attempt, verdict);
+                    outcomes.push_for(
+                        job.channel_id,
+                        true,
+                        job.message_id,
+                        job.attempt_id,
+                        job.attempt,
+                        verdict,
+                    );
                 }
-                record::record(client, &outcomes)?;
-                record::record_stats(client, &tallies)
+                record::record(client, &outcomes)
             })
             .unwrap_or_else(|e| panic!("outbox_delivery worker: record failed: {e}"));
             crash_if(FaultPoint::CrashBeforeCommit, fault, &jobs);

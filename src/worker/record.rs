@@ -95,13 +95,34 @@ pub struct Settlement {
     pub verdict: Verdict,
 }
 
+/// Everything one transaction records: deliveries, other outcomes, and the per-channel
+/// counters they add up to.
 #[derive(Debug, Default)]
 pub struct Outcomes {
     pub delivered: Vec<Delivery>,
     pub settled: Vec<Settlement>,
+    pub tallies: std::collections::HashMap<i32, Tally>,
 }
 
 impl Outcomes {
+    /// Adds the outcome of one message of `channel_id`; `sent` is false when nothing was
+    /// attempted (the ledger barrier).
+    pub fn push_for(
+        &mut self,
+        channel_id: i32,
+        sent: bool,
+        message_id: i64,
+        attempt_id: i64,
+        attempt: i32,
+        verdict: Verdict,
+    ) {
+        self.tallies
+            .entry(channel_id)
+            .or_default()
+            .count(verdict.state, sent);
+        self.push(message_id, attempt_id, attempt, verdict);
+    }
+
     pub fn push(&mut self, message_id: i64, attempt_id: i64, attempt: i32, verdict: Verdict) {
         if verdict.state == State::Delivered {
             self.delivered.push(Delivery {
@@ -126,7 +147,9 @@ impl Outcomes {
     }
 }
 
+/// Records deliveries, other outcomes and the counters, in the caller's transaction.
 pub fn record(client: &mut SpiClient<'_>, outcomes: &Outcomes) -> SpiResult<()> {
+    record_stats(client, &outcomes.tallies)?;
     if !outcomes.delivered.is_empty() {
         let d = &outcomes.delivered;
         client.update(
