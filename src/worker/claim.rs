@@ -151,6 +151,18 @@ pub struct Job {
     pub ledger: Option<(i64, Option<String>)>,
 }
 
+impl Job {
+    /// What the retry policy needs to know about this attempt.
+    pub fn context(&self, now_ms: i64) -> crate::worker::decide::AttemptContext {
+        crate::worker::decide::AttemptContext {
+            attempt: self.budget_attempt.max(1) as u32,
+            now_ms,
+            enqueued_at_ms: self.budget_started_at_ms,
+            first_attempt_at_ms: self.first_attempt_at_ms,
+        }
+    }
+}
+
 pub fn claim_due(
     client: &mut SpiClient<'_>,
     batch_size: i32,

@@ -2,7 +2,7 @@
 //! send (no transaction open), decide, record (one transaction).
 
 use super::claim::{self, Channel, Channels, Job, LookupJob};
-use super::decide::{self, AttemptContext, Verdict};
+use super::decide::{self, Verdict};
 use super::record::{self, Outcomes, Tally};
 use super::{recovery, retention, slots};
 use crate::channels::http::{self, Outgoing, Transport};
@@ -108,12 +108,7 @@ impl Worker {
                 if !lost.is_empty() {
                     let mut outcomes = Outcomes::default();
                     for l in &lost {
-                        let ctx = AttemptContext {
-                            attempt: l.budget_attempt.max(1) as u32,
-                            now_ms: now_ms(),
-                            enqueued_at_ms: l.budget_started_at_ms,
-                            first_attempt_at_ms: l.first_attempt_at_ms,
-                        };
+                        let ctx = l.context(now_ms());
                         let verdict = match channels.by_id.get(&l.channel_id).map(|c| &c.options) {
                             Some(Ok(options)) => decide::after_lost_lease(options, ctx, &mut || jitter.next()),
                             Some(Err(e)) => unusable_channel(Class::Ambiguous, State::Uncertain, e.clone()),
@@ -233,12 +228,7 @@ impl Worker {
             let Some(Ok(options)) = channels.by_id.get(&job.channel_id).map(|c| &c.options) else {
                 continue;
             };
-            let ctx = AttemptContext {
-                attempt: job.budget_attempt.max(1) as u32,
-                now_ms: now,
-                enqueued_at_ms: job.budget_started_at_ms,
-                first_attempt_at_ms: job.first_attempt_at_ms,
-            };
+            let ctx = job.context(now);
             let verdict = decide::after_transmission(t, options, ctx, &mut || self.jitter.next());
             if verdict.state != State::Delivered && verdict.state != State::Queued {
                 log!(
@@ -289,12 +279,7 @@ impl Worker {
                         &job.payload,
                         &job.effect_key,
                     )?;
-                    let ctx = AttemptContext {
-                        attempt: job.budget_attempt.max(1) as u32,
-                        now_ms: now_ms(),
-                        enqueued_at_ms: job.budget_started_at_ms,
-                        first_attempt_at_ms: job.first_attempt_at_ms,
-                    };
+                    let ctx = job.context(now_ms());
                     let verdict =
                         decide::after_effect(&outcome, options, ctx, &mut || jitter.next());
                     outcomes.push_for(

@@ -30,6 +30,18 @@ pub struct LostLease {
     pub budget_attempt: i32,
 }
 
+impl LostLease {
+    /// What the retry policy needs to know about the interrupted attempt.
+    pub fn context(&self, now_ms: i64) -> crate::worker::decide::AttemptContext {
+        crate::worker::decide::AttemptContext {
+            attempt: self.budget_attempt.max(1) as u32,
+            now_ms,
+            enqueued_at_ms: self.budget_started_at_ms,
+            first_attempt_at_ms: self.first_attempt_at_ms,
+        }
+    }
+}
+
 pub fn find_lost_leases(
     client: &mut SpiClient<'_>,
     include_own_slot: bool,
