@@ -256,3 +256,29 @@ pub fn create_channel(c: &mut Client, name: &str, endpoint: &str, options: &str)
     )
     .unwrap_or_else(|e| panic!("create_channel({name}, {endpoint}, {options}): {e}"));
 }
+
+/// Waits until all `outbox.workers` delivery workers run and have finished their start; when
+/// `old` is given, until none of them is one of those processes (after a crash restart).
+/// Returns their PIDs.
+pub fn wait_for_workers(cluster: &Cluster, old: &[i32]) -> Vec<i32> {
+    poll(cluster, Duration::from_secs(60), |c| {
+        let pids = cluster.worker_pids(c);
+        let row = c.query_one(
+            "SELECT current_setting('outbox.workers')::int8,
+                    (SELECT count(*) FROM outbox.worker_status()
+                      WHERE pid IS NOT NULL AND state NOT IN ('starting', 'stopped'))",
+            &[],
+        )?;
+        let (configured, ready): (i64, i64) = (row.get(0), row.get(1));
+        Ok((pids.len() as i64 == configured
+            && ready == configured
+            && pids.iter().all(|p| !old.contains(p)))
+        .then_some(pids))
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "the delivery workers did not come up (again) within 60 s; see {}",
+            cluster.log_path().display()
+        )
+    })
+}

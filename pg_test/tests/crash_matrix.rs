@@ -20,7 +20,7 @@
 //! `docs/reliability.md` (between the `crash-matrix` / `soak` markers), then fails if any row
 //! failed. Every server-wide setting changed here is reset by a guard, also on failure.
 
-use outbox_e2e::cluster::{poll, unique, Cluster};
+use outbox_e2e::cluster::{poll, unique, wait_for_workers, Cluster};
 use outbox_e2e::sim::{Action, RandomFaults, Received, Simulator};
 use postgres::{Client, GenericClient, NoTls};
 use serde_json::{json, Value};
@@ -117,27 +117,6 @@ fn body_key(body: &[u8]) -> Option<String> {
 // ---------------------------------------------------------------------------------------
 // Database helpers
 // ---------------------------------------------------------------------------------------
-
-/// Waits until both delivery workers run and have started; when `old` is given, until both
-/// are new processes (after a crash restart). Returns their PIDs.
-fn wait_for_workers(cluster: &Cluster, old: &[i32]) -> Vec<i32> {
-    poll(cluster, Duration::from_secs(60), |c| {
-        let pids = cluster.worker_pids(c);
-        let ready: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox.worker_status() WHERE pid IS NOT NULL AND state NOT IN ('starting', 'stopped')",
-                &[],
-            )?
-            .get(0);
-        Ok((pids.len() == 2 && ready == 2 && pids.iter().all(|p| !old.contains(p))).then_some(pids))
-    })
-    .unwrap_or_else(|| {
-        panic!(
-            "two (new) delivery workers did not come up within 60 s; see {}",
-            cluster.log_path().display()
-        )
-    })
-}
 
 fn kill_9(pid: i32) -> bool {
     Command::new("kill")

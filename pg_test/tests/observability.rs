@@ -22,7 +22,7 @@
 
 use openmetrics_parser::prometheus::parse_prometheus;
 use openmetrics_parser::{MetricsExposition, PrometheusType, PrometheusValue};
-use outbox_e2e::cluster::{create_channel, poll, unique, wait_until, Cluster};
+use outbox_e2e::cluster::{create_channel, poll, unique, wait_for_workers, wait_until, Cluster};
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::{Client, IsolationLevel, NoTls, SimpleQueryMessage};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -302,27 +302,6 @@ fn close(a: f64, b: f64, eps: f64) -> bool {
     (a - b).abs() <= eps
 }
 
-/// Waits until both delivery workers run and have finished their start.
-fn wait_for_two_workers(cluster: &Cluster) -> Vec<i32> {
-    poll(cluster, Duration::from_secs(60), |c| {
-        let pids = cluster.worker_pids(c);
-        let ready: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox.worker_status()
-                  WHERE pid IS NOT NULL AND state NOT IN ('starting', 'stopped')",
-                &[],
-            )?
-            .get(0);
-        Ok((pids.len() == 2 && ready == 2).then_some(pids))
-    })
-    .unwrap_or_else(|| {
-        panic!(
-            "two delivery workers did not come up within 60 s (start the cluster with OUTBOX_WORKERS=2); see {}",
-            cluster.log_path().display()
-        )
-    })
-}
-
 // ---------------------------------------------------------------------------------------
 // 1. Alerts raised by real traffic, then cleared
 // ---------------------------------------------------------------------------------------
@@ -336,7 +315,7 @@ fn wait_for_two_workers(cluster: &Cluster) -> Vec<i32> {
 fn queue_age_alert_is_raised_by_a_stuck_channel_and_clears_when_it_drains() {
     let _serial = serial();
     let cluster = Cluster::from_env();
-    wait_for_two_workers(&cluster);
+    wait_for_workers(&cluster, &[]);
     let _settings = SettingsGuard::new(&cluster, &["outbox.alert_queue_age_s"]);
     let mut c = cluster.connect();
     set_setting(&mut c, "outbox.alert_queue_age_s", "1");
@@ -461,7 +440,7 @@ fn queue_age_alert_is_raised_by_a_stuck_channel_and_clears_when_it_drains() {
 fn error_streak_alert_follows_503s_and_clears_on_delivery() {
     let _serial = serial();
     let cluster = Cluster::from_env();
-    wait_for_two_workers(&cluster);
+    wait_for_workers(&cluster, &[]);
     let _settings = SettingsGuard::new(&cluster, &["outbox.alert_error_streak"]);
     let mut c = cluster.connect();
     set_setting(&mut c, "outbox.alert_error_streak", "3");
@@ -571,7 +550,7 @@ fn error_streak_alert_follows_503s_and_clears_on_delivery() {
 fn terminal_failure_alert_on_401_clears_on_cancel() {
     let _serial = serial();
     let cluster = Cluster::from_env();
-    wait_for_two_workers(&cluster);
+    wait_for_workers(&cluster, &[]);
     let mut c = cluster.connect();
     let sim = Simulator::start();
     let ch = unique("obs_term");
@@ -638,7 +617,7 @@ fn terminal_failure_alert_on_401_clears_on_cancel() {
 fn uncertain_alert_at_once_without_reconcile_clears_on_resolve() {
     let _serial = serial();
     let cluster = Cluster::from_env();
-    wait_for_two_workers(&cluster);
+    wait_for_workers(&cluster, &[]);
     let mut c = cluster.connect();
     let sim = Simulator::start();
     let ch = unique("obs_unc");
@@ -718,7 +697,7 @@ const FAMILIES: [(&str, PrometheusType); 10] = [
 fn prometheus_exposition_parses_and_matches_metrics_and_alerts() {
     let _serial = serial();
     let cluster = Cluster::from_env();
-    wait_for_two_workers(&cluster);
+    wait_for_workers(&cluster, &[]);
     let mut c = cluster.connect();
     let sim = Simulator::start();
     let sim_ch = unique("obs_prom");
@@ -998,7 +977,7 @@ fn delivered_total_from_prometheus(cluster: &Cluster, channel: &str) -> f64 {
 fn delivered_total_survives_a_crash_restart_and_keeps_counting() {
     let _serial = serial();
     let cluster = Cluster::from_env();
-    wait_for_two_workers(&cluster);
+    wait_for_workers(&cluster, &[]);
     let sim = Simulator::start();
     let ch = unique("obs_crash");
     {
@@ -1011,7 +990,7 @@ fn delivered_total_survives_a_crash_restart_and_keeps_counting() {
     assert_eq!(before, 1.0, "one delivery counted");
 
     cluster.crash_restart();
-    wait_for_two_workers(&cluster);
+    wait_for_workers(&cluster, &[]);
     assert_eq!(
         delivered_total_from_prometheus(&cluster, &ch),
         before,
@@ -1075,7 +1054,7 @@ fn worker_rows(c: &mut Client) -> Vec<WorkerRow> {
 fn worker_status_matches_pg_stat_activity_and_counts_deliveries() {
     let _serial = serial();
     let cluster = Cluster::from_env();
-    let pids = wait_for_two_workers(&cluster);
+    let pids = wait_for_workers(&cluster, &[]);
     let mut c = cluster.connect();
 
     let rows = worker_rows(&mut c);
@@ -1210,7 +1189,7 @@ fn check_monitor_reads(c: &mut Client, who: &str) {
 fn pg_monitor_reads_metrics_alerts_and_prometheus_but_not_messages() {
     let _serial = serial();
     let cluster = Cluster::from_env();
-    wait_for_two_workers(&cluster);
+    wait_for_workers(&cluster, &[]);
     let mut admin = cluster.connect();
     admin
         .batch_execute("DROP ROLE IF EXISTS obs_mon")

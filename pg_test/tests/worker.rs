@@ -7,7 +7,7 @@
 //! between tests; every server-wide setting a test changes is reset by a guard, also when
 //! the test fails.
 
-use outbox_e2e::cluster::{create_channel, poll, unique, Cluster};
+use outbox_e2e::cluster::{create_channel, poll, unique, wait_for_workers, Cluster};
 use outbox_e2e::sim::{Action, Received, Simulator};
 use postgres::{Client, GenericClient, NoTls};
 use std::collections::{HashMap, HashSet};
@@ -145,26 +145,6 @@ fn wait_msg(
 
 fn wait_state(cluster: &Cluster, id: i64, state: &str) -> Msg {
     wait_msg(cluster, id, SETTLE, state, |m| m.state == state)
-}
-
-/// Waits until both delivery workers run; returns their PIDs.
-fn wait_for_two_workers(cluster: &Cluster) -> Vec<i32> {
-    poll(cluster, Duration::from_secs(60), |c| {
-        let pids = cluster.worker_pids(c);
-        let ready: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox.worker_status() WHERE pid IS NOT NULL AND state NOT IN ('starting', 'stopped')",
-                &[],
-            )?
-            .get(0);
-        Ok((pids.len() == 2 && ready == 2).then_some(pids))
-    })
-    .unwrap_or_else(|| {
-        panic!(
-            "two delivery workers did not come up within 60 s; see {}",
-            cluster.log_path().display()
-        )
-    })
 }
 
 /// Resets a server-wide setting (ALTER SYSTEM RESET + reload) when dropped, so that a
@@ -552,7 +532,7 @@ fn ordering_key_waits_for_a_failing_first_message() {
 #[test]
 fn kill_9_mid_batch_on_deduping_channel_stores_each_effect_once() {
     let cluster = Cluster::from_env();
-    let pids_before = wait_for_two_workers(&cluster);
+    let pids_before = wait_for_workers(&cluster, &[]);
     let sim = Simulator::start();
     let ch = unique("w_kill");
     sim.set_dedupe(&ch, "Idempotency-Key");
@@ -694,7 +674,7 @@ fn kill_9_mid_batch_on_deduping_channel_stores_each_effect_once() {
 /// server log written meanwhile) for the checks.
 fn run_fault(point: &str, dedupe: bool) -> (Simulator, String, i64, String) {
     let cluster = Cluster::from_env();
-    wait_for_two_workers(&cluster);
+    wait_for_workers(&cluster, &[]);
     let sim = Simulator::start();
     let ch = unique(&format!("w_{point}"));
     let mut c = cluster.connect();
@@ -880,7 +860,7 @@ fn settings_lines_with(log: &str, needle: &str) -> HashSet<String> {
 #[test]
 fn sighup_changes_batch_size_without_restart() {
     let cluster = Cluster::from_env();
-    let pids_before = wait_for_two_workers(&cluster);
+    let pids_before = wait_for_workers(&cluster, &[]);
     let mut c = cluster.connect();
     let guard = SettingGuard::new(&cluster, "outbox.batch_size");
     let mark = cluster.log_mark();
@@ -958,7 +938,7 @@ fn sighup_changes_batch_size_without_restart() {
 fn two_workers_never_send_the_same_message() {
     const N: usize = 500;
     let cluster = Cluster::from_env();
-    let pids = wait_for_two_workers(&cluster);
+    let pids = wait_for_workers(&cluster, &[]);
     let sim = Simulator::start();
     let ch = unique("w_load");
     sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(5)));
@@ -1161,7 +1141,7 @@ fn retention_purges_old_delivered_and_keeps_everything_else() {
 #[test]
 fn bad_rows_never_stop_the_worker() {
     let cluster = Cluster::from_env();
-    let pids_before = wait_for_two_workers(&cluster);
+    let pids_before = wait_for_workers(&cluster, &[]);
     let sim = Simulator::start();
     let bad_hdr_ch = unique("w_badhdr");
     let dns_ch = unique("w_dns");

@@ -154,12 +154,12 @@ pub struct Job {
 impl Job {
     /// What the retry policy needs to know about this attempt.
     pub fn context(&self, now_ms: i64) -> crate::worker::decide::AttemptContext {
-        crate::worker::decide::AttemptContext {
-            attempt: self.budget_attempt.max(1) as u32,
+        crate::worker::decide::AttemptContext::new(
+            self.budget_attempt,
             now_ms,
-            enqueued_at_ms: self.budget_started_at_ms,
-            first_attempt_at_ms: self.first_attempt_at_ms,
-        }
+            self.budget_started_at_ms,
+            self.first_attempt_at_ms,
+        )
     }
 }
 

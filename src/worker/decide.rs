@@ -23,6 +23,23 @@ pub struct AttemptContext {
     pub first_attempt_at_ms: i64,
 }
 
+impl AttemptContext {
+    /// `budget_attempt` counts the attempts against the current budget, this one included.
+    pub fn new(
+        budget_attempt: i32,
+        now_ms: i64,
+        budget_started_at_ms: i64,
+        first_attempt_at_ms: i64,
+    ) -> Self {
+        AttemptContext {
+            attempt: budget_attempt.max(1) as u32,
+            now_ms,
+            enqueued_at_ms: budget_started_at_ms,
+            first_attempt_at_ms,
+        }
+    }
+}
+
 /// The next state of a message, with everything the attempt row records.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Verdict {
