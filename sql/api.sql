@@ -11,17 +11,21 @@ CREATE FUNCTION outbox.enqueue(
     headers      jsonb       DEFAULT NULL
 ) RETURNS bigint
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 #variable_conflict use_column
 DECLARE
     v_channel_id integer;
     v_id         bigint;
     v_existing   record;
-    v_tenant     text := 'default';
+    v_tenant     text;
     v_max_bytes  integer := coalesce(pg_catalog.current_setting('outbox.max_payload_bytes', true)::integer, 1048576);
     v_bytes      integer;
     v_bad_header text;
     v_paused     boolean;
+    v_count      integer;
+    v_total      integer;
 BEGIN
     IF enqueue.effect_key IS NULL OR enqueue.effect_key = '' THEN
         RAISE EXCEPTION 'effect_key must not be NULL or empty'
@@ -60,13 +64,34 @@ BEGIN
           FROM pg_catalog.jsonb_each(enqueue.headers) AS h
          WHERE pg_catalog.jsonb_typeof(h.value) <> 'string'
             OR h.key !~ '^[!#$%&''*+.^_`|~0-9A-Za-z-]+$'
+            OR pg_catalog.octet_length(h.key) > 256
          LIMIT 1;
         IF FOUND THEN
-            RAISE EXCEPTION 'headers: "%" must be a valid HTTP header name with a string value', v_bad_header
+            RAISE EXCEPTION 'headers: "%" must be a valid HTTP header name of at most 256 bytes with a string value',
+                    pg_catalog.left(v_bad_header, 256)
                 USING ERRCODE = '22023', HINT = 'Header values are strings; names are HTTP tokens.';
+        END IF;
+        SELECT h.key INTO v_bad_header
+          FROM pg_catalog.jsonb_each_text(enqueue.headers) AS h
+         WHERE pg_catalog.octet_length(h.value) > 8192
+            OR h.value ~ '[\x01-\x08\x0a-\x1f\x7f]'
+         LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION 'headers: the value of "%" must be at most 8192 bytes without control characters', v_bad_header
+                USING ERRCODE = '22023',
+                      DETAIL = 'A line break in a header value would start another header.',
+                      HINT = 'Put long or structured data in the payload.';
+        END IF;
+        SELECT count(*), coalesce(sum(pg_catalog.octet_length(h.key) + pg_catalog.octet_length(h.value)), 0)
+          INTO v_count, v_total
+          FROM pg_catalog.jsonb_each_text(enqueue.headers) AS h;
+        IF v_count > 32 OR v_total > 16384 THEN
+            RAISE EXCEPTION 'headers: % headers of % bytes; at most 32 headers of 16384 bytes in all are allowed', v_count, v_total
+                USING ERRCODE = '22023', HINT = 'Put long or structured data in the payload.';
         END IF;
     END IF;
 
+    v_tenant := outbox._acting_tenant();
     SELECT c.id, c.paused INTO v_channel_id, v_paused FROM outbox._channels c WHERE c.name = enqueue.channel;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'channel "%" does not exist', enqueue.channel
@@ -116,16 +141,22 @@ COMMENT ON FUNCTION outbox.enqueue(text, jsonb, text, text, timestamptz, jsonb) 
 
 CREATE FUNCTION outbox.status(id bigint) RETURNS outbox.state
 LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
 AS $fn$
     SELECT coalesce(
-        (SELECT m.state FROM outbox._messages m WHERE m.id = status.id),
-        (SELECT 'delivered'::outbox.state FROM outbox._ledger l WHERE l.message_id = status.id LIMIT 1))
+        (SELECT m.state FROM outbox._messages m
+          WHERE m.id = status.id AND outbox._tenant_visible(m.tenant)),
+        (SELECT 'delivered'::outbox.state FROM outbox._ledger l
+          WHERE l.message_id = status.id AND outbox._tenant_visible(l.tenant) LIMIT 1))
 $fn$;
 COMMENT ON FUNCTION outbox.status(bigint) IS
-    'State of a message; delivered for a message already removed by retention whose effect is in the ledger; NULL for an id that never existed.';
+    'State of a message; delivered for a message already removed by retention whose effect is in the ledger; NULL for an id that never existed or belongs to another tenant.';
 
 CREATE FUNCTION outbox.pause_channel(name text, reason text) RETURNS void
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
     IF reason IS NULL OR pg_catalog.btrim(reason) = '' THEN
@@ -148,6 +179,8 @@ COMMENT ON FUNCTION outbox.pause_channel(text, text) IS
 
 CREATE FUNCTION outbox.resume_channel(name text) RETURNS void
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
     UPDATE outbox._channels c
@@ -163,5 +196,3 @@ END
 $fn$;
 COMMENT ON FUNCTION outbox.resume_channel(text) IS 'Resumes sending on a paused channel.';
 
--- Say at CREATE EXTENSION time when no worker will deliver.
-SELECT outbox._check_preloaded();

@@ -173,6 +173,4 @@ $fn$;
 COMMENT ON FUNCTION outbox.prometheus() IS
     'Prometheus text exposition of outbox.metrics, outbox.alerts and the workers; *_total counters are kept in the database and only grow across restarts.';
 
-GRANT USAGE ON SCHEMA outbox TO pg_monitor;
-GRANT SELECT ON outbox.metrics, outbox.alerts TO pg_monitor;
-GRANT EXECUTE ON FUNCTION outbox.prometheus() TO pg_monitor;
+-- Who may read these: sql/privileges.sql.

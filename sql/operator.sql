@@ -30,8 +30,9 @@ SELECT m.id,
        m.tenant,
        m.updated_at
   FROM outbox._messages m
-  LEFT JOIN outbox._channels c ON c.id = m.channel_id
+  LEFT JOIN outbox.channels c ON c.id = m.channel_id
  WHERE m.state IN ('uncertain', 'exhausted', 'failed');
+ALTER VIEW outbox.work_queue SET (security_invoker = true);
 COMMENT ON VIEW outbox.work_queue IS
     'Every message that waits for a human (uncertain, exhausted, failed): why, who owns it, how old, and what to do.';
 
@@ -44,10 +45,14 @@ BEGIN
             USING ERRCODE = '22023',
                   HINT = 'Say why: it is kept in outbox.operator_log with your name.';
     END IF;
+    IF pg_catalog.char_length(reason) > 1000 THEN
+        RAISE EXCEPTION 'reason is % characters long; at most 1000 are allowed', pg_catalog.char_length(reason)
+            USING ERRCODE = '22023', HINT = 'Keep the reason short; put long notes in your ticket and link it.';
+    END IF;
 END
 $fn$;
 
--- Locks one message for an operator action; unknown id: 02000.
+-- Locks one message for an operator action; unknown id, or another tenant's message: 02000.
 CREATE FUNCTION outbox._lock_message(id bigint) RETURNS outbox._messages
 LANGUAGE plpgsql VOLATILE
 AS $fn$
@@ -57,7 +62,9 @@ BEGIN
     IF id IS NULL THEN
         RAISE EXCEPTION 'id must not be NULL' USING ERRCODE = '22023';
     END IF;
-    SELECT * INTO v FROM outbox._messages m WHERE m.id = _lock_message.id FOR UPDATE;
+    SELECT * INTO v FROM outbox._messages m
+     WHERE m.id = _lock_message.id AND outbox._tenant_visible(m.tenant)
+       FOR UPDATE;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'message % does not exist', _lock_message.id
             USING ERRCODE = '02000',
@@ -80,6 +87,8 @@ $fn$;
 
 CREATE FUNCTION outbox.retry(id bigint, reason text) RETURNS outbox.state
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     v_msg     outbox._messages;
@@ -125,8 +134,8 @@ BEGIN
         v_after := 'queued';
     END CASE;
 
-    INSERT INTO outbox._operator_log (action, message_id, reason, state_before, state_after, detail)
-    VALUES ('retry', v_msg.id, retry.reason, v_msg.state, v_after,
+    INSERT INTO outbox._operator_log (action, message_id, tenant, reason, state_before, state_after, detail)
+    VALUES ('retry', v_msg.id, v_msg.tenant, retry.reason, v_msg.state, v_after,
             v_detail || jsonb_build_object('effect_key', v_msg.effect_key));
     RETURN v_after;
 END
@@ -137,6 +146,8 @@ COMMENT ON FUNCTION outbox.retry(bigint, text) IS
 CREATE FUNCTION outbox.resolve(id bigint, outcome text, reason text, external_id text DEFAULT NULL)
 RETURNS outbox.state
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     v_msg   outbox._messages;
@@ -172,8 +183,8 @@ BEGIN
     ELSE
         RAISE NOTICE 'message % is already delivered', v_msg.id;
     END IF;
-    INSERT INTO outbox._operator_log (action, message_id, reason, state_before, state_after, detail)
-    VALUES ('resolve', v_msg.id, resolve.reason, v_msg.state, v_after,
+    INSERT INTO outbox._operator_log (action, message_id, tenant, reason, state_before, state_after, detail)
+    VALUES ('resolve', v_msg.id, v_msg.tenant, resolve.reason, v_msg.state, v_after,
             jsonb_build_object('outcome', outcome, 'external_id', resolve.external_id));
     RETURN v_after;
 END
@@ -183,6 +194,8 @@ COMMENT ON FUNCTION outbox.resolve(bigint, text, text, text) IS
 
 CREATE FUNCTION outbox.cancel(id bigint, reason text) RETURNS outbox.state
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     v_msg outbox._messages;
@@ -201,8 +214,8 @@ BEGIN
     ELSE
         UPDATE outbox._messages m SET state = 'cancelled', updated_at = pg_catalog.now() WHERE m.id = v_msg.id;
     END IF;
-    INSERT INTO outbox._operator_log (action, message_id, reason, state_before, state_after)
-    VALUES ('cancel', v_msg.id, cancel.reason, v_msg.state, 'cancelled');
+    INSERT INTO outbox._operator_log (action, message_id, tenant, reason, state_before, state_after)
+    VALUES ('cancel', v_msg.id, v_msg.tenant, cancel.reason, v_msg.state, 'cancelled');
     RETURN 'cancelled'::outbox.state;
 END
 $fn$;
@@ -211,15 +224,21 @@ COMMENT ON FUNCTION outbox.cancel(bigint, text) IS
 
 CREATE FUNCTION outbox.assign(id bigint, owner text) RETURNS void
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     v_msg outbox._messages;
 BEGIN
+    IF pg_catalog.char_length(assign.owner) > 1000 THEN
+        RAISE EXCEPTION 'owner is % characters long; at most 1000 are allowed', pg_catalog.char_length(assign.owner)
+            USING ERRCODE = '22023', HINT = 'Name a person or a team.';
+    END IF;
     v_msg := outbox._lock_message(assign.id);
     UPDATE outbox._messages m SET owner = NULLIF(pg_catalog.btrim(assign.owner), ''), updated_at = pg_catalog.now()
      WHERE m.id = v_msg.id;
-    INSERT INTO outbox._operator_log (action, message_id, state_before, state_after, detail)
-    VALUES ('assign', v_msg.id, v_msg.state, v_msg.state,
+    INSERT INTO outbox._operator_log (action, message_id, tenant, state_before, state_after, detail)
+    VALUES ('assign', v_msg.id, v_msg.tenant, v_msg.state, v_msg.state,
             jsonb_build_object('owner_before', v_msg.owner, 'owner', NULLIF(pg_catalog.btrim(assign.owner), '')));
 END
 $fn$;

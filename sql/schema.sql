@@ -92,6 +92,7 @@ CREATE SEQUENCE outbox._attempts_id_seq AS bigint;
 CREATE TABLE outbox._attempts (
     id              bigint             NOT NULL DEFAULT nextval('outbox._attempts_id_seq') PRIMARY KEY,
     message_id      bigint             NOT NULL,
+    tenant          text               NOT NULL,
     attempt         integer            NOT NULL,
     kind            text               NOT NULL,
     started_at      timestamptz        NOT NULL DEFAULT now(),
@@ -133,6 +134,8 @@ CREATE TABLE outbox._operator_log (
     actor        text         NOT NULL DEFAULT session_user,
     action       text         NOT NULL,
     message_id   bigint,
+    -- The tenant of the message (or of the binding) acted on; NULL for channel changes.
+    tenant       text,
     channel      text,
     reason       text,
     state_before outbox.state,

@@ -43,7 +43,9 @@ SELECT m.id,
        m.payload,
        m.headers
   FROM outbox._messages m
-  LEFT JOIN outbox._channels c ON c.id = m.channel_id;
+  LEFT JOIN outbox.channels c ON c.id = m.channel_id;
+-- The caller's rights and row-level security apply; channels are read through the masked view.
+ALTER VIEW outbox.messages SET (security_invoker = true);
 COMMENT ON VIEW outbox.messages IS
     'Every message: state, attempts and budget, next attempt, last classified error, external id, owner.';
 
@@ -61,20 +63,24 @@ SELECT a.message_id,
        a.external_id,
        a.effect_key_sent,
        a.worker_pid,
-       a.id AS attempt_id
+       a.id AS attempt_id,
+       a.tenant
   FROM outbox._attempts a;
+ALTER VIEW outbox.attempts SET (security_invoker = true);
 COMMENT ON VIEW outbox.attempts IS
     'Attempt history: one row per send, reconcile lookup or recovery decision, with its classified outcome.';
 
 CREATE VIEW outbox.ledger AS
 SELECT l.tenant, l.effect_key, l.message_id, l.external_id, l.recorded_at, l.recorded_by
   FROM outbox._ledger l;
+ALTER VIEW outbox.ledger SET (security_invoker = true);
 COMMENT ON VIEW outbox.ledger IS
     'Confirmed effects: the barrier the worker checks before every send.';
 
 CREATE VIEW outbox.operator_log AS
 SELECT o.at, o.actor, o.action, o.message_id, o.reason, o.state_before, o.state_after,
-       o.detail, o.channel, o.id
+       o.detail, o.channel, o.id, o.tenant
   FROM outbox._operator_log o;
+ALTER VIEW outbox.operator_log SET (security_invoker = true);
 COMMENT ON VIEW outbox.operator_log IS
     'Audit log: every operator action and channel change, who made it, why, and the state before and after.';

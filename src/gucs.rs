@@ -53,6 +53,9 @@ static ALERT_QUEUE_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 static ALERT_ERROR_STREAK: GucSetting<i32> = GucSetting::<i32>::new(10);
 static ALERT_UNCERTAIN_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 static FAULT_INJECTION: GucSetting<FaultPoint> = GucSetting::<FaultPoint>::new(FaultPoint::None);
+static WORKER_ROLE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"outbox_worker"));
+static TENANT: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
 pub fn init() {
     // Postmaster settings can only be defined while shared_preload_libraries is processed;
@@ -183,6 +186,22 @@ fn define_runtime_settings() {
         GucContext::Suset,
         GucFlags::default(),
     );
+    GucRegistry::define_string_guc(
+        c"outbox.role",
+        c"Role the delivery worker acts as; must not be a superuser.",
+        c"Every transaction of the worker runs as this role in a security-restricted operation.",
+        &WORKER_ROLE,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"outbox.tenant",
+        c"Tenant this session acts for, checked against the role's tenant bindings.",
+        c"Needed by roles bound to '*' or to several tenants; see outbox.bind_tenant.",
+        &TENANT,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
 }
 
 pub fn database() -> String {
@@ -218,4 +237,11 @@ pub fn ledger_retention_s() -> i64 {
 
 pub fn fault_injection() -> FaultPoint {
     FAULT_INJECTION.get()
+}
+
+pub fn worker_role() -> String {
+    WORKER_ROLE
+        .get()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "outbox_worker".to_string())
 }

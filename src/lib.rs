@@ -11,12 +11,18 @@ pub mod gucs;
 pub mod outbox;
 pub mod reconcile;
 pub mod retry_policy;
+pub mod tenancy;
 pub mod worker;
 
 ::pgrx::pg_module_magic!();
 
 extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
-extension_sql_file!("../sql/views.sql", name = "views", requires = ["schema"]);
+extension_sql_file!(
+    "../sql/tenancy.sql",
+    name = "tenancy",
+    requires = ["schema", _caller_oid, _caller_name, _caller_is_superuser]
+);
+extension_sql_file!("../sql/views.sql", name = "views", requires = ["tenancy"]);
 extension_sql_file!(
     "../sql/operator.sql",
     name = "operator",
@@ -27,7 +33,12 @@ extension_sql_file!(
     name = "observability",
     requires = ["operator", worker_status]
 );
-extension_sql_file!("../sql/api.sql", name = "api", finalize);
+extension_sql_file!(
+    "../sql/api.sql",
+    name = "api",
+    requires = ["observability", _wake_at_commit]
+);
+extension_sql_file!("../sql/privileges.sql", name = "privileges", finalize);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
@@ -41,6 +52,7 @@ mod tests {
     include!("tests/sql_api.rs");
     include!("tests/operator.rs");
     include!("tests/observability.rs");
+    include!("tests/tenancy.rs");
 }
 
 /// Required by `cargo pgrx test`.

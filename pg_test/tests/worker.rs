@@ -1161,15 +1161,37 @@ fn bad_rows_never_stop_the_worker() {
         r#"{"external_id": "/id"}"#,
     );
 
-    // A header value HTTP cannot carry (a control character).
-    let bad = enqueue_with(
-        &mut c,
-        &bad_hdr_ch,
-        r#"{"x": 1}"#,
-        &unique("badhdr"),
-        None,
-        Some(r#"{"X-Bad": "a\u0001b"}"#),
+    // A header value HTTP cannot carry (a control character): enqueue refuses it, so the
+    // bad row is written by hand, as an older version or a careless UPDATE could have.
+    let refused = c
+        .query_one(
+            "SELECT outbox.enqueue($1::text, '{}'::jsonb, $2::text, headers => $3::text::jsonb)",
+            &[&bad_hdr_ch, &unique("badhdr"), &r#"{"X-Bad": "a\u0001b"}"#],
+        )
+        .expect_err("a control character in a header value is refused");
+    assert_eq!(
+        refused.as_db_error().map(|d| d.code().code()),
+        Some("22023"),
+        "{refused:?}"
     );
+    let bad = {
+        let mut t = c.transaction().expect("begin");
+        let id = enqueue_with(
+            &mut t,
+            &bad_hdr_ch,
+            r#"{"x": 1}"#,
+            &unique("badhdr"),
+            None,
+            None,
+        );
+        t.execute(
+            r#"UPDATE outbox._messages SET headers = '{"X-Bad": "a\u0001b"}' WHERE id = $1"#,
+            &[&id],
+        )
+        .expect("write the bad header");
+        t.commit().expect("commit");
+        id
+    };
     let dns = enqueue(&mut c, &dns_ch, r#"{"x": 2}"#, &unique("dns"));
 
     let m = wait_state(&cluster, bad, "failed");

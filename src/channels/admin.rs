@@ -80,19 +80,27 @@ fn check_target(
         .raise();
     }
     let role = client.select(sql::FIND_ROLE, Some(1), &[run_as.as_str().into()])?;
-    let superuser = if role.is_empty() {
-        None
+    let (superuser, may_act_as) = if role.is_empty() {
+        (None, None)
     } else {
-        role.first().get_one::<bool>()?
+        let row = role.first();
+        (row.get::<bool>(1)?, row.get::<bool>(2)?)
     };
-    match superuser {
-        Some(false) => Ok(()),
-        Some(true) => option_error(OptionError {
+    match (superuser, may_act_as) {
+        (Some(false), Some(true)) => Ok(()),
+        (Some(false), _) => OutboxError::InsufficientPrivilege {
+            message: format!(
+                "run_as: you are not a member of role \"{run_as}\"; a channel runs its function only as a role its creator may act as"
+            ),
+            hint: "GRANT the role to yourself (or ask its owner), or choose a role you belong to.",
+        }
+        .raise(),
+        (Some(true), _) => option_error(OptionError {
             option: "run_as".into(),
             message: format!("role \"{run_as}\" is a superuser; effects run with least privilege"),
         })
         .raise(),
-        None => option_error(OptionError {
+        (None, _) => option_error(OptionError {
             option: "run_as".into(),
             message: format!("role \"{run_as}\" does not exist"),
         })
@@ -123,7 +131,8 @@ fn loggable(options: &Value) -> Value {
     v
 }
 
-#[pg_extern(volatile)]
+#[pg_extern(volatile, security_definer)]
+#[search_path(pg_catalog, pg_temp)]
 fn create_channel(
     name: Option<&str>,
     endpoint: Option<&str>,
@@ -167,7 +176,8 @@ fn create_channel(
     .unwrap_or_else(|e| spi_failure(e));
 }
 
-#[pg_extern(volatile)]
+#[pg_extern(volatile, security_definer)]
+#[search_path(pg_catalog, pg_temp)]
 fn alter_channel(name: Option<&str>, options: Option<JsonB>) {
     let name = required("name", name);
     let changes = match options {

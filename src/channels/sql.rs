@@ -3,7 +3,8 @@
 //! writes the ledger entry and marks the message delivered — both commit or neither, so the
 //! effect happens exactly once by construction.
 //!
-//! Each call runs in a subtransaction as the channel's `run_as` role (never a superuser),
+//! Each call runs in a subtransaction as the channel's `run_as` role (never a superuser), in
+//! a security-restricted operation (see worker/identity.rs),
 //! with the channel's `timeout_ms` as its statement timeout: a failing effect is rolled back,
 //! classified and recorded without touching the rest of the batch.
 
@@ -21,17 +22,25 @@ SELECT quote_ident(n.nspname) || '.' || quote_ident(p.proname), p.prorettype = '
   JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
  WHERE p.oid = pg_catalog.to_regprocedure($1 || '(jsonb, text)')";
 
-/// A role an effect may run as: it must exist and must not be a superuser.
-pub const FIND_ROLE: &str = "SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = $1";
+/// A role an effect may run as: it must exist and must not be a superuser; and may the
+/// calling role (the session's role, see tenancy.rs) act as it?
+pub const FIND_ROLE: &str = "
+SELECT r.rolsuper,
+       outbox._caller_is_superuser() OR pg_catalog.pg_has_role(outbox._caller_oid(), r.oid, 'MEMBER')
+  FROM pg_catalog.pg_roles r WHERE r.rolname = $1";
 
-/// May the caller point a channel at a function? Superusers and members of outbox_admin.
+/// May the calling role point a channel at a function? Superusers and members of
+/// outbox_admin.
 pub const MAY_ADMINISTER: &str = "
-SELECT r.rolsuper
-    OR (pg_catalog.to_regrole('outbox_admin') IS NOT NULL AND pg_catalog.pg_has_role(current_user, 'outbox_admin', 'MEMBER'))
-  FROM pg_catalog.pg_roles r WHERE r.rolname = current_user";
+SELECT outbox._caller_is_superuser()
+    OR (pg_catalog.to_regrole('outbox_admin') IS NOT NULL
+        AND pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_admin', 'MEMBER'))";
 
-const BECOME: &str = "SELECT pg_catalog.set_config('role', $1, true), pg_catalog.set_config('statement_timeout', $2, true)";
-const RETURN_TO_WORKER: &str = "SELECT pg_catalog.set_config('role', 'none', true), pg_catalog.set_config('statement_timeout', '0', true)";
+/// The oid of a role an effect may run as: it exists and is not a superuser.
+const RUN_AS_ROLE: &str = "SELECT oid FROM pg_catalog.pg_roles WHERE rolname = $1 AND NOT rolsuper";
+
+const SET_TIMEOUT: &str = "SELECT pg_catalog.set_config('statement_timeout', $1, true)";
+const CLEAR_TIMEOUT: &str = "SELECT pg_catalog.set_config('statement_timeout', '0', true)";
 
 /// Serialization failures, deadlocks, lock timeouts and query cancels are worth another
 /// try; every other error of an effect is permanent.
@@ -84,22 +93,17 @@ pub fn call_effect(
     payload: &str,
     effect_key: &str,
 ) -> SpiResult<EffectOutcome> {
-    let found = client.select(FIND_FUNCTION, Some(1), &[function.into()])?;
-    if found.is_empty() {
+    let role = client
+        .select(RUN_AS_ROLE, Some(1), &[run_as.into()])?
+        .first()
+        .get_one::<pg_sys::Oid>()?;
+    let Some(role) = role else {
         return Ok(EffectOutcome::Unavailable(format!(
-            "function {function}(jsonb, text) does not exist (dropped or renamed since the channel was created?)"
+            "role \"{run_as}\" (run_as) no longer exists or has become a superuser"
         )));
-    }
-    let row = found.first();
-    let qualified: String = row.get(1)?.unwrap_or_default();
-    if row.get::<bool>(2)? != Some(true) {
-        return Ok(EffectOutcome::Unavailable(format!(
-            "function {function}(jsonb, text) no longer returns text"
-        )));
-    }
-    // The name comes from the catalog, quoted by quote_ident: no input reaches the SQL text.
-    let call = format!("SELECT {qualified}($1::jsonb, $2::text)");
+    };
     let timeout = timeout_ms.to_string();
+    let spi_error = |e: pgrx::spi::Error| ("XX000".to_string(), e.to_string());
 
     unsafe {
         let outer_context = pg_sys::CurrentMemoryContext;
@@ -107,22 +111,38 @@ pub fn call_effect(
         pg_sys::BeginInternalSubTransaction(std::ptr::null());
         pg_sys::MemoryContextSwitchTo(outer_context);
 
+        // Everything runs as run_as, restricted (it cannot SET ROLE its way out): even the
+        // lookup of the function, which needs run_as's USAGE on its schema.
         let result = PgTryBuilder::new(AssertUnwindSafe(
-            || -> Result<Option<String>, (String, String)> {
+            || -> Result<EffectOutcome, (String, String)> {
                 client
-                    .update(BECOME, None, &[run_as.into(), timeout.as_str().into()])
-                    .map_err(|e| ("XX000".to_string(), e.to_string()))?;
-                let rows = client
-                    .update(call.as_str(), Some(1), &[payload.into(), effect_key.into()])
-                    .map_err(|e| ("XX000".to_string(), e.to_string()))?;
-                let external_id = rows
-                    .first()
-                    .get_one::<String>()
-                    .map_err(|e| ("XX000".to_string(), e.to_string()))?;
-                client
-                    .update(RETURN_TO_WORKER, None, &[])
-                    .map_err(|e| ("XX000".to_string(), e.to_string()))?;
-                Ok(external_id)
+                    .update(SET_TIMEOUT, None, &[timeout.as_str().into()])
+                    .map_err(spi_error)?;
+                let outcome = crate::worker::identity::as_role(role, || {
+                    let found = client.select(FIND_FUNCTION, Some(1), &[function.into()])?;
+                    if found.is_empty() {
+                        return Ok(EffectOutcome::Unavailable(format!(
+                            "function {function}(jsonb, text) does not exist (dropped or renamed since the channel was created?)"
+                        )));
+                    }
+                    let row = found.first();
+                    let qualified: String = row.get(1)?.unwrap_or_default();
+                    if row.get::<bool>(2)? != Some(true) {
+                        return Ok(EffectOutcome::Unavailable(format!(
+                            "function {function}(jsonb, text) no longer returns text"
+                        )));
+                    }
+                    // The name comes from the catalog, quoted by quote_ident: no input
+                    // reaches the SQL text.
+                    let call = format!("SELECT {qualified}($1::jsonb, $2::text)");
+                    client
+                        .update(call.as_str(), Some(1), &[payload.into(), effect_key.into()])
+                        .and_then(|rows| rows.first().get_one::<String>())
+                        .map(EffectOutcome::Returned)
+                })
+                .map_err(spi_error)?;
+                client.update(CLEAR_TIMEOUT, None, &[]).map_err(spi_error)?;
+                Ok(outcome)
             },
         ))
         .catch_others(|caught| {
@@ -140,11 +160,11 @@ pub fn call_effect(
         .execute();
 
         match result {
-            Ok(external_id) => {
+            Ok(outcome) => {
                 pg_sys::ReleaseCurrentSubTransaction();
                 pg_sys::MemoryContextSwitchTo(outer_context);
                 pg_sys::CurrentResourceOwner = outer_owner;
-                Ok(EffectOutcome::Returned(external_id))
+                Ok(outcome)
             }
             Err((sqlstate, message)) => {
                 pg_sys::MemoryContextSwitchTo(outer_context);

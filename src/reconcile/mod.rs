@@ -57,27 +57,29 @@ WITH cur AS (
     SELECT m.tenant, m.effect_key, m.id, m.external_id, 'reconcile' FROM m WHERE $2 = 'delivered'
         ON CONFLICT (tenant, effect_key) DO NOTHING
 ), attempt AS (
-    INSERT INTO outbox._attempts (message_id, attempt, kind, finished_at, outcome, http_status, error,
+    INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, finished_at, outcome, http_status, error,
                                   external_id, effect_key_sent, worker_pid)
-    SELECT m.id, m.attempts, 'reconcile', now(), $2, $4, $5, $3, m.effect_key, $7 FROM m
+    SELECT m.id, m.tenant, m.attempts, 'reconcile', now(), $2, $4, $5, $3, m.effect_key, $7 FROM m
 )
 SELECT m.state::text FROM m";
 
-/// One message with what a lookup needs, locked for the caller's transaction.
+/// One message with what a lookup needs, locked for the caller's transaction. Another
+/// tenant's message is not found, exactly as an id that does not exist.
 const LOCK_SUBJECT: &str = "
 SELECT m.state::text, m.effect_key, m.external_id, m.payload::text,
        extract(epoch FROM m.created_at)::int8, m.reconcile_attempts, c.id, c.options::text
   FROM outbox._messages m
   LEFT JOIN outbox._channels c ON c.id = m.channel_id
- WHERE m.id = $1
+ WHERE m.id = $1 AND outbox._tenant_visible(m.tenant)
    FOR UPDATE OF m";
 
-/// Every `uncertain` message on a channel that can reconcile.
+/// Every `uncertain` message of the caller's tenants on a channel that can reconcile.
 const RECONCILABLE: &str = "
 SELECT m.id
   FROM outbox._messages m
   JOIN outbox._channels c ON c.id = m.channel_id
  WHERE m.state = 'uncertain' AND jsonb_typeof(c.options -> 'reconcile') = 'object'
+   AND outbox._tenant_visible(m.tenant)
  ORDER BY m.id";
 
 /// When the next lookup is due after one that concluded nothing: the channel's backoff
@@ -236,7 +238,8 @@ fn reconcile_locked(client: &mut SpiClient<'_>, id: i64) -> SpiResult<&'static s
 }
 
 /// `outbox.reconcile(id)`: a read-only lookup at the provider; never sends the message.
-#[pg_extern(name = "reconcile", volatile)]
+#[pg_extern(name = "reconcile", volatile, security_definer)]
+#[search_path(pg_catalog, pg_temp)]
 fn reconcile_one(id: Option<i64>) -> &'static str {
     let id = id
         .ok_or_else(|| {
@@ -251,7 +254,8 @@ fn reconcile_one(id: Option<i64>) -> &'static str {
 }
 
 /// `outbox.reconcile()`: every `uncertain` message on a channel that can reconcile.
-#[pg_extern(name = "reconcile", volatile)]
+#[pg_extern(name = "reconcile", volatile, security_definer)]
+#[search_path(pg_catalog, pg_temp)]
 fn reconcile_all() -> TableIterator<
     'static,
     (

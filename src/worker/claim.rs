@@ -51,8 +51,8 @@ WITH ch AS (
            coalesce(m.budget_started_at, m.created_at) AS budget_started_at, m.first_attempt_at,
            m.attempts - m.budget_base AS budget_attempt
 ), attempt AS (
-    INSERT INTO outbox._attempts (message_id, attempt, kind, effect_key_sent, worker_pid)
-    SELECT c.id, c.attempts, 'send', c.effect_key, $4 FROM claimed c
+    INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, effect_key_sent, worker_pid)
+    SELECT c.id, c.tenant, c.attempts, 'send', c.effect_key, $4 FROM claimed c
     RETURNING id, message_id
 )
 SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.effect_key, c.payload::text, c.headers::text,

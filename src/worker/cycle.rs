@@ -4,7 +4,7 @@
 use super::claim::{self, Channel, Channels, Job, LookupJob};
 use super::decide::{self, Verdict};
 use super::record::{self, Outcomes, Tally};
-use super::{recovery, retention, slots};
+use super::{identity, recovery, retention, slots};
 use crate::channels::http::{self, Outgoing, Transport};
 use crate::channels::options::{ChannelOptions, Kind};
 use crate::channels::sql;
@@ -12,7 +12,6 @@ use crate::classify::Class;
 use crate::gucs::{self, FaultPoint};
 use crate::outbox::state::State;
 use crate::reconcile::{self, lookup, lookup::Lookup};
-use pgrx::bgworkers::BackgroundWorker;
 use pgrx::prelude::*;
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -50,6 +49,8 @@ pub struct Worker {
     jitter: Jitter,
     first_cycle: bool,
     longest_retry_horizon_ms: u64,
+    /// The role every transaction of the worker runs as (`outbox.role`).
+    pub role: pgrx::pg_sys::Oid,
 }
 
 fn now_ms() -> i64 {
@@ -74,7 +75,12 @@ fn crash_if(point: FaultPoint, armed: FaultPoint, jobs: &[Job]) {
 }
 
 impl Worker {
-    pub fn new(index: usize, pid: i32, runtime: tokio::runtime::Runtime) -> Worker {
+    pub fn new(
+        index: usize,
+        pid: i32,
+        runtime: tokio::runtime::Runtime,
+        role: pgrx::pg_sys::Oid,
+    ) -> Worker {
         let seed = (now_ms() as u64) ^ ((pid as u64) << 32) ^ 0x9E37_79B9_7F4A_7C15;
         Worker {
             index,
@@ -84,6 +90,7 @@ impl Worker {
             jitter: Jitter(seed | 1),
             first_cycle: true,
             longest_retry_horizon_ms: 0,
+            role,
         }
     }
 
@@ -100,7 +107,8 @@ impl Worker {
         });
 
         let jitter = &mut self.jitter;
-        let (channels, lookups, jobs, next_due_ms) = BackgroundWorker::transaction(
+        let (channels, lookups, jobs, next_due_ms) = identity::transaction(
+            self.role,
             AssertUnwindSafe(|| {
                 Spi::connect_mut(|client| -> pgrx::spi::SpiResult<_> {
                 let channels = Channels::load(client)?;
@@ -258,44 +266,48 @@ impl Worker {
 
         slots::update(index, |s| s.phase = slots::Phase::Recording);
         let jitter = &mut self.jitter;
-        BackgroundWorker::transaction(AssertUnwindSafe(|| {
-            Spi::connect_mut(|client| {
-                // Effects inside this database run here, each in its own subtransaction, so
-                // that they commit together with their ledger entry or not at all.
-                for &i in &effects {
-                    let job = &jobs[i];
-                    let Some(Ok(options)) = channels.by_id.get(&job.channel_id).map(|c| &c.options)
-                    else {
-                        continue;
-                    };
-                    let Kind::Sql { function, run_as } = &options.kind else {
-                        continue;
-                    };
-                    let outcome = sql::call_effect(
-                        client,
-                        function,
-                        run_as,
-                        options.timeout_ms,
-                        &job.payload,
-                        &job.effect_key,
-                    )?;
-                    let ctx = job.context(now_ms());
-                    let verdict =
-                        decide::after_effect(&outcome, options, ctx, &mut || jitter.next());
-                    outcomes.push_for(
-                        job.channel_id,
-                        true,
-                        job.message_id,
-                        job.attempt_id,
-                        job.attempt,
-                        verdict,
-                    );
-                }
-                record::record(client, &outcomes)
-            })
-            .unwrap_or_else(|e| panic!("outbox_delivery worker: record failed: {e}"));
-            crash_if(FaultPoint::CrashBeforeCommit, fault, &jobs);
-        }));
+        identity::transaction(
+            self.role,
+            AssertUnwindSafe(|| {
+                Spi::connect_mut(|client| {
+                    // Effects inside this database run here, each in its own subtransaction, so
+                    // that they commit together with their ledger entry or not at all.
+                    for &i in &effects {
+                        let job = &jobs[i];
+                        let Some(Ok(options)) =
+                            channels.by_id.get(&job.channel_id).map(|c| &c.options)
+                        else {
+                            continue;
+                        };
+                        let Kind::Sql { function, run_as } = &options.kind else {
+                            continue;
+                        };
+                        let outcome = sql::call_effect(
+                            client,
+                            function,
+                            run_as,
+                            options.timeout_ms,
+                            &job.payload,
+                            &job.effect_key,
+                        )?;
+                        let ctx = job.context(now_ms());
+                        let verdict =
+                            decide::after_effect(&outcome, options, ctx, &mut || jitter.next());
+                        outcomes.push_for(
+                            job.channel_id,
+                            true,
+                            job.message_id,
+                            job.attempt_id,
+                            job.attempt,
+                            verdict,
+                        );
+                    }
+                    record::record(client, &outcomes)
+                })
+                .unwrap_or_else(|e| panic!("outbox_delivery worker: record failed: {e}"));
+                crash_if(FaultPoint::CrashBeforeCommit, fault, &jobs);
+            }),
+        );
         let delivered = outcomes.delivered.len() as i64;
         debug1!(
             "outbox_delivery worker {index}: batch of {} recorded ({} delivered, {} other outcomes)",
@@ -363,35 +375,38 @@ impl Worker {
             settled.push((job, options, result));
         }
         let pid = self.pid;
-        BackgroundWorker::transaction(AssertUnwindSafe(|| {
-            Spi::connect_mut(|client| -> pgrx::spi::SpiResult<()> {
-                let mut tallies: HashMap<i32, Tally> = HashMap::new();
-                for (job, options, result) in &settled {
-                    let state = reconcile::record_lookup(
-                        client,
-                        job.message_id,
-                        result,
-                        options,
-                        job.lookups_so_far,
-                        pid,
-                    )?;
-                    if state.as_deref() == Some("delivered") {
-                        tallies
-                            .entry(job.channel_id)
-                            .or_default()
-                            .count(State::Delivered, true);
+        identity::transaction(
+            self.role,
+            AssertUnwindSafe(|| {
+                Spi::connect_mut(|client| -> pgrx::spi::SpiResult<()> {
+                    let mut tallies: HashMap<i32, Tally> = HashMap::new();
+                    for (job, options, result) in &settled {
+                        let state = reconcile::record_lookup(
+                            client,
+                            job.message_id,
+                            result,
+                            options,
+                            job.lookups_so_far,
+                            pid,
+                        )?;
+                        if state.as_deref() == Some("delivered") {
+                            tallies
+                                .entry(job.channel_id)
+                                .or_default()
+                                .count(State::Delivered, true);
+                        }
+                        log!(
+                            "outbox_delivery: reconcile of message {}: {} (now {})",
+                            job.message_id,
+                            result.as_str(),
+                            state.as_deref().unwrap_or("unchanged")
+                        );
                     }
-                    log!(
-                        "outbox_delivery: reconcile of message {}: {} (now {})",
-                        job.message_id,
-                        result.as_str(),
-                        state.as_deref().unwrap_or("unchanged")
-                    );
-                }
-                record::record_stats(client, &tallies)
-            })
-            .unwrap_or_else(|e| panic!("outbox_delivery worker: recording lookups failed: {e}"))
-        }));
+                    record::record_stats(client, &tallies)
+                })
+                .unwrap_or_else(|e| panic!("outbox_delivery worker: recording lookups failed: {e}"))
+            }),
+        );
     }
 
     /// The request for one job on its channel, or why it cannot be sent.
@@ -451,7 +466,7 @@ impl Worker {
         let ledger_retention_s = gucs::ledger_retention_s();
         let horizon = self.longest_retry_horizon_ms;
         for _ in 0..RETENTION_ROUNDS {
-            let (messages, ledger) = BackgroundWorker::transaction(|| {
+            let (messages, ledger) = identity::transaction(self.role, || {
                 Spi::connect_mut(|client| {
                     retention::purge(client, retention_s, ledger_retention_s, horizon)
                 })

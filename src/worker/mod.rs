@@ -5,6 +5,7 @@
 pub mod claim;
 pub mod cycle;
 pub mod decide;
+pub mod identity;
 pub mod record;
 pub mod recovery;
 pub mod retention;
@@ -93,10 +94,41 @@ fn log_settings(index: usize) {
     );
 }
 
-fn reload_config_if_asked(index: usize) {
+/// Reloads the configuration after SIGHUP; true when it did.
+fn reload_config_if_asked(index: usize) -> bool {
     if BackgroundWorker::sighup_received() {
         unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         log_settings(index);
+        return true;
+    }
+    false
+}
+
+/// The role of `outbox.role`; while it is missing or a superuser the worker does nothing
+/// but say so (once) and wait for the setting or the role to be fixed.
+fn wait_for_role(index: usize) -> pg_sys::Oid {
+    let mut told = false;
+    loop {
+        let name = identity::configured();
+        match identity::check(&name) {
+            Ok(oid) => {
+                if told {
+                    log!("outbox_delivery worker {index}: acting as role \"{name}\" now");
+                }
+                return oid;
+            }
+            Err(why) => {
+                if !told {
+                    pgrx::warning!("outbox_delivery worker {index}: {why}; delivering nothing until outbox.role names a non-superuser role");
+                    slots::update(index, |s| s.phase = slots::Phase::WaitingForRole);
+                    told = true;
+                }
+            }
+        }
+        if !sleep(WAIT_FOR_SETUP) {
+            stop(index);
+        }
+        reload_config_if_asked(index);
     }
 }
 
@@ -162,13 +194,16 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
         if !sleep(WAIT_FOR_SETUP) {
             stop(index);
         }
-        reload_config_if_asked(index);
+        let _ = reload_config_if_asked(index);
     }
 
-    let mut worker = cycle::Worker::new(index, pid, runtime);
+    let role = wait_for_role(index);
+    let mut worker = cycle::Worker::new(index, pid, runtime, role);
     let mut last_retention = Instant::now() - RETENTION_EVERY;
     loop {
-        reload_config_if_asked(index);
+        if reload_config_if_asked(index) {
+            worker.role = wait_for_role(index);
+        }
         if BackgroundWorker::sigterm_received() {
             break;
         }

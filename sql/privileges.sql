@@ -1,0 +1,73 @@
+-- outbox_delivery: who may do what (docs/security.md). Runs last, when every function of
+-- the extension exists. Nothing is granted to PUBLIC but the function row-level security
+-- calls, which only tells the caller its own tenants.
+
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox FROM PUBLIC;
+REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox._visible_tenants() TO PUBLIC;
+
+GRANT USAGE ON SCHEMA outbox TO outbox_writer, outbox_operator, outbox_admin, outbox_worker, pg_monitor;
+
+-- Writers: enqueue and follow their own tenant's messages.
+GRANT EXECUTE ON FUNCTION
+    outbox.effect_key(text, text),
+    outbox.enqueue(text, jsonb, text, text, timestamptz, jsonb),
+    outbox.status(bigint)
+    TO outbox_writer;
+GRANT SELECT ON outbox.messages, outbox.attempts, outbox.ledger, outbox.channels TO outbox_writer;
+GRANT SELECT ON outbox._messages, outbox._attempts, outbox._ledger TO outbox_writer;
+
+-- Operators: read and act on their own tenant's messages.
+GRANT EXECUTE ON FUNCTION
+    outbox.effect_key(text, text),
+    outbox.status(bigint),
+    outbox.reconcile(bigint),
+    outbox.reconcile(),
+    outbox.retry(bigint, text),
+    outbox.resolve(bigint, text, text, text),
+    outbox.cancel(bigint, text),
+    outbox.assign(bigint, text),
+    outbox.worker_status()
+    TO outbox_operator;
+GRANT SELECT ON outbox.messages, outbox.attempts, outbox.ledger, outbox.channels,
+                outbox.work_queue, outbox.operator_log
+    TO outbox_operator;
+GRANT SELECT ON outbox._messages, outbox._attempts, outbox._ledger, outbox._operator_log
+    TO outbox_operator;
+
+-- Admins: channels, tenant bindings, figures across tenants, channel secrets.
+GRANT EXECUTE ON FUNCTION
+    outbox.effect_key(text, text),
+    outbox.create_channel(text, text, jsonb),
+    outbox.alter_channel(text, jsonb),
+    outbox.pause_channel(text, text),
+    outbox.resume_channel(text),
+    outbox.bind_tenant(name, text),
+    outbox.unbind_tenant(name, text),
+    outbox.prometheus(),
+    outbox.worker_status()
+    TO outbox_admin;
+GRANT SELECT ON outbox.channels, outbox._channels, outbox._tenant_bindings, outbox.metrics, outbox.alerts
+    TO outbox_admin;
+
+-- Figures across tenants, without message content. (Functions a view calls are checked
+-- against the reader, so the metrics' helpers are granted with the views.)
+GRANT EXECUTE ON FUNCTION
+    outbox._setting(text, integer),
+    outbox._state_counts(integer),
+    outbox._prom_label(text)
+    TO outbox_admin, pg_monitor;
+GRANT SELECT ON outbox.metrics, outbox.alerts TO pg_monitor;
+GRANT EXECUTE ON FUNCTION outbox.prometheus(), outbox.worker_status() TO pg_monitor;
+
+-- The worker: the private tables across tenants, nothing else.
+GRANT SELECT ON outbox._channels TO outbox_worker;
+GRANT SELECT, INSERT, UPDATE, DELETE ON
+    outbox._messages, outbox._attempts, outbox._ledger, outbox._operator_log,
+    outbox._channel_stats, outbox._channel_minutes
+    TO outbox_worker;
+GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO outbox_worker;
+
+-- Say at CREATE EXTENSION time when no worker will deliver.
+SELECT outbox._check_preloaded();

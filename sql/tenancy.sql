@@ -1,0 +1,211 @@
+-- outbox_delivery: roles, tenants and row-level security (docs/security.md).
+--
+-- The role that acts is the session's role (`session_user`, or the role named by SET ROLE),
+-- read by outbox._caller_oid() even inside SECURITY DEFINER functions. A role acts for
+-- the tenants it is bound to, directly or through membership; a superuser for any.
+
+-- Roles are cluster-wide: a second database (or a second CREATE EXTENSION) reuses them.
+DO $roles$
+DECLARE
+    r text;
+BEGIN
+    FOREACH r IN ARRAY ARRAY['outbox_writer', 'outbox_operator', 'outbox_admin', 'outbox_worker'] LOOP
+        IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r) THEN
+            EXECUTE pg_catalog.format('CREATE ROLE %I NOLOGIN', r);
+        END IF;
+    END LOOP;
+END
+$roles$;
+
+-- Which tenants a role acts for. '*' means any tenant, one at a time, named by
+-- SET outbox.tenant.
+CREATE TABLE outbox._tenant_bindings (
+    role_name  text        NOT NULL,
+    tenant     text        NOT NULL,
+    bound_at   timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    bound_by   text        NOT NULL DEFAULT session_user,
+    PRIMARY KEY (role_name, tenant)
+);
+COMMENT ON TABLE outbox._tenant_bindings IS
+    'Which tenants each role acts for (private; change with outbox.bind_tenant / unbind_tenant).';
+SELECT pg_catalog.pg_extension_config_dump('outbox._tenant_bindings', '');
+
+-- A tenant name: 1 to 128 bytes, no control characters. '*' only where allowed (bindings).
+CREATE FUNCTION outbox._check_tenant_name(tenant text, argument text, star_allowed boolean)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF tenant IS NULL OR tenant = '' OR octet_length(tenant) > 128 OR tenant ~ '[[:cntrl:]]' THEN
+        RAISE EXCEPTION '% must be a tenant name of 1 to 128 bytes without control characters', argument
+            USING ERRCODE = '22023',
+                  DETAIL = pg_catalog.format('%s is %s.', argument,
+                              CASE WHEN tenant IS NULL THEN 'NULL'
+                                   ELSE pg_catalog.format('%s bytes long', octet_length(tenant)) END),
+                  HINT = 'Tenants are short names such as ''acme'' or a UUID; a single-tenant install uses ''default''.';
+    END IF;
+    IF tenant = '*' AND NOT star_allowed THEN
+        RAISE EXCEPTION '% must name one tenant; ''*'' is a binding, not a tenant', argument
+            USING ERRCODE = '22023',
+                  HINT = 'SET outbox.tenant to the tenant this connection works for.';
+    END IF;
+END
+$fn$;
+
+-- The tenants whose rows the calling role sees (row-level security calls this once per
+-- query). A superuser bypasses row-level security and never needs it.
+CREATE FUNCTION outbox._visible_tenants() RETURNS text[]
+LANGUAGE plpgsql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_caller oid := outbox._caller_oid();
+    v_named  text := nullif(current_setting('outbox.tenant', true), '');
+    v_bound  text[];
+BEGIN
+    SELECT coalesce(array_agg(DISTINCT b.tenant), '{}') INTO v_bound
+      FROM outbox._tenant_bindings b
+      JOIN pg_catalog.pg_roles r ON r.rolname = b.role_name
+     WHERE pg_catalog.pg_has_role(v_caller, r.oid, 'USAGE');
+    IF v_named IS NOT NULL THEN
+        IF v_named = ANY (v_bound) OR ('*' = ANY (v_bound) AND v_named <> '*') THEN
+            RETURN ARRAY[v_named];
+        END IF;
+        RETURN '{}';
+    END IF;
+    RETURN array_remove(v_bound, '*');
+END
+$fn$;
+COMMENT ON FUNCTION outbox._visible_tenants() IS
+    'The tenants whose rows the calling role may see: its bindings, or the one named by outbox.tenant.';
+
+-- May the calling role see a row of this tenant? (Used inside SECURITY DEFINER functions,
+-- where row-level security does not apply.)
+CREATE FUNCTION outbox._tenant_visible(tenant text) RETURNS boolean
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT outbox._caller_is_superuser() OR _tenant_visible.tenant = ANY (outbox._visible_tenants())
+$fn$;
+
+-- The tenant the calling role writes for (enqueue); 42501 when it cannot say.
+CREATE FUNCTION outbox._acting_tenant() RETURNS text
+LANGUAGE plpgsql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_caller oid := outbox._caller_oid();
+    v_named  text := nullif(current_setting('outbox.tenant', true), '');
+    v_bound  text[];
+    v_one    text[];
+BEGIN
+    IF v_named IS NOT NULL THEN
+        PERFORM outbox._check_tenant_name(v_named, 'outbox.tenant', false);
+    END IF;
+    IF outbox._caller_is_superuser() THEN
+        RETURN coalesce(v_named, 'default');
+    END IF;
+    SELECT coalesce(array_agg(DISTINCT b.tenant), '{}') INTO v_bound
+      FROM outbox._tenant_bindings b
+      JOIN pg_catalog.pg_roles r ON r.rolname = b.role_name
+     WHERE pg_catalog.pg_has_role(v_caller, r.oid, 'USAGE');
+    IF v_named IS NOT NULL THEN
+        IF v_named = ANY (v_bound) OR '*' = ANY (v_bound) THEN
+            RETURN v_named;
+        END IF;
+        RAISE EXCEPTION 'role % may not act for tenant "%"', pg_catalog.quote_ident(outbox._caller_name()), v_named
+            USING ERRCODE = '42501',
+                  DETAIL = pg_catalog.format('The role is bound to %s.',
+                              CASE WHEN v_bound = '{}' THEN 'no tenant' ELSE array_to_string(v_bound, ', ') END),
+                  HINT = 'An outbox_admin binds roles to tenants with outbox.bind_tenant(role, tenant).';
+    END IF;
+    v_one := array_remove(v_bound, '*');
+    IF cardinality(v_one) = 1 AND NOT '*' = ANY (v_bound) THEN
+        RETURN v_one[1];
+    END IF;
+    IF v_bound = '{}' THEN
+        RAISE EXCEPTION 'role % is bound to no tenant', pg_catalog.quote_ident(outbox._caller_name())
+            USING ERRCODE = '42501',
+                  HINT = 'An outbox_admin binds it: SELECT outbox.bind_tenant(role, ''default'') for a single-tenant install.';
+    END IF;
+    RAISE EXCEPTION 'role % acts for several tenants; name one with SET outbox.tenant', pg_catalog.quote_ident(outbox._caller_name())
+        USING ERRCODE = '42501',
+              DETAIL = pg_catalog.format('The role is bound to %s.', array_to_string(v_bound, ', ')),
+              HINT = 'SET outbox.tenant = ''name'' (or SET LOCAL in the transaction) before enqueueing.';
+END
+$fn$;
+
+CREATE FUNCTION outbox.bind_tenant(role name, tenant text) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF bind_tenant.role IS NULL OR bind_tenant.role = '' THEN
+        RAISE EXCEPTION 'role must not be NULL or empty' USING ERRCODE = '22023';
+    END IF;
+    PERFORM outbox._check_tenant_name(bind_tenant.tenant, 'tenant', true);
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.rolname = bind_tenant.role) THEN
+        RAISE EXCEPTION 'role "%" does not exist', bind_tenant.role
+            USING ERRCODE = '42704', HINT = 'Create the role first; bindings name existing roles.';
+    END IF;
+    INSERT INTO outbox._tenant_bindings (role_name, tenant)
+    VALUES (bind_tenant.role, bind_tenant.tenant)
+    ON CONFLICT DO NOTHING;
+    IF FOUND THEN
+        INSERT INTO outbox._operator_log (action, tenant, detail)
+        VALUES ('bind_tenant', bind_tenant.tenant, jsonb_build_object('role', bind_tenant.role::text));
+    END IF;
+END
+$fn$;
+COMMENT ON FUNCTION outbox.bind_tenant(name, text) IS
+    'Lets a role (and its members) act for a tenant; ''*'' lets it act for any tenant named by SET outbox.tenant.';
+
+CREATE FUNCTION outbox.unbind_tenant(role name, tenant text) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF unbind_tenant.role IS NULL OR unbind_tenant.role = '' THEN
+        RAISE EXCEPTION 'role must not be NULL or empty' USING ERRCODE = '22023';
+    END IF;
+    PERFORM outbox._check_tenant_name(unbind_tenant.tenant, 'tenant', true);
+    DELETE FROM outbox._tenant_bindings b
+     WHERE b.role_name = unbind_tenant.role AND b.tenant = unbind_tenant.tenant;
+    IF FOUND THEN
+        INSERT INTO outbox._operator_log (action, tenant, detail)
+        VALUES ('unbind_tenant', unbind_tenant.tenant, jsonb_build_object('role', unbind_tenant.role::text));
+    ELSE
+        RAISE NOTICE 'role "%" was not bound to tenant "%"', unbind_tenant.role, unbind_tenant.tenant;
+    END IF;
+END
+$fn$;
+COMMENT ON FUNCTION outbox.unbind_tenant(name, text) IS 'Removes a binding made by bind_tenant.';
+
+-- Row-level security: readers see the rows of their tenants; the worker sees every row.
+-- Writers and operators have SELECT only: every change goes through a function.
+ALTER TABLE outbox._messages ENABLE ROW LEVEL SECURITY;
+ALTER TABLE outbox._attempts ENABLE ROW LEVEL SECURITY;
+ALTER TABLE outbox._ledger ENABLE ROW LEVEL SECURITY;
+ALTER TABLE outbox._operator_log ENABLE ROW LEVEL SECURITY;
+ALTER TABLE outbox._tenant_bindings ENABLE ROW LEVEL SECURITY;
+
+CREATE POLICY tenant_rows ON outbox._messages FOR SELECT
+    USING (tenant = ANY ((SELECT outbox._visible_tenants())::text[]));
+CREATE POLICY tenant_rows ON outbox._attempts FOR SELECT
+    USING (tenant = ANY ((SELECT outbox._visible_tenants())::text[]));
+CREATE POLICY tenant_rows ON outbox._ledger FOR SELECT
+    USING (tenant = ANY ((SELECT outbox._visible_tenants())::text[]));
+CREATE POLICY tenant_rows ON outbox._operator_log FOR SELECT
+    USING (tenant IS NULL OR tenant = ANY ((SELECT outbox._visible_tenants())::text[]));
+
+CREATE POLICY worker_rows ON outbox._messages TO outbox_worker USING (true) WITH CHECK (true);
+CREATE POLICY worker_rows ON outbox._attempts TO outbox_worker USING (true) WITH CHECK (true);
+CREATE POLICY worker_rows ON outbox._ledger TO outbox_worker USING (true) WITH CHECK (true);
+CREATE POLICY worker_rows ON outbox._operator_log TO outbox_worker USING (true) WITH CHECK (true);
+CREATE POLICY admin_rows ON outbox._tenant_bindings FOR SELECT TO outbox_admin USING (true);
