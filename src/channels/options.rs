@@ -526,17 +526,13 @@ fn parse_reconcile(v: &Value) -> Result<ReconcileConfig, OptionError> {
     let url = string("reconcile.url", url)?.to_string();
     crate::reconcile::lookup::validate_template(&url)
         .map_err(|m| OptionError::new("reconcile.url", m))?;
-    let probe = crate::reconcile::lookup::fill(
-        &url,
-        &crate::reconcile::lookup::Subject {
-            effect_key: "k".into(),
-            external_id: Some("e".into()),
-            payload: "{}".into(),
-            created_at_s: 0,
-        },
-    )
-    .unwrap_or_else(|_| url.replace(['{', '}'], ""));
-    validate_endpoint("reconcile.url", &probe)?;
+    if crate::reconcile::lookup::placeholder_in_authority(&url) {
+        return Err(OptionError::new(
+            "reconcile.url",
+            "a placeholder may not stand in the scheme, host or port: the lookup's destination is fixed (and checked against outbox.allowed_hosts); put placeholders in the path or query",
+        ));
+    }
+    validate_endpoint("reconcile.url", &crate::reconcile::lookup::probe(&url))?;
     let method = match obj.get("method") {
         None | Some(Value::Null) => "GET".to_string(),
         Some(m) => {
@@ -797,6 +793,24 @@ mod tests {
             let e = headers(vec![(bad.into(), "v".into())]).unwrap_err();
             assert_eq!(e.option, format!("headers.{bad}"));
         }
+    }
+
+    #[test]
+    fn reconcile_url_placeholders_stay_out_of_the_host() {
+        for url in [
+            "http://{payload:/host}/m/{effect_key}",
+            "http://{effect_key}.example.com/m",
+            "http://h:{created_at}/m/{effect_key}",
+            "http:{effect_key}/m",
+        ] {
+            let e = err(json!({"reconcile": {"url": url}}));
+            assert_eq!(e.option, "reconcile.url", "{url}");
+            assert!(e.message.contains("host"), "{}", e.message);
+        }
+        assert!(ChannelOptions::from_json(
+            &json!({"reconcile": {"url": "http://h:8080/m/{effect_key}?t={created_at}"}})
+        )
+        .is_ok());
     }
 
     #[test]
