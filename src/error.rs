@@ -1,5 +1,6 @@
 //! One error type for the SQL API, mapped to SQLSTATE + message + detail + hint in one place.
 
+use crate::channels::guard::{InvalidEntry, Refusal};
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
 
@@ -21,6 +22,15 @@ pub enum OutboxError {
     UndefinedFunction { name: String, message: String },
     /// The caller may not do this (42501).
     InsufficientPrivilege { message: String, hint: &'static str },
+    /// A channel's destination (`endpoint`, `reconcile.url`) is not allowed by
+    /// `outbox.allowed_hosts` (42501).
+    DestinationRefused {
+        option: &'static str,
+        refusal: Refusal,
+        allowed_hosts: String,
+    },
+    /// `outbox.allowed_hosts` has an invalid entry (22023).
+    InvalidAllowedHosts(InvalidEntry),
 }
 
 impl OutboxError {
@@ -38,13 +48,15 @@ impl OutboxError {
 
     pub fn sqlstate(&self) -> PgSqlErrorCode {
         match self {
-            OutboxError::InvalidArgument { .. } | OutboxError::InvalidOption { .. } => {
+            OutboxError::InvalidArgument { .. }
+            | OutboxError::InvalidOption { .. }
+            | OutboxError::InvalidAllowedHosts(_) => {
                 PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE
             }
             OutboxError::UnknownChannel { .. } => PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
             OutboxError::DuplicateChannel { .. } => PgSqlErrorCode::ERRCODE_DUPLICATE_OBJECT,
             OutboxError::UndefinedFunction { .. } => PgSqlErrorCode::ERRCODE_UNDEFINED_FUNCTION,
-            OutboxError::InsufficientPrivilege { .. } => {
+            OutboxError::InsufficientPrivilege { .. } | OutboxError::DestinationRefused { .. } => {
                 PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE
             }
         }
@@ -64,6 +76,15 @@ impl OutboxError {
                 format!("function {name}(jsonb, text): {message}")
             }
             OutboxError::InsufficientPrivilege { message, .. } => message.clone(),
+            OutboxError::DestinationRefused {
+                option, refusal, ..
+            } => format!(
+                "channel option \"{option}\": host {} is not allowed by outbox.allowed_hosts",
+                refusal.host
+            ),
+            OutboxError::InvalidAllowedHosts(e) => {
+                format!("invalid value for setting \"outbox.allowed_hosts\": {e}")
+            }
         }
     }
 
@@ -72,6 +93,14 @@ impl OutboxError {
             OutboxError::InvalidOption { .. } => {
                 Some("Options are validated as a whole; nothing was written.".to_string())
             }
+            OutboxError::DestinationRefused {
+                refusal,
+                allowed_hosts,
+                ..
+            } => Some(format!(
+                "{} outbox.allowed_hosts is currently \"{allowed_hosts}\".",
+                refusal.explanation()
+            )),
             _ => None,
         }
     }
@@ -92,6 +121,10 @@ impl OutboxError {
                 "A sql channel calls function(payload jsonb, effect_key text) RETURNS text; create it first."
             }
             OutboxError::InsufficientPrivilege { hint, .. } => hint,
+            OutboxError::DestinationRefused { .. } => {
+                "An administrator can add the host (or, for a link-local or metadata address, its IP or CIDR) to outbox.allowed_hosts: ALTER SYSTEM SET outbox.allowed_hosts = '...'; SELECT pg_reload_conf();"
+            }
+            OutboxError::InvalidAllowedHosts(_) => crate::channels::guard::LIST_FORMS,
         }
     }
 

@@ -56,6 +56,7 @@ static FAULT_INJECTION: GucSetting<FaultPoint> = GucSetting::<FaultPoint>::new(F
 static WORKER_ROLE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox_worker"));
 static TENANT: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+static ALLOWED_HOSTS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"*"));
 
 pub fn init() {
     // Postmaster settings can only be defined while shared_preload_libraries is processed;
@@ -202,6 +203,20 @@ fn define_runtime_settings() {
         GucContext::Userset,
         GucFlags::default(),
     );
+    // SAFETY: the check hook is a #[pg_guard] function that only reads its argument.
+    unsafe {
+        GucRegistry::define_string_guc_with_hooks(
+            c"outbox.allowed_hosts",
+            c"Hosts and addresses http channels may send to (comma-separated).",
+            c"Entries: *, a host name, *.domain (subdomains only), an IP address or a CIDR. Link-local, cloud metadata and unspecified addresses are refused unless an IP or CIDR entry lists them. Checked at create_channel/alter_channel and again by the worker on every resolved address.",
+            &ALLOWED_HOSTS,
+            GucContext::Suset,
+            GucFlags::default(),
+            Some(check_allowed_hosts),
+            None,
+            None,
+        );
+    }
 }
 
 pub fn database() -> String {
@@ -244,4 +259,46 @@ pub fn worker_role() -> String {
         .get()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "outbox_worker".to_string())
+}
+
+/// Refuses a value of `outbox.allowed_hosts` with an invalid entry (22023, the entry named
+/// in the detail); the previous value stays in effect.
+#[pg_guard]
+extern "C-unwind" fn check_allowed_hosts(
+    newval: *mut *mut std::ffi::c_char,
+    _extra: *mut *mut std::ffi::c_void,
+    _source: pgrx::pg_sys::GucSource::Type,
+) -> bool {
+    // SAFETY: Postgres passes a valid pointer to the proposed value (a C string or NULL).
+    let text = unsafe {
+        match newval.as_ref() {
+            Some(p) if !p.is_null() => std::ffi::CStr::from_ptr(*p).to_string_lossy(),
+            _ => std::borrow::Cow::Borrowed(""),
+        }
+    };
+    match crate::channels::guard::AllowList::parse(&text) {
+        Ok(_) => true,
+        Err(e) => {
+            let detail = CString::new(format!("outbox.allowed_hosts: {e}.")).unwrap_or_default();
+            let hint = CString::new(crate::channels::guard::LIST_FORMS).unwrap_or_default();
+            // SAFETY: the strings are copied into the current memory context, as the GUC
+            // machinery expects of a check hook.
+            unsafe {
+                pgrx::pg_sys::GUC_check_errcode(
+                    PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE as std::ffi::c_int,
+                );
+                pgrx::pg_sys::GUC_check_errdetail_string = pgrx::pg_sys::pstrdup(detail.as_ptr());
+                pgrx::pg_sys::GUC_check_errhint_string = pgrx::pg_sys::pstrdup(hint.as_ptr());
+            }
+            false
+        }
+    }
+}
+
+/// The text of `outbox.allowed_hosts` (parse it with `channels::guard::AllowList::parse`).
+pub fn allowed_hosts() -> String {
+    ALLOWED_HOSTS
+        .get()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }

@@ -1,8 +1,11 @@
 //! `create_channel` / `alter_channel`: every option validated before anything is written.
 
+use super::guard::{self, AllowList};
 use super::options::{validate_endpoint, ChannelOptions, Kind, OptionError};
 use super::sql;
 use crate::error::{spi_failure, OrRaise, OutboxError};
+use crate::gucs;
+use crate::reconcile::lookup;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 use pgrx::JsonB;
@@ -30,9 +33,38 @@ fn option_error(e: OptionError) -> OutboxError {
     }
 }
 
-/// Checks what an option object needs outside itself: an http channel's endpoint is a URL;
-/// a sql channel's endpoint is `sql`, its function exists with the right signature, its
-/// `run_as` role exists and is not a superuser, and the caller may administer channels.
+/// The destinations of an http channel, its endpoint and (when it can reconcile) the host of
+/// its lookup URL, must be allowed by `outbox.allowed_hosts` (see `guard`): 42501 naming the
+/// option and the host otherwise. The worker checks every request again when it sends.
+fn check_destinations(
+    list: &AllowList,
+    endpoint: &str,
+    options: &ChannelOptions,
+) -> Result<(), OutboxError> {
+    let reconcile = options
+        .reconcile
+        .as_ref()
+        .map(|r| ("reconcile.url", lookup::probe(&r.url)));
+    for (option, url) in std::iter::once(("endpoint", endpoint.to_string())).chain(reconcile) {
+        let parsed = reqwest::Url::parse(&url).map_err(|e| {
+            option_error(OptionError {
+                option: option.into(),
+                message: format!("\"{url}\" is not a valid URL ({e})"),
+            })
+        })?;
+        guard::check_url(list, &parsed).map_err(|refusal| OutboxError::DestinationRefused {
+            option,
+            refusal,
+            allowed_hosts: list.source().to_string(),
+        })?;
+    }
+    Ok(())
+}
+
+/// Checks what an option object needs outside itself: an http channel's endpoint is a URL
+/// whose host (like its reconcile URL's) `outbox.allowed_hosts` allows; a sql channel's
+/// endpoint is `sql`, its function exists with the right signature, its `run_as` role
+/// exists and is not a superuser, and the caller may administer channels.
 fn check_target(
     client: &SpiClient<'_>,
     endpoint: &str,
@@ -42,6 +74,10 @@ fn check_target(
         validate_endpoint("endpoint", endpoint)
             .map_err(option_error)
             .or_raise();
+        let list = AllowList::parse(&gucs::allowed_hosts())
+            .map_err(OutboxError::InvalidAllowedHosts)
+            .or_raise();
+        check_destinations(&list, endpoint, options).or_raise();
         return Ok(());
     };
     if endpoint != "sql" {
@@ -264,3 +300,122 @@ COMMENT ON FUNCTION outbox.alter_channel(text, jsonb) IS
     name = "channel_admin_comments",
     requires = [create_channel, alter_channel]
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn refused(list: &str, endpoint: &str, options: Value) -> Option<OutboxError> {
+        let list = AllowList::parse(list).unwrap();
+        let options = ChannelOptions::from_json(&options).unwrap();
+        check_destinations(&list, endpoint, &options).err()
+    }
+
+    #[test]
+    fn destinations_are_checked_at_create_and_alter() {
+        let none = json!({});
+        let lookup = |url: &str| json!({"reconcile": {"url": url}});
+        assert_eq!(
+            refused("*", "https://api.example.com/v1", none.clone()),
+            None
+        );
+        assert_eq!(refused("*", "http://127.0.0.1:8080/x", none.clone()), None);
+        assert_eq!(
+            refused(
+                "api.example.com",
+                "https://api.example.com/v1",
+                lookup("https://api.example.com/m/{effect_key}")
+            ),
+            None
+        );
+        assert_eq!(
+            refused(
+                "*, 169.254.169.254",
+                "http://169.254.169.254/latest",
+                none.clone()
+            ),
+            None
+        );
+
+        let e = refused("*", "http://169.254.169.254/latest/meta-data", none.clone()).unwrap();
+        assert_eq!(
+            e.sqlstate(),
+            pgrx::PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE
+        );
+        assert_eq!(
+            e.message(),
+            "channel option \"endpoint\": host 169.254.169.254 is not allowed by outbox.allowed_hosts"
+        );
+        let detail = e.detail().unwrap();
+        assert!(detail.contains("link-local"), "{detail}");
+        assert!(
+            detail.ends_with("outbox.allowed_hosts is currently \"*\"."),
+            "{detail}"
+        );
+        assert!(e.hint().contains("outbox.allowed_hosts"));
+
+        let e = refused(
+            "api.example.com",
+            "https://evil.example.net/x",
+            none.clone(),
+        )
+        .unwrap();
+        assert_eq!(
+            e.message(),
+            "channel option \"endpoint\": host evil.example.net is not allowed by outbox.allowed_hosts"
+        );
+        assert!(e
+            .detail()
+            .unwrap()
+            .contains("outbox.allowed_hosts is currently \"api.example.com\""));
+
+        let e = refused(
+            "api.example.com",
+            "https://api.example.com/v1",
+            lookup("https://lookup.example.net/m/{effect_key}"),
+        )
+        .unwrap();
+        assert_eq!(
+            e.sqlstate(),
+            pgrx::PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE
+        );
+        assert_eq!(
+            e.message(),
+            "channel option \"reconcile.url\": host lookup.example.net is not allowed by outbox.allowed_hosts"
+        );
+        let e = refused(
+            "*",
+            "https://api.example.com/v1",
+            lookup("http://[fd00:ec2::254]/m/{effect_key}"),
+        )
+        .unwrap();
+        assert!(e.message().contains("reconcile.url") && e.message().contains("[fd00:ec2::254]"));
+        // Every address form the url crate normalizes is checked as the address.
+        let e = refused("*", "http://0xa9.0xfe.0xa9.0xfe/", none.clone()).unwrap();
+        assert!(
+            e.message().contains("host 169.254.169.254 "),
+            "{}",
+            e.message()
+        );
+        assert!(refused("", "https://api.example.com/v1", none).is_some());
+    }
+
+    #[test]
+    fn an_invalid_setting_names_its_entry() {
+        let e = OutboxError::InvalidAllowedHosts(
+            AllowList::parse("*, api.example.com:443").unwrap_err(),
+        );
+        assert_eq!(
+            e.sqlstate(),
+            pgrx::PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE
+        );
+        assert!(
+            e.message().starts_with(
+                "invalid value for setting \"outbox.allowed_hosts\": entry \"api.example.com:443\""
+            ),
+            "{}",
+            e.message()
+        );
+    }
+}

@@ -1,11 +1,19 @@
 //! The HTTP transport: one keep-alive connection pool per channel, requests of a batch sent
 //! concurrently, every failure described by the phase it happened in. Runs on the worker's
 //! tokio runtime and never touches Postgres: plain Rust data in, plain Rust data out.
+//!
+//! Every request is held to `outbox.allowed_hosts` (see `guard`) twice: its URL's host is
+//! checked before it is sent (an IP literal is never resolved, so its address is checked
+//! there too), and every client resolves names with [`GuardedResolver`], which drops the
+//! addresses the list refuses. A refused request sends nothing.
 
+use super::guard::{self, AllowList, Refusal};
 use super::options::{ChannelOptions, ExternalIdSource};
 use crate::classify::Phase;
+use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, USER_AGENT};
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Most of a response body the worker reads (to find the external id); the rest is dropped.
@@ -46,15 +54,133 @@ pub enum Transmission {
     },
     /// The request could not be built (e.g. a header value HTTP cannot carry); nothing was sent.
     NotSent { error: String },
+    /// `outbox.allowed_hosts` refused the destination before anything was written: its host
+    /// (phase DNS), its literal address (phase connect) or every address it resolved to
+    /// (phase DNS).
+    Refused {
+        phase: Phase,
+        error: String,
+        elapsed_ms: u64,
+    },
 }
 
-/// Connection pools, one per channel, rebuilt when the channel's options change.
-#[derive(Default)]
+/// Resolves names with the system resolver (`getaddrinfo`, on tokio's blocking pool) and
+/// keeps only the addresses `outbox.allowed_hosts` allows; fails with a [`Refusal`] when
+/// the name is not allowed or none of its addresses is.
+pub struct GuardedResolver {
+    allowed: Arc<AllowList>,
+}
+
+impl GuardedResolver {
+    pub fn new(allowed: Arc<AllowList>) -> GuardedResolver {
+        GuardedResolver { allowed }
+    }
+}
+
+/// What a resolver fails with (reqwest's error type for resolvers).
+type ResolveError = Box<dyn std::error::Error + Send + Sync>;
+
+impl Resolve for GuardedResolver {
+    fn resolve(&self, name: Name) -> Resolving {
+        let allowed = self.allowed.clone();
+        let host = name.as_str().to_string();
+        Box::pin(async move {
+            if !guard::host_allowed(&allowed, &host) {
+                return Err(Box::new(Refusal {
+                    host,
+                    reason: guard::Reason::NotListed,
+                }) as ResolveError);
+            }
+            let resolved = tokio::net::lookup_host((host.as_str(), 0)).await?;
+            let kept = guard::filter_resolved(&allowed, &host, resolved)?;
+            Ok(Box::new(kept.into_iter()) as Addrs)
+        })
+    }
+}
+
+/// A client builder for requests held to `allowed` (no proxy, no redirects: nothing may
+/// carry a request to a destination that was not checked).
+pub fn guarded_client(
+    allowed: Arc<AllowList>,
+    connect_timeout: Duration,
+) -> reqwest::ClientBuilder {
+    reqwest::Client::builder()
+        .connect_timeout(connect_timeout)
+        .redirect(reqwest::redirect::Policy::none())
+        .no_proxy()
+        .dns_resolver(Arc::new(GuardedResolver::new(allowed)))
+}
+
+/// The refusal behind a failed request, if the guarded resolver refused it.
+pub fn refusal_in(e: &(dyn std::error::Error + 'static)) -> Option<Refusal> {
+    let mut current = Some(e);
+    while let Some(err) = current {
+        if let Some(r) = err.downcast_ref::<Refusal>() {
+            return Some(r.clone());
+        }
+        current = err.source();
+    }
+    None
+}
+
+/// The phase a refusal is recorded in: a literal address is refused where the connection
+/// would start; a name before or after it is resolved.
+fn refusal_phase(r: &Refusal) -> Phase {
+    match r.reason {
+        guard::Reason::Sensitive { .. } => Phase::Connect,
+        guard::Reason::NotListed | guard::Reason::OnlySensitiveAddresses { .. } => Phase::Dns,
+    }
+}
+
+/// Checks a request's URL before it is sent: `Err` is the refusal as a transmission.
+pub fn check_request(allowed: &AllowList, request: &reqwest::Request) -> Result<(), Refusal> {
+    guard::check_url(allowed, request.url())
+}
+
+/// Connection pools, one per channel, rebuilt when the channel's options change or when
+/// `outbox.allowed_hosts` changes (a pooled connection was checked under the old list).
 pub struct Transport {
     clients: HashMap<i32, (String, reqwest::Client)>,
+    /// The text of `outbox.allowed_hosts` the clients were built with.
+    allowed_text: Option<String>,
+    allowed: Arc<AllowList>,
+}
+
+impl Default for Transport {
+    /// Allows nothing until [`Transport::set_allowed_hosts`] is called.
+    fn default() -> Self {
+        Transport {
+            clients: HashMap::new(),
+            allowed_text: None,
+            allowed: Arc::new(AllowList::nothing()),
+        }
+    }
 }
 
 impl Transport {
+    /// Takes the current text of `outbox.allowed_hosts` (read by the caller on the main
+    /// thread, each cycle). When it changed, every pool is dropped so that no connection
+    /// made under the old list is reused. `None` when nothing changed; `Some(Err)` when the
+    /// new text is invalid, which allows nothing until it is fixed.
+    pub fn set_allowed_hosts(&mut self, text: &str) -> Option<Result<(), guard::InvalidEntry>> {
+        if self.allowed_text.as_deref() == Some(text) {
+            return None;
+        }
+        let (list, result) = match AllowList::parse(text) {
+            Ok(list) => (list, Ok(())),
+            Err(e) => (AllowList::nothing(), Err(e)),
+        };
+        self.allowed = Arc::new(list);
+        self.allowed_text = Some(text.to_string());
+        self.clients.clear();
+        Some(result)
+    }
+
+    /// The list requests are checked against now.
+    pub fn allowed(&self) -> Arc<AllowList> {
+        self.allowed.clone()
+    }
+
     /// The client for a channel; `version` identifies its current options.
     pub fn client(
         &mut self,
@@ -67,15 +193,15 @@ impl Transport {
                 return Ok(c.clone());
             }
         }
-        let client = reqwest::Client::builder()
-            .connect_timeout(Duration::from_millis(options.connect_timeout_ms))
-            .pool_max_idle_per_host(options.max_in_flight as usize)
-            .pool_idle_timeout(Duration::from_secs(60))
-            .tcp_nodelay(true)
-            .redirect(reqwest::redirect::Policy::none())
-            .no_proxy()
-            .build()
-            .map_err(|e| format!("HTTP client could not be built: {e}"))?;
+        let client = guarded_client(
+            self.allowed.clone(),
+            Duration::from_millis(options.connect_timeout_ms),
+        )
+        .pool_max_idle_per_host(options.max_in_flight as usize)
+        .pool_idle_timeout(Duration::from_secs(60))
+        .tcp_nodelay(true)
+        .build()
+        .map_err(|e| format!("HTTP client could not be built: {e}"))?;
         self.clients
             .insert(channel_id, (version.to_string(), client.clone()));
         Ok(client)
@@ -109,17 +235,35 @@ fn build(client: &reqwest::Client, out: &Outgoing) -> Result<reqwest::Request, S
         .map_err(|e| format!("request could not be built: {e}"))
 }
 
-/// Sends one request and reads its answer.
-pub async fn transmit(client: reqwest::Client, out: Outgoing) -> Transmission {
+/// Sends one request and reads its answer; `allowed` is the list the request is held to.
+pub async fn transmit(
+    client: reqwest::Client,
+    out: Outgoing,
+    allowed: Arc<AllowList>,
+) -> Transmission {
     let request = match build(&client, &out) {
         Ok(r) => r,
         Err(error) => return Transmission::NotSent { error },
     };
+    if let Err(refusal) = check_request(&allowed, &request) {
+        return Transmission::Refused {
+            phase: refusal_phase(&refusal),
+            error: refusal.to_string(),
+            elapsed_ms: 0,
+        };
+    }
     let started = Instant::now();
     let elapsed = |s: Instant| s.elapsed().as_millis() as u64;
     let mut response = match client.execute(request).await {
         Ok(r) => r,
         Err(e) => {
+            if let Some(refusal) = refusal_in(&e) {
+                return Transmission::Refused {
+                    phase: refusal_phase(&refusal),
+                    error: refusal.to_string(),
+                    elapsed_ms: elapsed(started),
+                };
+            }
             let (phase, timed_out) = failure_phase(&e);
             return Transmission::Failed {
                 phase,
@@ -234,15 +378,17 @@ fn failure_phase(e: &reqwest::Error) -> (Phase, bool) {
     (Phase::Wait, timed_out)
 }
 
-/// Sends every request concurrently on `runtime` and returns their transmissions in order.
+/// Sends every request concurrently on `runtime` and returns their transmissions in order;
+/// each is held to `allowed`.
 pub fn transmit_all(
     runtime: &tokio::runtime::Runtime,
     requests: Vec<(reqwest::Client, Outgoing)>,
+    allowed: Arc<AllowList>,
 ) -> Vec<Transmission> {
     runtime.block_on(async move {
         let handles: Vec<_> = requests
             .into_iter()
-            .map(|(client, out)| tokio::spawn(transmit(client, out)))
+            .map(|(client, out)| tokio::spawn(transmit(client, out, allowed.clone())))
             .collect();
         let mut results = Vec::with_capacity(handles.len());
         for h in handles {
@@ -260,6 +406,207 @@ pub fn transmit_all(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    fn list(s: &str) -> Arc<AllowList> {
+        Arc::new(AllowList::parse(s).unwrap())
+    }
+
+    fn outgoing(url: &str) -> Outgoing {
+        Outgoing {
+            channel_id: 1,
+            method: "POST".into(),
+            url: url.into(),
+            headers: vec![],
+            body: "{}".into(),
+            timeout: Duration::from_secs(2),
+            external_id: None,
+        }
+    }
+
+    fn send(allowed: &str, url: &str) -> Transmission {
+        let allowed = list(allowed);
+        let client = guarded_client(allowed.clone(), Duration::from_secs(1))
+            .build()
+            .unwrap();
+        runtime().block_on(transmit(client, outgoing(url), allowed))
+    }
+
+    fn refused_error(t: &Transmission) -> (Phase, &str) {
+        match t {
+            Transmission::Refused { phase, error, .. } => (*phase, error.as_str()),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn literal_addresses_are_refused_before_sending() {
+        // No network is touched: each is refused before a connection is attempted.
+        let cases: &[(&str, &str, Phase, &str)] = &[
+            (
+                "*",
+                "http://169.254.169.254/latest/meta-data",
+                Phase::Connect,
+                "host 169.254.169.254 is IPv4 link-local",
+            ),
+            (
+                "*",
+                "http://0xa9fea9fe/",
+                Phase::Connect,
+                "host 169.254.169.254 is",
+            ),
+            (
+                "*",
+                "http://[::ffff:169.254.169.254]/",
+                Phase::Connect,
+                "host [::ffff:169.254.169.254] is",
+            ),
+            (
+                "*",
+                "http://[fd00:ec2::254]/",
+                Phase::Connect,
+                "host [fd00:ec2::254] is",
+            ),
+            (
+                "*",
+                "http://100.100.100.200/",
+                Phase::Connect,
+                "host 100.100.100.200 is",
+            ),
+            ("*", "http://0.0.0.0:9/", Phase::Connect, "host 0.0.0.0 is"),
+            ("*", "http://[::]:9/", Phase::Connect, "host [::] is"),
+            (
+                "api.example.com",
+                "http://127.0.0.1:9/",
+                Phase::Dns,
+                "host 127.0.0.1 is not listed",
+            ),
+            (
+                "api.example.com",
+                "http://evil.example.com/",
+                Phase::Dns,
+                "host evil.example.com is not listed",
+            ),
+            (
+                "",
+                "http://api.example.com/",
+                Phase::Dns,
+                "host api.example.com is not listed",
+            ),
+        ];
+        for (allowed, url, phase, text) in cases {
+            let t = send(allowed, url);
+            let (p, error) = refused_error(&t);
+            assert_eq!(p, *phase, "{url}");
+            assert!(
+                error.starts_with(&format!(
+                    "destination refused by outbox.allowed_hosts: {text}"
+                )),
+                "{url}: {error}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_resolver_refuses_names_and_refused_addresses() {
+        let rt = runtime();
+        let resolve = |allowed: &str, host: &str| {
+            let r = GuardedResolver::new(list(allowed));
+            rt.block_on(r.resolve(host.parse().unwrap()))
+                .map(|a| a.collect::<Vec<_>>())
+        };
+        let e = resolve("api.example.com", "other.example.com").unwrap_err();
+        assert_eq!(
+            refusal_in(e.as_ref()).map(|r| r.reason),
+            Some(guard::Reason::NotListed)
+        );
+        // localhost resolves from /etc/hosts, without DNS.
+        let addrs = resolve("localhost", "localhost").unwrap();
+        assert!(
+            !addrs.is_empty() && addrs.iter().all(|a| a.ip().is_loopback()),
+            "{addrs:?}"
+        );
+        let e = resolve("*", "0.0.0.0").unwrap_err();
+        let r = refusal_in(e.as_ref()).unwrap();
+        assert!(
+            matches!(r.reason, guard::Reason::OnlySensitiveAddresses { .. }),
+            "{r}"
+        );
+        assert_eq!(resolve("*, 0.0.0.0", "0.0.0.0").unwrap().len(), 1);
+    }
+
+    /// A resolver that refuses every name, standing in for one whose name resolved only to
+    /// refused addresses: the refusal must survive reqwest's and hyper's error wrapping.
+    struct Refusing;
+
+    impl Resolve for Refusing {
+        fn resolve(&self, name: Name) -> Resolving {
+            let host = name.as_str().to_string();
+            Box::pin(async move {
+                Err(Box::new(Refusal {
+                    host,
+                    reason: guard::Reason::OnlySensitiveAddresses {
+                        addresses: vec!["169.254.169.254".parse().unwrap()],
+                    },
+                }) as ResolveError)
+            })
+        }
+    }
+
+    #[test]
+    fn a_refusal_from_the_resolver_is_a_refused_transmission() {
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .dns_resolver(Arc::new(Refusing))
+            .build()
+            .unwrap();
+        let t = runtime().block_on(transmit(
+            client,
+            outgoing("http://metadata.example.internal/latest"),
+            list("*"),
+        ));
+        let (phase, error) = refused_error(&t);
+        assert_eq!(phase, Phase::Dns);
+        assert_eq!(
+            error,
+            "destination refused by outbox.allowed_hosts: host metadata.example.internal resolves only to refused addresses (169.254.169.254)"
+        );
+    }
+
+    #[test]
+    fn a_changed_list_drops_the_pools() {
+        let mut t = Transport::default();
+        assert!(t.allowed().entries().is_empty());
+        assert_eq!(t.set_allowed_hosts("*"), Some(Ok(())));
+        let o = ChannelOptions::default();
+        t.client(1, "v1", &o).unwrap();
+        assert_eq!(t.clients.len(), 1);
+        assert_eq!(t.set_allowed_hosts("*"), None);
+        assert_eq!(t.clients.len(), 1);
+        assert_eq!(t.set_allowed_hosts("api.example.com"), Some(Ok(())));
+        assert!(t.clients.is_empty());
+        assert_eq!(t.allowed().source(), "api.example.com");
+        let e = t
+            .set_allowed_hosts("api.example.com:443")
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.entry, "api.example.com:443");
+        assert!(
+            t.allowed().entries().is_empty(),
+            "an invalid list allows nothing"
+        );
+        assert_eq!(
+            t.set_allowed_hosts("api.example.com:443"),
+            None,
+            "reported once"
+        );
+    }
 
     #[test]
     fn pointers() {

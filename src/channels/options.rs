@@ -135,11 +135,21 @@ pub fn is_http_token(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
-/// Is `s` a header value HTTP can carry (visible ASCII, spaces and tabs; no CR/LF)?
+/// Is `s` a header value HTTP can carry? No control character but the horizontal tab: CR
+/// and LF would inject headers; NUL, DEL and the C1 controls (U+0080..U+009F) are refused
+/// too. Other non-ASCII text is allowed (sent as its UTF-8 bytes).
 pub fn is_http_header_value(s: &str) -> bool {
-    s.bytes()
-        .all(|b| b == b'\t' || (b' '..=b'~').contains(&b) || b >= 0x80)
+    s.chars().all(|c| c == '\t' || !c.is_control())
 }
+
+/// Most static headers a channel may have.
+pub const MAX_HEADERS: usize = 32;
+/// Longest static header name, in bytes.
+pub const MAX_HEADER_NAME_BYTES: usize = 256;
+/// Longest static header value, in bytes.
+pub const MAX_HEADER_VALUE_BYTES: usize = 8192;
+/// Most bytes of all static header names and values together.
+pub const MAX_HEADERS_TOTAL_BYTES: usize = 16384;
 
 /// Checks that `endpoint` is an absolute http(s) URL with a host.
 pub fn validate_endpoint(option: &str, endpoint: &str) -> Result<(), OptionError> {
@@ -425,6 +435,18 @@ fn sql_kind(obj: &Map<String, Value>) -> Result<Kind, OptionError> {
     Ok(Kind::Sql { function, run_as })
 }
 
+/// `headers.<name>` for messages, the name cut short if it is very long.
+fn header_option(name: &str) -> String {
+    const SHOWN: usize = 64;
+    match name.char_indices().nth(SHOWN) {
+        Some((cut, _)) => format!("headers.{}…", &name[..cut]),
+        None => format!("headers.{name}"),
+    }
+}
+
+/// Static headers: at most [`MAX_HEADERS`], each name a token of at most
+/// [`MAX_HEADER_NAME_BYTES`], each value at most [`MAX_HEADER_VALUE_BYTES`] with no control
+/// character but tab, all names and values together at most [`MAX_HEADERS_TOTAL_BYTES`].
 fn parse_headers(v: &Value) -> Result<Vec<(String, String)>, OptionError> {
     let obj = v.as_object().ok_or_else(|| {
         OptionError::new(
@@ -432,17 +454,54 @@ fn parse_headers(v: &Value) -> Result<Vec<(String, String)>, OptionError> {
             format!("must be a JSON object of strings, not {v}"),
         )
     })?;
+    if obj.len() > MAX_HEADERS {
+        return Err(OptionError::new(
+            "headers",
+            format!(
+                "has {} headers; at most {MAX_HEADERS} are allowed",
+                obj.len()
+            ),
+        ));
+    }
     let mut out = Vec::with_capacity(obj.len());
+    let mut total = 0usize;
     for (name, value) in obj {
-        let key = format!("headers.{name}");
+        let key = header_option(name);
+        if name.len() > MAX_HEADER_NAME_BYTES {
+            return Err(OptionError::new(
+                key,
+                format!(
+                    "header name is {} bytes long; at most {MAX_HEADER_NAME_BYTES} are allowed",
+                    name.len()
+                ),
+            ));
+        }
         if !is_http_token(name) {
             return Err(OptionError::new(key, "is not a valid HTTP header name"));
         }
         let value = string(&key, value)?;
+        if value.len() > MAX_HEADER_VALUE_BYTES {
+            return Err(OptionError::new(
+                key,
+                format!(
+                    "value is {} bytes long; at most {MAX_HEADER_VALUE_BYTES} are allowed",
+                    value.len()
+                ),
+            ));
+        }
         if !is_http_header_value(value) {
             return Err(OptionError::new(
                 key,
-                "value contains characters HTTP headers cannot carry",
+                "value contains a control character (only tab is allowed; CR and LF would inject headers)",
+            ));
+        }
+        total += name.len() + value.len();
+        if total > MAX_HEADERS_TOTAL_BYTES {
+            return Err(OptionError::new(
+                key,
+                format!(
+                    "headers together exceed {MAX_HEADERS_TOTAL_BYTES} bytes (names and values) with this one"
+                ),
             ));
         }
         out.push((name.clone(), value.to_string()));
@@ -467,17 +526,13 @@ fn parse_reconcile(v: &Value) -> Result<ReconcileConfig, OptionError> {
     let url = string("reconcile.url", url)?.to_string();
     crate::reconcile::lookup::validate_template(&url)
         .map_err(|m| OptionError::new("reconcile.url", m))?;
-    let probe = crate::reconcile::lookup::fill(
-        &url,
-        &crate::reconcile::lookup::Subject {
-            effect_key: "k".into(),
-            external_id: Some("e".into()),
-            payload: "{}".into(),
-            created_at_s: 0,
-        },
-    )
-    .unwrap_or_else(|_| url.replace(['{', '}'], ""));
-    validate_endpoint("reconcile.url", &probe)?;
+    if crate::reconcile::lookup::placeholder_in_authority(&url) {
+        return Err(OptionError::new(
+            "reconcile.url",
+            "a placeholder may not stand in the scheme, host or port: the lookup's destination is fixed (and checked against outbox.allowed_hosts); put placeholders in the path or query",
+        ));
+    }
+    validate_endpoint("reconcile.url", &crate::reconcile::lookup::probe(&url))?;
     let method = match obj.get("method") {
         None | Some(Value::Null) => "GET".to_string(),
         Some(m) => {
@@ -669,6 +724,93 @@ mod tests {
         assert!(validate_endpoint("endpoint", "ftp://x").is_err());
         assert!(validate_endpoint("endpoint", "not a url").is_err());
         assert!(validate_endpoint("endpoint", "").is_err());
+    }
+
+    #[test]
+    fn header_limits() {
+        fn headers(pairs: Vec<(String, String)>) -> Result<ChannelOptions, OptionError> {
+            let map: Map<String, Value> = pairs
+                .into_iter()
+                .map(|(k, v)| (k, Value::String(v)))
+                .collect();
+            ChannelOptions::from_json(&json!({ "headers": map }))
+        }
+        let n = |i: usize| format!("X-H{i:02}");
+        // Counts: 32 fit, 33 do not.
+        assert!(headers((0..32).map(|i| (n(i), "v".into())).collect()).is_ok());
+        let e = headers((0..33).map(|i| (n(i), "v".into())).collect()).unwrap_err();
+        assert_eq!(e.option, "headers");
+        assert!(
+            e.message.contains("33") && e.message.contains("32"),
+            "{}",
+            e.message
+        );
+        // Name length: 256 bytes fit, 257 do not; the option names the header, cut short.
+        assert!(headers(vec![("N".repeat(256), "v".into())]).is_ok());
+        let e = headers(vec![("N".repeat(257), "v".into())]).unwrap_err();
+        assert_eq!(e.option, format!("headers.{}…", "N".repeat(64)));
+        assert!(e.message.contains("257"), "{}", e.message);
+        // Value length: 8192 bytes fit, 8193 do not (counted in bytes, not characters).
+        assert!(headers(vec![("X-A".into(), "v".repeat(8192))]).is_ok());
+        let e = headers(vec![("X-A".into(), "v".repeat(8193))]).unwrap_err();
+        assert_eq!(e.option, "headers.X-A");
+        let e = headers(vec![("X-A".into(), "é".repeat(4097))]).unwrap_err();
+        assert_eq!(e.option, "headers.X-A");
+        assert!(e.message.contains("8194"), "{}", e.message);
+        // Total: names plus values at most 16384 bytes.
+        let big = |i: usize, len: usize| (n(i), "v".repeat(len));
+        assert!(headers(vec![big(0, 8192 - 5), big(1, 8192 - 5)]).is_ok());
+        let e = headers(vec![big(0, 8192 - 5), big(1, 8192 - 4)]).unwrap_err();
+        assert_eq!(e.option, "headers.X-H01");
+        assert!(e.message.contains("16384"), "{}", e.message);
+        let e = headers((0..3).map(|i| big(i, 8000)).collect()).unwrap_err();
+        assert_eq!(e.option, "headers.X-H02");
+        // Control characters: only tab.
+        let cases: &[(&str, bool)] = &[
+            ("Bearer abc.def", true),
+            ("a\tb", true),
+            ("ünïcödé ✓", true),
+            ("", true),
+            ("a\r\nX-Injected: 1", false),
+            ("a\nb", false),
+            ("a\rb", false),
+            ("a\0b", false),
+            ("a\u{7f}b", false),
+            ("a\u{1b}[31m", false),
+            ("a\u{85}b", false),
+            ("a\u{9f}b", false),
+        ];
+        for (value, ok) in cases {
+            let r = headers(vec![("X-A".into(), value.to_string())]);
+            assert_eq!(r.is_ok(), *ok, "{value:?}");
+            if let Err(e) = r {
+                assert_eq!(e.option, "headers.X-A");
+                assert!(e.message.contains("control character"), "{}", e.message);
+            }
+        }
+        // Names must be tokens.
+        for bad in ["X A", "X:A", "X\nA", "", "Ü"] {
+            let e = headers(vec![(bad.into(), "v".into())]).unwrap_err();
+            assert_eq!(e.option, format!("headers.{bad}"));
+        }
+    }
+
+    #[test]
+    fn reconcile_url_placeholders_stay_out_of_the_host() {
+        for url in [
+            "http://{payload:/host}/m/{effect_key}",
+            "http://{effect_key}.example.com/m",
+            "http://h:{created_at}/m/{effect_key}",
+            "http:{effect_key}/m",
+        ] {
+            let e = err(json!({"reconcile": {"url": url}}));
+            assert_eq!(e.option, "reconcile.url", "{url}");
+            assert!(e.message.contains("host"), "{}", e.message);
+        }
+        assert!(ChannelOptions::from_json(
+            &json!({"reconcile": {"url": "http://h:8080/m/{effect_key}?t={created_at}"}})
+        )
+        .is_ok());
     }
 
     #[test]

@@ -11,8 +11,10 @@
 //! - `{payload:/json/pointer}` — a value from the payload, e.g. the recipient `{payload:/to}`.
 
 use super::super::channels::options::{ChannelOptions, ReconcileConfig};
-use crate::channels::http::body_pointer;
+use crate::channels::guard::AllowList;
+use crate::channels::http::{body_pointer, check_request, refusal_in};
 use sha2::{Digest, Sha256};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What a lookup found out.
@@ -77,6 +79,44 @@ pub fn validate_template(url: &str) -> Result<(), String> {
         return Err("must contain {effect_key}, {external_id}, {content_sha256} or {payload:/pointer} to name the message it looks up".into());
     }
     Ok(())
+}
+
+/// Is a placeholder in the scheme or authority (user, host, port) of a template? Those must
+/// be fixed: the destination is checked against `outbox.allowed_hosts` when the channel is
+/// created, and a value from a message must never choose it. Errs on the safe side: the
+/// authority is read as the WHATWG parser reads it (tabs and newlines removed, any run of
+/// `/` and `\` after the scheme skipped), and ends at the first `/`, `\`, `?` or `#`.
+pub fn placeholder_in_authority(template: &str) -> bool {
+    let cleaned: String = template
+        .trim_matches(|c: char| c <= ' ')
+        .chars()
+        .filter(|c| !matches!(c, '\t' | '\n' | '\r'))
+        .collect();
+    let Some(colon) = cleaned.find(':') else {
+        return cleaned.contains('{');
+    };
+    let (scheme, rest) = cleaned.split_at(colon);
+    if scheme.contains('{') {
+        return true;
+    }
+    let rest = rest[1..].trim_start_matches(['/', '\\']);
+    let end = rest.find(['/', '\\', '?', '#']).unwrap_or(rest.len());
+    rest[..end].contains('{')
+}
+
+/// The template filled with sample values: a URL with the template's scheme and host, to
+/// validate and to check against `outbox.allowed_hosts`.
+pub fn probe(template: &str) -> String {
+    fill(
+        template,
+        &Subject {
+            effect_key: "k".into(),
+            external_id: Some("e".into()),
+            payload: "{}".into(),
+            created_at_s: 0,
+        },
+    )
+    .unwrap_or_else(|_| template.replace(['{', '}'], ""))
 }
 
 fn placeholders(url: &str) -> Result<Vec<String>, String> {
@@ -184,12 +224,16 @@ pub fn interpret(status: u16, body: &[u8], config: &ReconcileConfig) -> Lookup {
     }
 }
 
-/// Runs the lookup. Read-only: the message itself is never sent.
+/// Runs the lookup. Read-only: the message itself is never sent. The request is held to
+/// `allowed` (`outbox.allowed_hosts`): a refused destination concludes nothing, so the
+/// message stays uncertain and is looked up again once the list allows it. `client` must
+/// resolve names with `http::GuardedResolver` over the same list.
 pub async fn lookup(
     client: reqwest::Client,
     options: ChannelOptions,
     url: String,
     subject: Subject,
+    allowed: Arc<AllowList>,
 ) -> Lookup {
     let Some(config) = options.reconcile.clone() else {
         return Lookup::Unavailable {
@@ -217,16 +261,35 @@ pub async fn lookup(
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(body.to_string());
     }
-    let response = match request.send().await {
+    let request = match request.build() {
         Ok(r) => r,
         Err(e) => {
             return Lookup::Unavailable {
-                error: format!(
+                error: format!("lookup request could not be built: {e}"),
+                http_status: None,
+            }
+        }
+    };
+    if let Err(refusal) = check_request(&allowed, &request) {
+        return Lookup::Unavailable {
+            error: format!("lookup not sent: {refusal}"),
+            http_status: None,
+        };
+    }
+    let response = match client.execute(request).await {
+        Ok(r) => r,
+        Err(e) => {
+            let error = match refusal_in(&e) {
+                Some(refusal) => format!("lookup not sent: {refusal}"),
+                None => format!(
                     "lookup failed after {} ms: {e}",
                     started.elapsed().as_millis()
                 ),
+            };
+            return Lookup::Unavailable {
+                error,
                 http_status: None,
-            }
+            };
         }
     };
     let status = response.status().as_u16();
@@ -277,6 +340,65 @@ mod tests {
         assert!(validate_template("http://h/m").is_err());
         assert!(validate_template("http://h/m/{recipient}").is_err());
         assert!(validate_template("http://h/m/{effect_key").is_err());
+    }
+
+    #[test]
+    fn placeholders_may_not_choose_the_destination() {
+        let in_authority = [
+            "http://{payload:/host}/m/{effect_key}",
+            "http://{effect_key}.api.example.com/m",
+            "http://api.example.com.{effect_key}/m",
+            "http://api.example.com:{created_at}/m/{effect_key}",
+            "http://user:{effect_key}@api.example.com/m",
+            "http://{payload:/user}@api.example.com/m/{effect_key}",
+            "https://[{payload:/ip}]/m/{effect_key}",
+            "{payload:/scheme}://api.example.com/m/{effect_key}",
+            // What the WHATWG parser would also read as the host:
+            "http:{effect_key}/m",
+            "http:/{effect_key}/m",
+            "http:\\\\{effect_key}/m",
+            "http:/\t/{effect_key}/m",
+            "http://\n{effect_key}/m",
+            "  http://{effect_key}/m",
+            "{effect_key}",
+        ];
+        for t in in_authority {
+            assert!(placeholder_in_authority(t), "{t:?}");
+        }
+        let in_path = [
+            "http://api.example.com/m/{effect_key}",
+            "http://api.example.com:8443/m/{effect_key}",
+            "http://api.example.com?key={effect_key}",
+            "http://api.example.com#{effect_key}",
+            "http://api.example.com\\{effect_key}",
+            "https://user:pw@api.example.com/m?to={payload:/to}&since={created_at}",
+            "http://[::1]:8080/m/{external_id}",
+            "http://api.example.com",
+        ];
+        for t in in_path {
+            assert!(!placeholder_in_authority(t), "{t:?}");
+        }
+        // Whatever the checker lets through, the url crate agrees the host is fixed.
+        for t in in_path {
+            let a = url::Url::parse(&probe(t))
+                .ok()
+                .map(|u| u.host_str().map(str::to_string));
+            let b = url::Url::parse(
+                &fill(
+                    t,
+                    &Subject {
+                        effect_key: "other".into(),
+                        external_id: Some("x".into()),
+                        payload: r#"{"to": "y"}"#.into(),
+                        created_at_s: 99,
+                    },
+                )
+                .unwrap_or_else(|_| probe(t)),
+            )
+            .ok()
+            .map(|u| u.host_str().map(str::to_string));
+            assert_eq!(a, b, "{t}");
+        }
     }
 
     #[test]

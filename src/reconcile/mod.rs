@@ -9,12 +9,16 @@
 
 pub mod lookup;
 
+use crate::channels::guard::AllowList;
+use crate::channels::http::guarded_client;
 use crate::channels::options::ChannelOptions;
 use crate::error::{spi_failure, OrRaise, OutboxError};
+use crate::gucs;
 use lookup::{Lookup, Subject};
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::cell::RefCell;
+use std::sync::Arc;
 
 /// Applies a lookup's result to one message and records it as an attempt of kind
 /// `reconcile`. A message that is `sending` or already `delivered` is left alone.
@@ -148,13 +152,23 @@ thread_local! {
 }
 
 /// Runs a lookup from a backend: all signals stay blocked while the request runs (they are
-/// delivered right after), and the request is bounded by the channel's timeout.
+/// delivered right after), and the request is bounded by the channel's timeout and held to
+/// this session's `outbox.allowed_hosts`.
 fn lookup_from_backend(options: &ChannelOptions, url: String, subject: Subject) -> Lookup {
-    let client = match reqwest::Client::builder()
-        .connect_timeout(std::time::Duration::from_millis(options.connect_timeout_ms))
-        .redirect(reqwest::redirect::Policy::none())
-        .no_proxy()
-        .build()
+    let allowed = match AllowList::parse(&gucs::allowed_hosts()) {
+        Ok(list) => Arc::new(list),
+        Err(e) => {
+            return Lookup::Unavailable {
+                error: format!("lookup not sent: outbox.allowed_hosts is invalid: {e}"),
+                http_status: None,
+            }
+        }
+    };
+    let client = match guarded_client(
+        allowed.clone(),
+        std::time::Duration::from_millis(options.connect_timeout_ms),
+    )
+    .build()
     {
         Ok(c) => c,
         Err(e) => {
@@ -177,7 +191,13 @@ fn lookup_from_backend(options: &ChannelOptions, url: String, subject: Subject) 
                 .ok();
         }
         match slot.as_ref() {
-            Some(rt) => rt.block_on(lookup::lookup(client, options.clone(), url, subject)),
+            Some(rt) => rt.block_on(lookup::lookup(
+                client,
+                options.clone(),
+                url,
+                subject,
+                allowed,
+            )),
             None => Lookup::Unavailable {
                 error: "no runtime for the lookup".into(),
                 http_status: None,

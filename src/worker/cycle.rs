@@ -101,6 +101,7 @@ impl Worker {
         let lease_ms = gucs::lease_ms();
         let fault = gucs::fault_injection();
         let include_own_slot = std::mem::replace(&mut self.first_cycle, false);
+        self.refresh_allowed_hosts();
         slots::update(index, |s| {
             s.phase = slots::Phase::Claiming;
             s.last_loop_at_ms = now_ms();
@@ -227,6 +228,7 @@ impl Worker {
                 .into_iter()
                 .map(|(_, client, out)| (client, out))
                 .collect(),
+            self.transport.allowed(),
         );
         crash_if(FaultPoint::CrashAfterSend, fault, &jobs);
 
@@ -325,6 +327,24 @@ impl Worker {
         }
     }
 
+    /// Takes the current `outbox.allowed_hosts` (a reload may have changed it) for this
+    /// cycle's requests and says so in the log when it changed. An invalid value cannot be
+    /// set (its check hook refuses it); were one seen, nothing would be sent until fixed.
+    fn refresh_allowed_hosts(&mut self) {
+        let text = gucs::allowed_hosts();
+        match self.transport.set_allowed_hosts(&text) {
+            None => {}
+            Some(Ok(())) => log!(
+                "outbox_delivery worker {}: outbox.allowed_hosts = '{text}'",
+                self.index
+            ),
+            Some(Err(e)) => warning!(
+                "outbox_delivery worker {}: outbox.allowed_hosts is invalid ({e}); no request is sent until it is fixed",
+                self.index
+            ),
+        }
+    }
+
     /// Runs due reconcile lookups (read-only) and records what they found.
     fn reconcile(&mut self, channels: &Channels, lookups: Vec<LookupJob>) {
         let mut runs = Vec::new();
@@ -353,6 +373,7 @@ impl Worker {
                             options.clone(),
                             url,
                             job.subject.clone(),
+                            self.transport.allowed(),
                         )),
                     ));
                     continue;

@@ -74,6 +74,22 @@ pub fn after_transmission(
             error: Some(format!("not sent: {error}")),
             outcome: "permanent".into(),
         },
+        // Nothing was written, and resending to the same destination would be refused again
+        // until an administrator changes outbox.allowed_hosts: permanent, whatever `classify`.
+        Transmission::Refused {
+            phase,
+            error,
+            elapsed_ms,
+        } => settle(
+            Class::Permanent,
+            None,
+            None,
+            None,
+            format!("{}: {error} after {elapsed_ms} ms", phase.as_str()),
+            options,
+            ctx,
+            rng,
+        ),
         Transmission::Failed {
             phase,
             timed_out,
@@ -515,6 +531,54 @@ mod tests {
             after_lost_lease(&o, ctx(1), &mut half()).state,
             State::Queued
         );
+    }
+
+    #[test]
+    fn a_destination_refused_by_allowed_hosts_fails_permanently() {
+        let refused = |phase| {
+            Transmission::Refused {
+            phase,
+            error: "destination refused by outbox.allowed_hosts: host 169.254.169.254 is IPv4 link-local".into(),
+            elapsed_ms: 0,
+        }
+        };
+        // Whatever the channel would otherwise do with a failure: retry, same-key retry,
+        // reconcile, or overrides of the classification table.
+        let channels = [
+            opts(json!({})),
+            opts(json!({"retry": {"max_attempts": 100}})),
+            opts(json!({"idempotency_header": "Idempotency-Key"})),
+            opts(json!({"reconcile": {"url": "http://127.0.0.1:1/m/{effect_key}"}})),
+            opts(json!({"classify": {"5xx": "transient", "4xx": "transient"}})),
+        ];
+        for o in &channels {
+            for phase in [Phase::Dns, Phase::Connect] {
+                let v = after_transmission(&refused(phase), o, ctx(1), &mut half());
+                assert_eq!(v.state, State::Failed);
+                assert_eq!(v.class, Some(Class::Permanent));
+                assert_eq!(v.outcome, "permanent");
+                assert_eq!(v.next_at_ms, None);
+                assert_eq!(v.http_status, None);
+                let error = v.error.unwrap();
+                assert!(
+                    error.starts_with(&format!(
+                        "{}: destination refused by outbox.allowed_hosts: host 169.254.169.254",
+                        phase.as_str()
+                    )),
+                    "{error}"
+                );
+                assert!(error.ends_with("permanent: not retried"), "{error}");
+            }
+        }
+        // An ordinary DNS failure stays transient.
+        let dns = Transmission::Failed {
+            phase: Phase::Dns,
+            timed_out: false,
+            error: "dns error: failed to lookup address information".into(),
+            elapsed_ms: 2,
+        };
+        let v = after_transmission(&dns, &opts(json!({})), ctx(1), &mut half());
+        assert_eq!((v.state, v.class), (State::Queued, Some(Class::Transient)));
     }
 
     #[test]

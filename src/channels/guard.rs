@@ -1,0 +1,1010 @@
+//! The outbound-request guard: which destinations a channel may reach, from the setting
+//! `outbox.allowed_hosts`. Pure Rust: used by `create_channel` / `alter_channel` (the
+//! endpoint and the reconcile URL), by the worker before each request and by its DNS
+//! resolver on every resolved address.
+//!
+//! The list is comma-separated, whitespace trimmed, case-insensitive. An entry is
+//! - `*`: any host;
+//! - a host name, `api.example.com`: that host only;
+//! - `*.example.com`: every subdomain of example.com, not example.com itself;
+//! - an IP address, `127.0.0.1`, `::1` or `[::1]`;
+//! - a CIDR, `10.0.0.0/8`, `fd00::/8`.
+//!
+//! Host names and IP addresses are normalized as the `url` crate normalizes a URL's host
+//! (lower case, IDNA, IPv4 in any WHATWG form: `0x7f.1` and `2130706433` are 127.0.0.1), so
+//! an entry means the same as the host of a URL that names it. An empty list allows nothing.
+//!
+//! Some addresses are refused even when the host is allowed (by `*` or by name): link-local
+//! and cloud metadata addresses, and the unspecified addresses (see [`SENSITIVE`]). Only an
+//! IP or CIDR entry allows one of them, and a CIDR only when it is no wider than the refused
+//! range the address lies in: `169.254.169.254` or `169.254.0.0/16` allow the metadata
+//! address, `0.0.0.0/0` does not.
+
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use url::Host;
+
+/// How to write the list, for hints.
+pub const LIST_FORMS: &str = "Separate entries by commas; an entry is *, a host name, *.domain, an IP address or a CIDR such as 10.0.0.0/8, without scheme or port.";
+
+/// A range of addresses refused unless an IP or CIDR entry lists it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SensitiveRange {
+    pub network: Network,
+    /// What it is, for messages.
+    pub what: &'static str,
+}
+
+/// Addresses refused unless listed by IP or CIDR. IPv4-mapped IPv6 addresses
+/// (`::ffff:169.254.169.254`) are checked as the IPv4 address they map.
+pub const SENSITIVE: &[SensitiveRange] = &[
+    SensitiveRange {
+        network: Network::v4(Ipv4Addr::new(169, 254, 0, 0), 16),
+        what: "IPv4 link-local, which holds the cloud metadata address 169.254.169.254",
+    },
+    SensitiveRange {
+        network: Network::v4(Ipv4Addr::new(100, 100, 100, 200), 32),
+        what: "the Alibaba Cloud metadata address",
+    },
+    SensitiveRange {
+        network: Network::v4(Ipv4Addr::new(0, 0, 0, 0), 8),
+        what: "IPv4 \"this network\" (0.0.0.0/8), which reaches the local host",
+    },
+    SensitiveRange {
+        network: Network::v6(Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 0), 10),
+        what: "IPv6 link-local",
+    },
+    SensitiveRange {
+        network: Network::v6(Ipv6Addr::new(0xfd00, 0x0ec2, 0, 0, 0, 0, 0, 0x0254), 128),
+        what: "the AWS instance metadata IPv6 address",
+    },
+    SensitiveRange {
+        network: Network::v6(Ipv6Addr::UNSPECIFIED, 128),
+        what: "the IPv6 unspecified address, which reaches the local host",
+    },
+];
+
+/// An address block: `addr/prefix`, with no host bits set in `addr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Network {
+    addr: IpAddr,
+    prefix: u8,
+}
+
+impl Network {
+    const fn v4(addr: Ipv4Addr, prefix: u8) -> Network {
+        Network {
+            addr: IpAddr::V4(addr),
+            prefix,
+        }
+    }
+
+    const fn v6(addr: Ipv6Addr, prefix: u8) -> Network {
+        Network {
+            addr: IpAddr::V6(addr),
+            prefix,
+        }
+    }
+
+    /// `addr/prefix`; `Err` when the prefix is too long for the family or host bits are set.
+    pub fn new(addr: IpAddr, prefix: u8) -> Result<Network, String> {
+        let max = bits(addr);
+        if prefix > max {
+            return Err(format!("prefix length {prefix} is longer than {max}"));
+        }
+        let masked = mask(addr, prefix);
+        if masked != addr {
+            return Err(format!(
+                "has host bits set; the network is {masked}/{prefix}"
+            ));
+        }
+        // An IPv4-mapped IPv6 block inside ::ffff:0:0/96 is the IPv4 block it maps.
+        if let (IpAddr::V6(v6), true) = (addr, prefix >= 96) {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return Ok(Network::v4(v4, prefix - 96));
+            }
+        }
+        Ok(Network { addr, prefix })
+    }
+
+    pub fn addr(&self) -> IpAddr {
+        self.addr
+    }
+
+    pub fn prefix(&self) -> u8 {
+        self.prefix
+    }
+
+    /// Is `ip` (already canonical) inside this block?
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.addr, ip) {
+            (IpAddr::V4(_), IpAddr::V4(_)) | (IpAddr::V6(_), IpAddr::V6(_)) => {
+                mask(ip, self.prefix) == self.addr
+            }
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Network {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+fn bits(ip: IpAddr) -> u8 {
+    match ip {
+        IpAddr::V4(_) => 32,
+        IpAddr::V6(_) => 128,
+    }
+}
+
+fn mask(ip: IpAddr, prefix: u8) -> IpAddr {
+    match ip {
+        IpAddr::V4(a) => {
+            let m = if prefix == 0 {
+                0
+            } else {
+                u32::MAX << (32 - u32::from(prefix.min(32)))
+            };
+            IpAddr::V4(Ipv4Addr::from(u32::from(a) & m))
+        }
+        IpAddr::V6(a) => {
+            let m = if prefix == 0 {
+                0
+            } else {
+                u128::MAX << (128 - u32::from(prefix.min(128)))
+            };
+            IpAddr::V6(Ipv6Addr::from(u128::from(a) & m))
+        }
+    }
+}
+
+/// An IPv4-mapped IPv6 address as the IPv4 address it maps; anything else unchanged.
+pub fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+        v4 => v4,
+    }
+}
+
+/// The refused range `ip` lies in, if any.
+pub fn sensitive_range(ip: IpAddr) -> Option<&'static SensitiveRange> {
+    let ip = canonical(ip);
+    SENSITIVE.iter().find(|r| r.network.contains(ip))
+}
+
+/// One entry of the list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry {
+    /// `*`
+    Any,
+    /// `api.example.com` (normalized: lower case, IDNA, no trailing dot)
+    Host(String),
+    /// `*.example.com`, stored as `example.com`
+    Subdomains(String),
+    /// `127.0.0.1`, `::1` (canonical: an IPv4-mapped address is stored as IPv4)
+    Address(IpAddr),
+    /// `10.0.0.0/8`
+    Network(Network),
+}
+
+/// A rejected entry of `outbox.allowed_hosts`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidEntry {
+    pub entry: String,
+    pub message: String,
+}
+
+impl fmt::Display for InvalidEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "entry \"{}\" {}", self.entry, self.message)
+    }
+}
+
+impl std::error::Error for InvalidEntry {}
+
+/// A parsed `outbox.allowed_hosts`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllowList {
+    source: String,
+    entries: Vec<Entry>,
+}
+
+impl AllowList {
+    /// Parses the setting's text; an empty text allows nothing.
+    pub fn parse(text: &str) -> Result<AllowList, InvalidEntry> {
+        let entries = text
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                parse_entry(e).map_err(|message| InvalidEntry {
+                    entry: e.to_string(),
+                    message,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(AllowList {
+            source: text.trim().to_string(),
+            entries,
+        })
+    }
+
+    /// The list that allows nothing (what an invalid setting amounts to).
+    pub fn nothing() -> AllowList {
+        AllowList {
+            source: String::new(),
+            entries: Vec::new(),
+        }
+    }
+
+    /// The setting's text, trimmed, for messages.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    fn name_allowed(&self, name: &str) -> bool {
+        let name = name.strip_suffix('.').unwrap_or(name);
+        self.entries.iter().any(|e| match e {
+            Entry::Any => true,
+            Entry::Host(h) => h == name,
+            Entry::Subdomains(d) => {
+                name.len() > d.len() + 1
+                    && name.ends_with(d.as_str())
+                    && name.as_bytes()[name.len() - d.len() - 1] == b'.'
+            }
+            Entry::Address(_) | Entry::Network(_) => false,
+        })
+    }
+
+    /// Is `ip` (canonical) named by `*` or by an IP or CIDR entry?
+    fn ip_listed(&self, ip: IpAddr) -> bool {
+        self.entries.iter().any(|e| match e {
+            Entry::Any => true,
+            Entry::Address(a) => *a == ip,
+            Entry::Network(n) => n.contains(ip),
+            Entry::Host(_) | Entry::Subdomains(_) => false,
+        })
+    }
+}
+
+fn parse_entry(raw: &str) -> Result<Entry, String> {
+    let e = raw.to_lowercase();
+    if e == "*" {
+        return Ok(Entry::Any);
+    }
+    if let Some(domain) = e.strip_prefix("*.") {
+        if domain.contains('*') {
+            return Err("may contain one wildcard only, at its start, as in *.example.com".into());
+        }
+        return match host_of(domain) {
+            Some(Host::Domain(d)) => Ok(Entry::Subdomains(valid_name(&d)?)),
+            Some(_) => Err("is a wildcard over an IP address; write the address or a CIDR".into()),
+            None => Err("is not a wildcard over a host name, as in *.example.com".into()),
+        };
+    }
+    if e.contains('*') {
+        return Err(
+            "has a wildcard that is not \"*\" alone or at its start, as in *.example.com".into(),
+        );
+    }
+    if let Some((addr, prefix)) = e.split_once('/') {
+        let addr = ip_literal(addr)
+            .ok_or_else(|| "is not a CIDR: the part before / is not an IP address".to_string())?;
+        let prefix: u8 = prefix
+            .parse()
+            .map_err(|_| "is not a CIDR: the part after / is not a prefix length".to_string())?;
+        return Network::new(addr, prefix)
+            .map(Entry::Network)
+            .map_err(|m| format!("is not a CIDR: {m}"));
+    }
+    if let Some(ip) = ip_literal(&e) {
+        return Ok(Entry::Address(canonical(ip)));
+    }
+    if e.contains("://") || e.contains(':') || e.contains('/') {
+        return Err(
+            "is not a host name: write the host alone, without scheme, port or path".into(),
+        );
+    }
+    match host_of(&e) {
+        Some(Host::Domain(d)) => Ok(Entry::Host(valid_name(&d)?)),
+        Some(Host::Ipv4(a)) => Ok(Entry::Address(IpAddr::V4(a))),
+        Some(Host::Ipv6(a)) => Ok(Entry::Address(canonical(IpAddr::V6(a)))),
+        None => Err("is not a host name, IP address or CIDR".into()),
+    }
+}
+
+/// `::1`, `[::1]`, `127.0.0.1` (strict: dotted decimal or standard IPv6 text).
+fn ip_literal(s: &str) -> Option<IpAddr> {
+    let s = s
+        .strip_prefix('[')
+        .and_then(|s| s.strip_suffix(']'))
+        .unwrap_or(s);
+    s.parse().ok()
+}
+
+/// A host as the `url` crate normalizes a URL's host; `[..]` and bare IPv6 both accepted.
+fn host_of(s: &str) -> Option<Host<String>> {
+    if let Some(IpAddr::V6(a)) = ip_literal(s) {
+        return Some(Host::Ipv6(a));
+    }
+    Host::parse(s).ok()
+}
+
+/// A normalized host name without its trailing dot, made of labels of letters, digits,
+/// hyphens and underscores.
+fn valid_name(d: &str) -> Result<String, String> {
+    let d = d.strip_suffix('.').unwrap_or(d);
+    let ok = !d.is_empty()
+        && d.len() <= 253
+        && d.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        });
+    if ok {
+        Ok(d.to_string())
+    } else {
+        Err("is not a valid host name".into())
+    }
+}
+
+/// Does the list allow `host`, a URL's host: a name or an IP literal (`[::1]` or `::1`)?
+/// Only the host is checked here; an IP literal must also pass [`address_allowed`].
+pub fn host_allowed(list: &AllowList, host: &str) -> bool {
+    match host_of(host.trim()) {
+        Some(Host::Domain(d)) => list.name_allowed(&d),
+        Some(Host::Ipv4(a)) => list.ip_listed(IpAddr::V4(a)),
+        Some(Host::Ipv6(a)) => list.ip_listed(canonical(IpAddr::V6(a))),
+        None => false,
+    }
+}
+
+/// May a connection go to `ip` (resolved, or the URL's literal) once its host was allowed?
+/// Yes unless it lies in a [`SENSITIVE`] range that no IP or CIDR entry of the list unlocks.
+pub fn address_allowed(list: &AllowList, ip: IpAddr) -> bool {
+    let ip = canonical(ip);
+    let Some(range) = SENSITIVE.iter().find(|r| r.network.contains(ip)) else {
+        return true;
+    };
+    list.entries.iter().any(|e| match e {
+        Entry::Address(a) => *a == ip,
+        Entry::Network(n) => n.contains(ip) && n.prefix >= range.network.prefix,
+        Entry::Any | Entry::Host(_) | Entry::Subdomains(_) => false,
+    })
+}
+
+/// Why a destination was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reason {
+    /// The host matches no entry.
+    NotListed,
+    /// The host is an IP literal in a sensitive range no IP or CIDR entry lists.
+    Sensitive { address: IpAddr, what: &'static str },
+    /// Every address the name resolved to is in a sensitive range no entry lists.
+    OnlySensitiveAddresses { addresses: Vec<IpAddr> },
+}
+
+/// A destination refused by `outbox.allowed_hosts`; nothing was sent to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// As a URL writes it: `api.example.com`, `169.254.169.254`, `[fe80::1]`.
+    pub host: String,
+    pub reason: Reason,
+}
+
+impl Refusal {
+    /// One sentence on why, for the detail of an error.
+    pub fn explanation(&self) -> String {
+        match &self.reason {
+            Reason::NotListed => "The host matches no entry of outbox.allowed_hosts.".into(),
+            Reason::Sensitive { address, what } => format!(
+                "{address} is {what}; such addresses are refused unless an IP or CIDR entry of outbox.allowed_hosts lists them (\"*\" and host names do not)."
+            ),
+            Reason::OnlySensitiveAddresses { addresses } => format!(
+                "The host resolves only to {}, in ranges refused unless an IP or CIDR entry of outbox.allowed_hosts lists them.",
+                join(addresses)
+            ),
+        }
+    }
+}
+
+fn join(addresses: &[IpAddr]) -> String {
+    addresses
+        .iter()
+        .map(IpAddr::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "destination refused by outbox.allowed_hosts: host {}",
+            self.host
+        )?;
+        match &self.reason {
+            Reason::NotListed => f.write_str(" is not listed"),
+            Reason::Sensitive { what, .. } => write!(f, " is {what}"),
+            Reason::OnlySensitiveAddresses { addresses } => write!(
+                f,
+                " resolves only to refused addresses ({})",
+                join(addresses)
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Refusal {}
+
+/// Checks a URL's host: the host must be allowed and, when it is an IP literal, so must
+/// the address. Names are checked again on each resolved address by [`filter_resolved`].
+pub fn check_host(list: &AllowList, host: &Host<&str>) -> Result<(), Refusal> {
+    let (text, ip) = match host {
+        Host::Domain(d) => (d.to_string(), None),
+        Host::Ipv4(a) => (a.to_string(), Some(IpAddr::V4(*a))),
+        Host::Ipv6(a) => (format!("[{a}]"), Some(IpAddr::V6(*a))),
+    };
+    let listed = match ip {
+        None => list.name_allowed(&text),
+        Some(ip) => list.ip_listed(canonical(ip)),
+    };
+    if !listed {
+        return Err(Refusal {
+            host: text,
+            reason: Reason::NotListed,
+        });
+    }
+    match ip {
+        Some(ip) if !address_allowed(list, ip) => Err(Refusal {
+            host: text,
+            reason: Reason::Sensitive {
+                address: canonical(ip),
+                what: sensitive_range(ip).map(|r| r.what).unwrap_or("refused"),
+            },
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Checks the host of a parsed URL (see [`check_host`]); a URL without a host is refused.
+pub fn check_url(list: &AllowList, url: &url::Url) -> Result<(), Refusal> {
+    match url.host() {
+        Some(host) => check_host(list, &host),
+        None => Err(Refusal {
+            host: "(none)".into(),
+            reason: Reason::NotListed,
+        }),
+    }
+}
+
+/// What a resolver may connect to for `host`: its allowed addresses, in order. `Err` when
+/// the host is not allowed, or when it resolved to addresses and none of them is allowed.
+pub fn filter_resolved(
+    list: &AllowList,
+    host: &str,
+    resolved: impl IntoIterator<Item = SocketAddr>,
+) -> Result<Vec<SocketAddr>, Refusal> {
+    let host = host.strip_suffix('.').unwrap_or(host);
+    if !host_allowed(list, host) {
+        return Err(Refusal {
+            host: host.to_string(),
+            reason: Reason::NotListed,
+        });
+    }
+    let (kept, refused): (Vec<SocketAddr>, Vec<SocketAddr>) = resolved
+        .into_iter()
+        .partition(|a| address_allowed(list, a.ip()));
+    if kept.is_empty() && !refused.is_empty() {
+        let mut addresses: Vec<IpAddr> = refused.iter().map(|a| canonical(a.ip())).collect();
+        addresses.dedup();
+        return Err(Refusal {
+            host: host.to_string(),
+            reason: Reason::OnlySensitiveAddresses { addresses },
+        });
+    }
+    Ok(kept)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn list(s: &str) -> AllowList {
+        AllowList::parse(s).unwrap_or_else(|e| panic!("{s:?}: {e}"))
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    /// The host of a URL as reqwest sends it (the `url` crate normalizes it).
+    fn url_host(u: &str) -> String {
+        url::Url::parse(u).unwrap().host_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn entries_parse_to_their_forms() {
+        let cases: &[(&str, Entry)] = &[
+            ("*", Entry::Any),
+            ("api.example.com", Entry::Host("api.example.com".into())),
+            ("API.Example.COM", Entry::Host("api.example.com".into())),
+            ("api.example.com.", Entry::Host("api.example.com".into())),
+            ("localhost", Entry::Host("localhost".into())),
+            ("my_host.internal", Entry::Host("my_host.internal".into())),
+            (
+                "bücher.example",
+                Entry::Host("xn--bcher-kva.example".into()),
+            ),
+            ("*.example.com", Entry::Subdomains("example.com".into())),
+            ("*.EXAMPLE.com.", Entry::Subdomains("example.com".into())),
+            ("127.0.0.1", Entry::Address(ip("127.0.0.1"))),
+            ("::1", Entry::Address(ip("::1"))),
+            ("[::1]", Entry::Address(ip("::1"))),
+            ("[FD00:EC2::254]", Entry::Address(ip("fd00:ec2::254"))),
+            (
+                "::ffff:169.254.169.254",
+                Entry::Address(ip("169.254.169.254")),
+            ),
+            // WHATWG IPv4 forms mean what they mean in a URL.
+            ("0x7f.1", Entry::Address(ip("127.0.0.1"))),
+            ("2130706433", Entry::Address(ip("127.0.0.1"))),
+            ("0177.0.0.1", Entry::Address(ip("127.0.0.1"))),
+            (
+                "10.0.0.0/8",
+                Entry::Network(Network::v4(Ipv4Addr::new(10, 0, 0, 0), 8)),
+            ),
+            (
+                "0.0.0.0/0",
+                Entry::Network(Network::v4(Ipv4Addr::UNSPECIFIED, 0)),
+            ),
+            (
+                "fd00::/8",
+                Entry::Network(Network::v6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0), 8)),
+            ),
+            (
+                "[fd00::]/8",
+                Entry::Network(Network::v6(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 0), 8)),
+            ),
+            (
+                "::ffff:169.254.0.0/112",
+                Entry::Network(Network::v4(Ipv4Addr::new(169, 254, 0, 0), 16)),
+            ),
+            (
+                "169.254.169.254/32",
+                Entry::Network(Network::v4(Ipv4Addr::new(169, 254, 169, 254), 32)),
+            ),
+        ];
+        for (text, entry) in cases {
+            assert_eq!(list(text).entries(), std::slice::from_ref(entry), "{text}");
+        }
+    }
+
+    #[test]
+    fn lists_are_split_trimmed_and_may_be_empty() {
+        let l = list("  api.example.com , *.hooks.example.org,10.0.0.0/8 ,, ");
+        assert_eq!(l.entries().len(), 3);
+        assert_eq!(
+            l.source(),
+            "api.example.com , *.hooks.example.org,10.0.0.0/8 ,,"
+        );
+        assert!(list("").entries().is_empty());
+        assert!(list("  ").entries().is_empty());
+        assert!(list(" , ").entries().is_empty());
+        assert_eq!(AllowList::nothing().entries(), &[] as &[Entry]);
+    }
+
+    #[test]
+    fn invalid_entries_are_named() {
+        let cases: &[&str] = &[
+            "https://api.example.com",
+            "api.example.com:443",
+            "api.example.com/path",
+            "api.*.com",
+            "*example.com",
+            "*.*.example.com",
+            "**",
+            "*.",
+            "*.10.0.0.1",
+            "exa mple.com",
+            "a!b.com",
+            "a..b",
+            "user@host",
+            "10.0.0.0/33",
+            "fd00::/129",
+            "10.0.0.1/8",
+            "10.0.0.0/x",
+            "10.0.0.0/",
+            "host/8",
+            "[::1",
+            "fe80::1%eth0",
+            "300.1.1.1",
+        ];
+        for bad in cases {
+            let e =
+                AllowList::parse(&format!("api.example.com, {bad} ,10.0.0.0/8")).expect_err(bad);
+            assert_eq!(e.entry, bad.trim(), "{bad}");
+            assert!(
+                e.to_string().contains(&format!("\"{}\"", bad.trim())),
+                "{e}"
+            );
+        }
+        let e = AllowList::parse("10.0.0.1/8").unwrap_err();
+        assert!(e.message.contains("10.0.0.0/8"), "{e}");
+    }
+
+    #[test]
+    fn hosts_against_lists() {
+        // (list, host, allowed)
+        let cases: &[(&str, &str, bool)] = &[
+            ("*", "api.example.com", true),
+            ("*", "127.0.0.1", true),
+            ("*", "[::1]", true),
+            ("*", "169.254.169.254", true), // the address check refuses it
+            ("", "api.example.com", false),
+            ("", "127.0.0.1", false),
+            ("api.example.com", "api.example.com", true),
+            ("api.example.com", "API.EXAMPLE.COM", true),
+            ("api.example.com", "api.example.com.", true),
+            ("API.example.com", "api.example.com", true),
+            ("api.example.com", "example.com", false),
+            ("api.example.com", "x.api.example.com", false),
+            ("api.example.com", "api.example.com.evil.com", false),
+            ("api.example.com", "apiexample.com", false),
+            ("example.com", "evil-example.com", false),
+            ("*.example.com", "api.example.com", true),
+            ("*.example.com", "a.b.example.com", true),
+            ("*.example.com", "evil.com.example.com", true),
+            ("*.example.com", "API.Example.Com.", true),
+            ("*.example.com", "example.com", false),
+            ("*.example.com", "example.com.", false),
+            ("*.example.com", "xexample.com", false),
+            ("*.example.com", "example.com.evil.com", false),
+            ("*.example.com", "evilexample.com", false),
+            ("*.example.com", ".example.com", false),
+            ("*.example.com", "127.0.0.1", false),
+            ("example.com, *.example.com", "example.com", true),
+            ("127.0.0.1", "127.0.0.1", true),
+            ("127.0.0.1", "127.0.0.2", false),
+            ("127.0.0.1", "localhost", false),
+            ("localhost", "127.0.0.1", false),
+            ("localhost", "localhost", true),
+            ("::1", "[::1]", true),
+            ("::1", "::1", true),
+            ("[::1]", "[0:0:0:0:0:0:0:1]", true),
+            ("::1", "127.0.0.1", false),
+            ("127.0.0.1", "[::ffff:127.0.0.1]", true),
+            ("10.0.0.0/8", "10.1.2.3", true),
+            ("10.0.0.0/8", "11.0.0.1", false),
+            ("10.0.0.0/8", "[::ffff:10.0.0.1]", true),
+            ("10.0.0.0/8", "[fd00::1]", false),
+            ("fd00::/8", "[fd12:3456::1]", true),
+            ("fd00::/8", "[fe80::1]", false),
+            ("fd00::/8", "10.0.0.1", false),
+            ("0.0.0.0/0", "8.8.8.8", true),
+            ("::/0", "[2001:db8::1]", true),
+            ("::/0", "8.8.8.8", false),
+            // Raw hosts are normalized as a URL host would be.
+            ("127.0.0.1", "0x7f.1", true),
+            ("127.0.0.1", "2130706433", true),
+            ("127.0.0.1", "0177.0.0.01", true),
+            ("127.0.0.1", "%31%32%37.0.0.1", true),
+            ("xn--bcher-kva.example", "bücher.example", true),
+            ("bücher.example", "xn--bcher-kva.example", true),
+            ("*", "", false),
+            ("*", "[::1", false),
+        ];
+        for (l, host, allowed) in cases {
+            assert_eq!(
+                host_allowed(&list(l), host),
+                *allowed,
+                "list {l:?}, host {host:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn tricky_url_hosts_are_checked_as_normalized() {
+        // What the url crate (and so reqwest) makes of hosts that do not look like their address.
+        let normalized: &[(&str, &str)] = &[
+            ("http://0x7f.1/", "127.0.0.1"),
+            ("http://2130706433/", "127.0.0.1"),
+            ("http://0177.0.0.1/", "127.0.0.1"),
+            ("http://127.1/", "127.0.0.1"),
+            ("http://0xa9.0xfe.0xa9.0xfe/", "169.254.169.254"),
+            ("http://2852039166/", "169.254.169.254"),
+            ("http://0251.0376.0251.0376/", "169.254.169.254"),
+            ("http://%31%36%39.254.169.254/", "169.254.169.254"),
+            ("http://[::ffff:169.254.169.254]/", "[::ffff:a9fe:a9fe]"),
+            ("http://[FD00:EC2::254]/", "[fd00:ec2::254]"),
+            ("http://0/", "0.0.0.0"),
+            ("http://API.Example.COM./x", "api.example.com."),
+            ("http://user:pw@api.example.com:8443/x", "api.example.com"),
+        ];
+        for (u, host) in normalized {
+            assert_eq!(url_host(u), *host, "{u}");
+        }
+        let star = list("*");
+        let refused_by_star = [
+            "http://0xa9.0xfe.0xa9.0xfe/latest/meta-data",
+            "http://2852039166/",
+            "http://0251.0376.0251.0376/",
+            "http://%31%36%39.254.169.254/",
+            "http://169.254.169.254/",
+            "http://169.254.0.1:8080/",
+            "http://[::ffff:169.254.169.254]/",
+            "http://[fd00:ec2::254]/",
+            "http://[fe80::1]/",
+            "http://[::]/",
+            "http://0/",
+            "http://0.0.0.0:5432/",
+            "http://100.100.100.200/",
+        ];
+        for u in refused_by_star {
+            let url = url::Url::parse(u).unwrap();
+            let r = check_url(&star, &url).expect_err(u);
+            assert!(matches!(r.reason, Reason::Sensitive { .. }), "{u}: {r}");
+            assert!(
+                r.to_string()
+                    .starts_with("destination refused by outbox.allowed_hosts: host "),
+                "{r}"
+            );
+        }
+        for u in [
+            "http://0x7f.1/",
+            "http://2130706433/",
+            "http://127.0.0.1:8080/",
+            "http://[::1]/",
+            "https://api.example.com./x",
+            "http://100.100.100.201/",
+            "http://169.253.255.255/",
+            "http://[fd00:ec2::253]/",
+        ] {
+            assert_eq!(
+                check_url(&star, &url::Url::parse(u).unwrap()),
+                Ok(()),
+                "{u}"
+            );
+        }
+        let only_local = list("127.0.0.1");
+        assert_eq!(
+            check_url(&only_local, &url::Url::parse("http://0x7f.1/").unwrap()),
+            Ok(())
+        );
+        let r = check_url(&only_local, &url::Url::parse("http://localhost/").unwrap()).unwrap_err();
+        assert_eq!(
+            (r.host.as_str(), &r.reason),
+            ("localhost", &Reason::NotListed)
+        );
+    }
+
+    #[test]
+    fn sensitive_ranges() {
+        let sensitive = [
+            "169.254.169.254",
+            "169.254.0.0",
+            "169.254.255.255",
+            "100.100.100.200",
+            "0.0.0.0",
+            "0.255.255.255",
+            "fe80::1",
+            "febf:ffff::1",
+            "fd00:ec2::254",
+            "::",
+            "::ffff:169.254.169.254",
+            "::ffff:100.100.100.200",
+            "::ffff:0.0.0.0",
+        ];
+        for s in sensitive {
+            assert!(sensitive_range(ip(s)).is_some(), "{s}");
+        }
+        let ordinary = [
+            "169.253.255.255",
+            "169.255.0.0",
+            "100.100.100.199",
+            "100.100.100.201",
+            "1.0.0.0",
+            "127.0.0.1",
+            "10.0.0.1",
+            "192.168.1.1",
+            "8.8.8.8",
+            "fec0::1",
+            "fe7f:ffff::1",
+            "fd00:ec2::253",
+            "fd00:ec2::255",
+            "::1",
+            "::ffff:127.0.0.1",
+            "2001:db8::1",
+        ];
+        for s in ordinary {
+            assert!(sensitive_range(ip(s)).is_none(), "{s}");
+        }
+    }
+
+    #[test]
+    fn addresses_against_lists() {
+        // (list, address, allowed)
+        let cases: &[(&str, &str, bool)] = &[
+            ("*", "93.184.216.34", true),
+            ("*", "127.0.0.1", true),
+            ("*", "10.0.0.1", true),
+            ("*", "169.254.169.254", false),
+            ("*", "100.100.100.200", false),
+            ("*", "0.0.0.0", false),
+            ("*", "fe80::1", false),
+            ("*", "fd00:ec2::254", false),
+            ("*", "::", false),
+            ("*", "::ffff:169.254.169.254", false),
+            ("*", "::ffff:0.0.0.0", false),
+            // Host names never unlock a sensitive address, not even one that names it.
+            ("metadata.google.internal", "169.254.169.254", false),
+            ("*.internal", "169.254.169.254", false),
+            ("", "169.254.169.254", false),
+            // Non-sensitive addresses pass once the host passed, whatever the list.
+            ("", "93.184.216.34", true),
+            ("api.example.com", "10.0.0.1", true),
+            // An IP or CIDR entry unlocks what it covers.
+            ("169.254.169.254", "169.254.169.254", true),
+            ("169.254.169.254", "169.254.169.253", false),
+            ("169.254.169.254", "::ffff:169.254.169.254", true),
+            ("::ffff:169.254.169.254", "169.254.169.254", true),
+            ("169.254.0.0/16", "169.254.1.2", true),
+            ("169.254.169.0/24", "169.254.169.254", true),
+            ("169.254.169.0/24", "169.254.170.1", false),
+            ("100.100.100.200", "100.100.100.200", true),
+            ("100.100.100.200/32", "100.100.100.200", true),
+            ("0.0.0.0", "0.0.0.0", true),
+            ("fe80::/10", "fe80::1", true),
+            ("fe80::/64", "fe80::1", true),
+            ("fd00:ec2::254", "fd00:ec2::254", true),
+            ("[fd00:ec2::254]", "fd00:ec2::254", true),
+            ("::", "::", true),
+            // ... but a block wider than the refused range does not.
+            ("0.0.0.0/0", "169.254.169.254", false),
+            ("128.0.0.0/1", "169.254.169.254", false),
+            ("169.0.0.0/8", "169.254.169.254", false),
+            ("100.100.100.0/24", "100.100.100.200", false),
+            ("0.0.0.0/0", "0.0.0.0", false),
+            ("::/0", "fe80::1", false),
+            ("fd00::/8", "fd00:ec2::254", false),
+            ("fe80::/9", "fe80::1", false),
+            ("::/0", "::", false),
+            ("*, 10.0.0.0/8", "169.254.169.254", false),
+        ];
+        for (l, a, allowed) in cases {
+            assert_eq!(
+                address_allowed(&list(l), ip(a)),
+                *allowed,
+                "list {l:?}, address {a}"
+            );
+        }
+    }
+
+    #[test]
+    fn literal_hosts_need_both_checks() {
+        let cases: &[(&str, &str, bool)] = &[
+            ("*", "http://169.254.169.254/latest", false),
+            ("169.254.169.254", "http://169.254.169.254/latest", true),
+            ("169.254.0.0/16", "http://169.254.169.254/latest", true),
+            ("0.0.0.0/0", "http://169.254.169.254/latest", false),
+            ("0.0.0.0/0", "http://10.0.0.1/", true),
+            ("api.example.com", "http://10.0.0.1/", false),
+            ("*.example.com", "http://api.example.com/", true),
+            ("*.example.com", "http://example.com/", false),
+            ("", "http://api.example.com/", false),
+        ];
+        for (l, u, allowed) in cases {
+            let url = url::Url::parse(u).unwrap();
+            assert_eq!(
+                check_url(&list(l), &url).is_ok(),
+                *allowed,
+                "list {l:?}, url {u}"
+            );
+        }
+    }
+
+    #[test]
+    fn resolved_addresses_are_filtered() {
+        let sa = |s: &str| SocketAddr::new(ip(s), 0);
+        let star = list("*");
+        assert_eq!(
+            filter_resolved(
+                &star,
+                "api.example.com",
+                [sa("93.184.216.34"), sa("169.254.169.254")]
+            ),
+            Ok(vec![sa("93.184.216.34")])
+        );
+        assert_eq!(
+            filter_resolved(&star, "both.example.com", [sa("::1"), sa("127.0.0.1")]),
+            Ok(vec![sa("::1"), sa("127.0.0.1")])
+        );
+        let r = filter_resolved(
+            &star,
+            "metadata.example.com.",
+            [
+                sa("169.254.169.254"),
+                sa("::ffff:169.254.169.254"),
+                sa("fd00:ec2::254"),
+            ],
+        )
+        .unwrap_err();
+        assert_eq!(r.host, "metadata.example.com");
+        assert_eq!(
+            r.reason,
+            Reason::OnlySensitiveAddresses {
+                addresses: vec![ip("169.254.169.254"), ip("fd00:ec2::254")]
+            }
+        );
+        assert_eq!(
+            r.to_string(),
+            "destination refused by outbox.allowed_hosts: host metadata.example.com resolves only to refused addresses (169.254.169.254, fd00:ec2::254)"
+        );
+        let unlocked = list("*.example.com, 169.254.169.254");
+        assert_eq!(
+            filter_resolved(&unlocked, "metadata.example.com", [sa("169.254.169.254")]),
+            Ok(vec![sa("169.254.169.254")])
+        );
+        let r = filter_resolved(
+            &list("api.example.com"),
+            "other.example.com",
+            [sa("1.2.3.4")],
+        )
+        .unwrap_err();
+        assert_eq!(r.reason, Reason::NotListed);
+        assert_eq!(
+            r.to_string(),
+            "destination refused by outbox.allowed_hosts: host other.example.com is not listed"
+        );
+        assert_eq!(filter_resolved(&star, "empty.example.com", []), Ok(vec![]));
+    }
+
+    #[test]
+    fn refusals_explain_themselves() {
+        let r = check_url(
+            &list("*"),
+            &url::Url::parse("http://169.254.169.254/").unwrap(),
+        )
+        .unwrap_err();
+        assert_eq!(r.host, "169.254.169.254");
+        assert!(r.to_string().starts_with(
+            "destination refused by outbox.allowed_hosts: host 169.254.169.254 is IPv4 link-local"
+        ));
+        assert!(
+            r.explanation().contains("IP or CIDR entry"),
+            "{}",
+            r.explanation()
+        );
+        let r = check_url(&list("*"), &url::Url::parse("http://[fe80::1]/").unwrap()).unwrap_err();
+        assert_eq!(r.host, "[fe80::1]");
+        let r = check_url(&list(""), &url::Url::parse("http://a.example/").unwrap()).unwrap_err();
+        assert!(r.explanation().contains("matches no entry"));
+    }
+
+    #[test]
+    fn networks() {
+        let n = Network::new(ip("10.0.0.0"), 8).unwrap();
+        assert!(n.contains(ip("10.255.255.255")));
+        assert!(!n.contains(ip("11.0.0.0")));
+        assert!(!n.contains(ip("::ffff:10.0.0.1"))); // callers pass canonical addresses
+        assert_eq!(n.to_string(), "10.0.0.0/8");
+        let all4 = Network::new(ip("0.0.0.0"), 0).unwrap();
+        assert!(all4.contains(ip("255.255.255.255")));
+        assert!(!all4.contains(ip("::1")));
+        let one = Network::new(ip("::1"), 128).unwrap();
+        assert!(one.contains(ip("::1")) && !one.contains(ip("::2")));
+        assert!(Network::new(ip("10.0.0.1"), 8).is_err());
+        assert!(Network::new(ip("10.0.0.0"), 33).is_err());
+        assert_eq!(
+            Network::new(ip("::ffff:10.0.0.0"), 104).unwrap(),
+            Network::new(ip("10.0.0.0"), 8).unwrap()
+        );
+    }
+}
