@@ -6,12 +6,14 @@
 #   3. delivery: deliveries/s for a backlog to a loopback sink, the sink's own ceiling
 #      (wrk), and COMMIT -> request latency idle and under load;
 #   4. worker RSS and table/index sizes.
-# Figures only; nothing is asserted. Usage: scripts/bench.sh [backlog=10000]
+# Figures only; nothing is asserted.
+# Usage: scripts/bench.sh [backlog=10000] [large_backlog=1000000]   (large_backlog 0: skip it)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 export PATH="$HOME/.cargo/bin:$PATH"
 BACKLOG=${1:-10000}
+LARGE_BACKLOG=${2:-1000000}
 DURATION=${BENCH_SECONDS:-10}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54817}
@@ -88,7 +90,7 @@ fi
 kill $SINK_PID 2>/dev/null || true
 
 # 4. Delivery throughput and latency ------------------------------------------------------
-target/release/bench --backlog "$BACKLOG" --latency-samples 200
+target/release/bench --backlog "$BACKLOG" --large-backlog "$LARGE_BACKLOG" --latency-samples 200
 
 # 5. Footprint ----------------------------------------------------------------------------
 for pid in $(psql -Atc "SELECT pid FROM outbox.worker_status() WHERE pid IS NOT NULL"); do

@@ -1,6 +1,25 @@
 -- outbox_delivery: the application-facing SQL API written in SQL.
--- create_channel / alter_channel / effect_key live in Rust (src/channels, src/effect_key.rs)
--- because their validation is shared with the worker.
+-- Channel validation and effect_key live in Rust (src/channels, src/effect_key.rs) because
+-- they are shared with the worker.
+
+-- The options reach Rust as the text of the jsonb: a document nested too deeply for its
+-- parser is then refused with 22023 instead of failing in the argument conversion.
+CREATE FUNCTION outbox.create_channel(name text, endpoint text, options jsonb DEFAULT '{}')
+RETURNS void
+LANGUAGE sql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$ SELECT outbox._create_channel($1, $2, $3::text) $fn$;
+COMMENT ON FUNCTION outbox.create_channel(text, text, jsonb) IS
+    'Creates a delivery channel; every option is validated (unknown or mistyped option: 22023 naming it; existing name: 42710).';
+
+CREATE FUNCTION outbox.alter_channel(name text, options jsonb) RETURNS void
+LANGUAGE sql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$ SELECT outbox._alter_channel($1, $2::text) $fn$;
+COMMENT ON FUNCTION outbox.alter_channel(text, jsonb) IS
+    'Changes channel options (merged; null resets a key to its default; "endpoint" moves the channel). Queued messages follow the new policy at their next decision.';
 
 CREATE FUNCTION outbox.enqueue(
     channel      text,
@@ -32,6 +51,16 @@ BEGIN
             USING ERRCODE = '22023',
                   DETAIL = 'Every message carries the stable key of the side effect it performs.',
                   HINT = 'Derive it from the request and the operation: outbox.effect_key(request_id, ''send_reply'').';
+    END IF;
+    IF enqueue.effect_key ~ '[[:cntrl:]]' THEN
+        RAISE EXCEPTION 'effect_key must not contain control characters'
+            USING ERRCODE = '22023',
+                  DETAIL = 'The key travels in an HTTP header, where a control character cannot.',
+                  HINT = 'Use outbox.effect_key(source, operation), which returns 64 hex characters.';
+    END IF;
+    IF enqueue.not_before = 'infinity'::timestamptz THEN
+        RAISE EXCEPTION 'not_before must be a finite time'
+            USING ERRCODE = '22023', HINT = 'A message that must never be sent is not enqueued; NULL means now.';
     END IF;
     IF pg_catalog.octet_length(enqueue.effect_key) > 255 THEN
         RAISE EXCEPTION 'effect_key is % bytes long; at most 255 are allowed',

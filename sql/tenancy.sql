@@ -5,15 +5,23 @@
 -- the tenants it is bound to, directly or through membership; a superuser for any.
 
 -- Roles are cluster-wide: a second database (or a second CREATE EXTENSION) reuses them.
+-- The worker's role bypasses row-level security: it alone works across tenants, and
+-- PostgreSQL cannot use an index for a non-leakproof condition (such as a state = 'queued'
+-- on an enum) under a policy, even one that lets every row through.
 DO $roles$
 DECLARE
     r text;
 BEGIN
-    FOREACH r IN ARRAY ARRAY['outbox_writer', 'outbox_operator', 'outbox_admin', 'outbox_worker'] LOOP
+    FOREACH r IN ARRAY ARRAY['outbox_writer', 'outbox_operator', 'outbox_admin'] LOOP
         IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r) THEN
             EXECUTE pg_catalog.format('CREATE ROLE %I NOLOGIN', r);
         END IF;
     END LOOP;
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'outbox_worker') THEN
+        CREATE ROLE outbox_worker NOLOGIN BYPASSRLS;
+    ELSIF NOT (SELECT rolbypassrls FROM pg_catalog.pg_roles WHERE rolname = 'outbox_worker') THEN
+        ALTER ROLE outbox_worker BYPASSRLS;
+    END IF;
 END
 $roles$;
 
@@ -29,6 +37,22 @@ CREATE TABLE outbox._tenant_bindings (
 COMMENT ON TABLE outbox._tenant_bindings IS
     'Which tenants each role acts for (private; change with outbox.bind_tenant / unbind_tenant).';
 SELECT pg_catalog.pg_extension_config_dump('outbox._tenant_bindings', '');
+
+-- The effect key as providers see it (idempotency and reference headers, reconcile URLs,
+-- the argument of a sql channel's function). Keys are unique per tenant, and a channel may
+-- be shared by tenants whose provider dedupes by key across all of them: outside the
+-- default tenant the key is qualified, unambiguously (length-prefixed), by its tenant, so
+-- that one tenant's key can never make a provider drop another tenant's effect.
+CREATE FUNCTION outbox._provider_key(tenant text, effect_key text) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT
+BEGIN ATOMIC
+    -- A default-tenant key that itself starts like a qualified one is qualified too, so
+    -- that no two (tenant, key) pairs ever give the same text.
+    SELECT CASE WHEN tenant = 'default' AND effect_key !~ '^[0-9]+:' THEN effect_key
+                ELSE pg_catalog.octet_length(tenant)::text || ':' || tenant || ':' || effect_key END;
+END;
+COMMENT ON FUNCTION outbox._provider_key(text, text) IS
+    'The effect key a provider receives: the key itself in tenant default (unless it starts with digits and a colon), else <bytes of tenant>:<tenant>:<key>.';
 
 -- A tenant name: 1 to 128 bytes, no control characters. '*' only where allowed (bindings).
 CREATE FUNCTION outbox._check_tenant_name(tenant text, argument text, star_allowed boolean)
@@ -187,8 +211,10 @@ END
 $fn$;
 COMMENT ON FUNCTION outbox.unbind_tenant(name, text) IS 'Removes a binding made by bind_tenant.';
 
--- Row-level security: readers see the rows of their tenants; the worker sees every row.
--- Writers and operators have SELECT only: every change goes through a function.
+-- Row-level security: readers see the rows of their tenants. Writers and operators have
+-- SELECT only: every change goes through a function. The worker's role bypasses it; the
+-- worker_rows policies let a role that merely belongs to outbox_worker (outbox.role set
+-- to another role) work too, if more slowly.
 ALTER TABLE outbox._messages ENABLE ROW LEVEL SECURITY;
 ALTER TABLE outbox._attempts ENABLE ROW LEVEL SECURITY;
 ALTER TABLE outbox._ledger ENABLE ROW LEVEL SECURITY;

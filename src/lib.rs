@@ -36,7 +36,12 @@ extension_sql_file!(
 extension_sql_file!(
     "../sql/api.sql",
     name = "api",
-    requires = ["observability", _wake_at_commit]
+    requires = [
+        "observability",
+        _wake_at_commit,
+        create_channel,
+        alter_channel
+    ]
 );
 extension_sql_file!("../sql/privileges.sql", name = "privileges", finalize);
 

@@ -167,18 +167,29 @@ fn loggable(options: &Value) -> Value {
     v
 }
 
-#[pg_extern(volatile, security_definer)]
+/// Reads the options argument. It arrives as the text of a jsonb (see the SQL wrappers in
+/// sql/api.sql), so that a document too deeply nested for the parser is refused with 22023
+/// instead of failing inside the argument conversion.
+fn options_argument(options: Option<&str>) -> Option<Value> {
+    options.map(|text| {
+        serde_json::from_str(text)
+            .map_err(|e| {
+                option_error(OptionError {
+                    option: "options".into(),
+                    message: format!("cannot be read: {e}"),
+                })
+            })
+            .or_raise()
+    })
+}
+
+/// `outbox.create_channel(name, endpoint, options jsonb)` (a wrapper in sql/api.sql).
+#[pg_extern(name = "_create_channel", volatile, security_definer)]
 #[search_path(pg_catalog, pg_temp)]
-fn create_channel(
-    name: Option<&str>,
-    endpoint: Option<&str>,
-    options: default!(Option<JsonB>, "'{}'"),
-) {
+fn create_channel(name: Option<&str>, endpoint: Option<&str>, options: Option<&str>) {
     let name = required("name", name);
     let endpoint = required("endpoint", endpoint);
-    let options = options
-        .map(|j| j.0)
-        .unwrap_or_else(|| Value::Object(Default::default()));
+    let options = options_argument(options).unwrap_or_else(|| Value::Object(Default::default()));
     let parsed = ChannelOptions::from_json(&options)
         .map_err(option_error)
         .or_raise();
@@ -212,13 +223,14 @@ fn create_channel(
     .unwrap_or_else(|e| spi_failure(e));
 }
 
-#[pg_extern(volatile, security_definer)]
+/// `outbox.alter_channel(name, options jsonb)` (a wrapper in sql/api.sql).
+#[pg_extern(name = "_alter_channel", volatile, security_definer)]
 #[search_path(pg_catalog, pg_temp)]
-fn alter_channel(name: Option<&str>, options: Option<JsonB>) {
+fn alter_channel(name: Option<&str>, options: Option<&str>) {
     let name = required("name", name);
-    let changes = match options {
-        Some(JsonB(v)) if v.is_object() => v,
-        Some(JsonB(v)) => option_error(OptionError {
+    let changes = match options_argument(options) {
+        Some(v) if v.is_object() => v,
+        Some(v) => option_error(OptionError {
             option: "options".into(),
             message: format!("must be a JSON object, not {v}"),
         })
@@ -289,17 +301,6 @@ fn alter_channel(name: Option<&str>, options: Option<JsonB>) {
     })
     .unwrap_or_else(|e| spi_failure(e));
 }
-
-extension_sql!(
-    r#"
-COMMENT ON FUNCTION outbox.create_channel(text, text, jsonb) IS
-    'Creates a delivery channel; every option is validated (unknown or mistyped option: 22023 naming it; existing name: 42710).';
-COMMENT ON FUNCTION outbox.alter_channel(text, jsonb) IS
-    'Changes channel options (merged; null resets a key to its default; "endpoint" moves the channel). Queued messages follow the new policy at their next decision.';
-"#,
-    name = "channel_admin_comments",
-    requires = [create_channel, alter_channel]
-);
 
 #[cfg(test)]
 mod tests {

@@ -222,7 +222,8 @@ fn build(client: &reqwest::Client, out: &Outgoing) -> Result<reqwest::Request, S
     for (name, value) in &out.headers {
         let n = HeaderName::from_bytes(name.as_bytes())
             .map_err(|_| format!("header name \"{name}\" is not valid HTTP"))?;
-        let v = HeaderValue::from_str(value)
+        // Bytes, not str: UTF-8 travels as obs-text; control characters are refused.
+        let v = HeaderValue::from_bytes(value.as_bytes())
             .map_err(|_| format!("header \"{name}\" has a value HTTP cannot carry"))?;
         headers.insert(n, v);
     }

@@ -2,7 +2,8 @@
 //! means. Pure Rust plus the async request; no Postgres.
 //!
 //! Placeholders in `reconcile.url` (each value percent-encoded):
-//! - `{effect_key}` — the message's effect key (providers that store the idempotency key);
+//! - `{effect_key}` — the message's effect key as providers receive it (qualified by its
+//!   tenant outside tenant default; providers that store the idempotency key);
 //! - `{external_id}` — the provider's id from an earlier answer (only when one was recorded);
 //! - `{content_sha256}` — hex SHA-256 of the payload's normalized JSON text (jsonb's
 //!   canonical form: keys sorted, no insignificant whitespace), for providers that list

@@ -63,14 +63,15 @@ WITH cur AS (
 ), attempt AS (
     INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, finished_at, outcome, http_status, error,
                                   external_id, effect_key_sent, worker_pid)
-    SELECT m.id, m.tenant, m.attempts, 'reconcile', now(), $2, $4, $5, $3, m.effect_key, $7 FROM m
+    SELECT m.id, m.tenant, m.attempts, 'reconcile', now(), $2, $4, $5, $3,
+           outbox._provider_key(m.tenant, m.effect_key), $7 FROM m
 )
 SELECT m.state::text FROM m";
 
 /// One message with what a lookup needs, locked for the caller's transaction. Another
 /// tenant's message is not found, exactly as an id that does not exist.
 const LOCK_SUBJECT: &str = "
-SELECT m.state::text, m.effect_key, m.external_id, m.payload::text,
+SELECT m.state::text, outbox._provider_key(m.tenant, m.effect_key), m.external_id, m.payload::text,
        extract(epoch FROM m.created_at)::int8, m.reconcile_attempts, c.id, c.options::text
   FROM outbox._messages m
   LEFT JOIN outbox._channels c ON c.id = m.channel_id

@@ -184,3 +184,19 @@ fn message_headers_are_limited() {
         "00000"
     );
 }
+
+#[pg_test]
+fn providers_receive_keys_qualified_by_tenant() {
+    let key = |t: &str, k: &str| {
+        Spi::get_one_with_args::<String>("SELECT outbox._provider_key($1, $2)", &[t.into(), k.into()])
+            .unwrap()
+            .unwrap()
+    };
+    assert_eq!(key("default", "order-17:reply"), "order-17:reply");
+    assert_eq!(key("acme", "order-17:reply"), "4:acme:order-17:reply");
+    assert_eq!(key("ü", "k"), "2:ü:k", "the length is in bytes");
+    // No two (tenant, key) pairs meet: the tenant's length is part of the key.
+    assert_ne!(key("a", "b:c"), key("a:b", "c"));
+    assert_eq!(key("default", "4:acme:x"), "7:default:4:acme:x");
+    assert_ne!(key("default", "4:acme:x"), key("acme", "x"));
+}

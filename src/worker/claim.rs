@@ -48,25 +48,30 @@ WITH ch AS (
       FROM due
      WHERE m.id = due.id
  RETURNING m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers, m.attempts,
+           outbox._provider_key(m.tenant, m.effect_key) AS key_sent,
            coalesce(m.budget_started_at, m.created_at) AS budget_started_at, m.first_attempt_at,
            m.attempts - m.budget_base AS budget_attempt
 ), attempt AS (
     INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, effect_key_sent, worker_pid)
-    SELECT c.id, c.tenant, c.attempts, 'send', c.effect_key, $4 FROM claimed c
+    SELECT c.id, c.tenant, c.attempts, 'send', c.key_sent, $4 FROM claimed c
     RETURNING id, message_id
 )
-SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.effect_key, c.payload::text, c.headers::text,
+SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.key_sent, c.payload::text, c.headers::text,
        (extract(epoch FROM c.budget_started_at) * 1000)::int8,
        (extract(epoch FROM c.first_attempt_at) * 1000)::int8,
        l.message_id, l.external_id, c.budget_attempt
   FROM claimed c
   JOIN attempt a ON a.message_id = c.id
-  LEFT JOIN outbox._ledger l ON l.tenant = c.tenant AND l.effect_key = c.effect_key
+  -- One index probe per claimed message (OFFSET 0 keeps the subquery from becoming a
+  -- join): a join lets the planner hash the whole ledger, which grows with every delivery.
+  LEFT JOIN LATERAL (SELECT l.message_id, l.external_id FROM outbox._ledger l
+                      WHERE l.tenant = c.tenant AND l.effect_key = c.effect_key OFFSET 0) l ON true
  ORDER BY c.id";
 
-/// When the earliest queued message of an unpaused channel is due (unix ms).
+/// When the earliest queued message of an unpaused channel is due (unix ms), at most a day
+/// ahead (a message may wait until 'infinity').
 const NEXT_DUE: &str = "
-SELECT (extract(epoch FROM min(n.next_attempt_at)) * 1000)::int8
+SELECT (extract(epoch FROM least(min(n.next_attempt_at), now() + interval '1 day')) * 1000)::int8
   FROM outbox._channels c
   CROSS JOIN LATERAL (
        SELECT m.next_attempt_at FROM outbox._messages m
@@ -139,6 +144,8 @@ pub struct Job {
     pub attempt: i32,
     pub tenant: String,
     pub channel_id: i32,
+    /// The effect key as the provider sees it (`outbox._provider_key`: qualified by the
+    /// tenant outside the default tenant).
     pub effect_key: String,
     pub payload: String,
     pub headers: Option<String>,
@@ -234,7 +241,7 @@ UPDATE outbox._messages m
    SET next_attempt_at = now() + $2 * interval '1 millisecond'
   FROM due
  WHERE m.id = due.id
-RETURNING m.id, m.channel_id, m.effect_key, m.external_id, m.payload::text,
+RETURNING m.id, m.channel_id, outbox._provider_key(m.tenant, m.effect_key), m.external_id, m.payload::text,
           extract(epoch FROM m.created_at)::int8, m.reconcile_attempts";
 
 /// A message due for a reconcile lookup.

@@ -105,23 +105,23 @@ fn reload_config_if_asked(index: usize) -> bool {
 }
 
 /// The role of `outbox.role`; while it is missing or a superuser the worker does nothing
-/// but say so (once) and wait for the setting or the role to be fixed.
+/// but say so (once for each problem) and wait for the setting or the role to be fixed.
 fn wait_for_role(index: usize) -> pg_sys::Oid {
-    let mut told = false;
+    let mut told: Option<String> = None;
     loop {
         let name = identity::configured();
         match identity::check(&name) {
             Ok(oid) => {
-                if told {
+                if told.is_some() {
                     log!("outbox_delivery worker {index}: acting as role \"{name}\" now");
                 }
                 return oid;
             }
             Err(why) => {
-                if !told {
-                    pgrx::warning!("outbox_delivery worker {index}: {why}; delivering nothing until outbox.role names a non-superuser role");
+                if told.as_deref() != Some(why.as_str()) {
+                    log!("outbox_delivery worker {index}: {why}; delivering nothing until outbox.role names a non-superuser role");
                     slots::update(index, |s| s.phase = slots::Phase::WaitingForRole);
-                    told = true;
+                    told = Some(why);
                 }
             }
         }
@@ -174,6 +174,24 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
     slots::update(index, |s| s.connecting = true);
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
     slots::update(index, |s| s.connecting = false);
+    // Many short statements: a JIT compilation (triggered by a misestimate on a large
+    // table) would cost more than any query it speeds up.
+    unsafe {
+        pg_sys::SetConfigOption(
+            c"jit".as_ptr(),
+            c"off".as_ptr(),
+            pg_sys::GucContext::PGC_SUSET,
+            pg_sys::GucSource::PGC_S_OVERRIDE,
+        );
+        // Every statement of the worker runs as the non-superuser outbox.role (see
+        // identity.rs); is_superuser says so to the code it reaches, as after SET ROLE.
+        pg_sys::SetConfigOption(
+            c"is_superuser".as_ptr(),
+            c"off".as_ptr(),
+            pg_sys::GucContext::PGC_INTERNAL,
+            pg_sys::GucSource::PGC_S_OVERRIDE,
+        );
+    }
 
     let runtime = match runtime::build() {
         Ok(r) => r,

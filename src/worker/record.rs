@@ -72,7 +72,8 @@ UPDATE outbox._attempts a
 const RECORD_RECOVERY_ROWS: &str = "
 INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, finished_at, outcome, error_class, error,
                               effect_key_sent, worker_pid)
-SELECT o.message_id, m.tenant, o.attempt, 'recovery', now(), o.outcome, 'ambiguous', o.error, m.effect_key, $5
+SELECT o.message_id, m.tenant, o.attempt, 'recovery', now(), o.outcome, 'ambiguous', o.error,
+       outbox._provider_key(m.tenant, m.effect_key), $5
   FROM unnest($1::int8[], $2::int4[], $3::text[], $4::text[]) AS o(message_id, attempt, outcome, error)
   JOIN outbox._messages m ON m.id = o.message_id";
 
