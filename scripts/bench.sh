@@ -8,6 +8,8 @@
 #   4. worker RSS and table/index sizes.
 # Figures only; nothing is asserted.
 # Usage: scripts/bench.sh [backlog=10000] [large_backlog=1000000]   (large_backlog 0: skip it)
+# BENCH_SECONDS: length of each pgbench run (10); BENCH_STEADY_SECONDS: the steady load
+# with retention (120; 0 skips it).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -90,7 +92,8 @@ fi
 kill $SINK_PID 2>/dev/null || true
 
 # 4. Delivery throughput and latency ------------------------------------------------------
-target/release/bench --backlog "$BACKLOG" --large-backlog "$LARGE_BACKLOG" --latency-samples 200
+target/release/bench --backlog "$BACKLOG" --large-backlog "$LARGE_BACKLOG" --latency-samples 200 \
+  --steady-seconds "${BENCH_STEADY_SECONDS:-120}"
 
 # 5. Footprint ----------------------------------------------------------------------------
 for pid in $(psql -Atc "SELECT pid FROM outbox.worker_status() WHERE pid IS NOT NULL"); do

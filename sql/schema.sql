@@ -121,7 +121,7 @@ CREATE TABLE outbox._ledger (
     recorded_by text        NOT NULL,
     PRIMARY KEY (tenant, effect_key),
     CONSTRAINT ledger_recorded_by_known CHECK (recorded_by IN ('worker', 'reconcile', 'operator'))
-);
+) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.05);
 CREATE INDEX _ledger_recorded_at_idx ON outbox._ledger (recorded_at);
 CREATE INDEX _ledger_message_idx ON outbox._ledger (message_id);
 COMMENT ON TABLE outbox._ledger IS 'Effects confirmed by a provider, reconcile or an operator (private; read outbox.ledger).';

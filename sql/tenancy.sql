@@ -58,7 +58,6 @@ COMMENT ON FUNCTION outbox._provider_key(text, text) IS
 CREATE FUNCTION outbox._check_tenant_name(tenant text, argument text, star_allowed boolean)
 RETURNS void
 LANGUAGE plpgsql IMMUTABLE
-SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
     IF tenant IS NULL OR tenant = '' OR octet_length(tenant) > 128 OR tenant ~ '[[:cntrl:]]' THEN
@@ -106,11 +105,11 @@ COMMENT ON FUNCTION outbox._visible_tenants() IS
     'The tenants whose rows the calling role may see: its bindings, or the one named by outbox.tenant.';
 
 -- May the calling role see a row of this tenant? (Used inside SECURITY DEFINER functions,
--- where row-level security does not apply.)
+-- where row-level security does not apply. The helpers below run only inside those
+-- functions, with their pinned search_path: no one else may execute them, and leaving out
+-- a SECURITY DEFINER and SET of their own saves a configuration save and restore per call.)
 CREATE FUNCTION outbox._tenant_visible(tenant text) RETURNS boolean
 LANGUAGE sql STABLE
-SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
 AS $fn$
     SELECT outbox._caller_is_superuser() OR _tenant_visible.tenant = ANY (outbox._visible_tenants())
 $fn$;
@@ -118,8 +117,6 @@ $fn$;
 -- The tenant the calling role writes for (enqueue); 42501 when it cannot say.
 CREATE FUNCTION outbox._acting_tenant() RETURNS text
 LANGUAGE plpgsql STABLE
-SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     v_caller oid := outbox._caller_oid();

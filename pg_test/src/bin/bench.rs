@@ -9,7 +9,11 @@
 //! - with `--large-backlog N`, the same throughput for a backlog of N, and the execution
 //!   time of `SELECT * FROM outbox.metrics` and `outbox.prometheus()` with N queued.
 //!
-//!   bench [--backlog 10000] [--large-backlog 0] [--latency-samples 200]
+//! - with `--steady-seconds S`, a steady load of about 1,000 messages per second for S
+//!   seconds with retention of 15 s: the sizes of the tables (with indexes and TOAST) every
+//!   15 s, to see that they stay flat.
+//!
+//!   bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--latency-samples 200]
 
 use outbox_e2e::cluster::{unique, wait_until, Cluster};
 use outbox_e2e::sim::{Received, Simulator};
@@ -66,8 +70,9 @@ fn throughput(cluster: &Cluster, sim: &Simulator, n: usize) -> f64 {
         .unwrap();
         done += k as usize;
     }
-    c.batch_execute("VACUUM ANALYZE outbox._messages; CHECKPOINT")
-        .unwrap();
+    // Two statements: VACUUM cannot run in the implicit transaction of a multi-statement query.
+    c.batch_execute("VACUUM ANALYZE outbox._messages").unwrap();
+    c.batch_execute("CHECKPOINT").unwrap();
     if n >= 100_000 {
         for (name, sql) in [
             ("metrics", "SELECT * FROM outbox.metrics"),
@@ -103,6 +108,80 @@ fn throughput(cluster: &Cluster, sim: &Simulator, n: usize) -> f64 {
         eprintln!("backlog of {n} not delivered within 900 s");
     }
     n as f64 / secs
+}
+
+/// Sets a setting server-wide (ALTER SYSTEM must be its own statement) and reloads.
+fn alter_system(c: &mut Client, setting: &str, value: Option<&str>) {
+    let sql = match value {
+        Some(v) => format!("ALTER SYSTEM SET {setting} = '{v}'"),
+        None => format!("ALTER SYSTEM RESET {setting}"),
+    };
+    c.batch_execute(&sql).unwrap();
+    c.batch_execute("SELECT pg_reload_conf()").unwrap();
+}
+
+/// Steady load with a short retention: prints the total size of the message, attempt and
+/// ledger tables every 15 s. Every channel's retry horizon is shortened to 10 s, because the
+/// ledger keeps entries for at least the longest retry horizon of any channel.
+fn steady(cluster: &Cluster, sim: &Simulator, seconds: u64) {
+    let mut c = cluster.connect();
+    c.batch_execute(
+        "SELECT outbox.alter_channel(name, '{\"retry\": {\"max_age_ms\": 10000}}') FROM outbox._channels",
+    )
+    .unwrap();
+    alter_system(&mut c, "outbox.retention", Some("15"));
+    alter_system(&mut c, "outbox.ledger_retention", Some("15"));
+    let ch = unique("bench_steady");
+    c.execute(
+        "SELECT outbox.create_channel($1, $2, '{\"max_in_flight\": 512, \"retry\": {\"max_age_ms\": 10000}}'::jsonb)",
+        &[&ch, &sim.send_url(&ch)],
+    )
+    .unwrap();
+    let size = |c: &mut Client| -> (i64, i64, i64) {
+        let r = c
+            .query_one(
+                "SELECT pg_total_relation_size('outbox._messages'), pg_total_relation_size('outbox._attempts'),
+                        pg_total_relation_size('outbox._ledger')",
+                &[],
+            )
+            .unwrap();
+        (r.get(0), r.get(1), r.get(2))
+    };
+    let mb = |b: i64| b as f64 / 1_048_576.0;
+    let start = Instant::now();
+    let mut next_sample = Duration::ZERO;
+    let mut n = 0i64;
+    let mut samples = Vec::new();
+    while start.elapsed() < Duration::from_secs(seconds) {
+        if start.elapsed() >= next_sample {
+            let (m, a, l) = size(&mut c);
+            println!(
+                "steady_sizes_at_{:>3}s messages {:.1} MB, attempts {:.1} MB, ledger {:.1} MB ({n} enqueued)",
+                start.elapsed().as_secs(),
+                mb(m),
+                mb(a),
+                mb(l)
+            );
+            samples.push(m + a + l);
+            next_sample += Duration::from_secs(15);
+        }
+        c.execute(
+            "SELECT outbox.enqueue($1, '{\"steady\": true}'::jsonb, $2 || ':' || g) FROM generate_series(1, 100) g",
+            &[&ch, &format!("{ch}-{n}")],
+        )
+        .unwrap();
+        n += 100;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (m, a, l) = size(&mut c);
+    println!(
+        "steady_sizes_at_end messages {:.1} MB, attempts {:.1} MB, ledger {:.1} MB ({n} enqueued in {seconds} s)",
+        mb(m),
+        mb(a),
+        mb(l)
+    );
+    alter_system(&mut c, "outbox.retention", None);
+    alter_system(&mut c, "outbox.ledger_retention", None);
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -172,15 +251,6 @@ fn main() {
 
     let rate = throughput(&cluster, &sim, backlog);
     println!("deliveries_per_s_backlog_{backlog} {rate:.0} msg/s");
-    let large = arg("--large-backlog", 0);
-    if large > 0 {
-        let enqueue_started = Instant::now();
-        let rate = throughput(&cluster, &sim, large);
-        println!(
-            "deliveries_per_s_backlog_{large} {rate:.0} msg/s (enqueue and delivery took {:.0} s)",
-            enqueue_started.elapsed().as_secs_f64()
-        );
-    }
 
     // Latency under load: a second backlog drains while the samples are taken.
     let loaded = Arc::new(Mutex::new(None));
@@ -225,4 +295,20 @@ fn main() {
     println!("latency_loaded_p50 {lp50:.2} ms");
     println!("latency_loaded_p99 {lp99:.2} ms");
     println!("loaded_background_enqueued {offered} msgs");
+
+    let seconds = arg("--steady-seconds", 0) as u64;
+    if seconds > 0 {
+        steady(&cluster, &sim, seconds);
+    }
+
+    // Last: the large backlog leaves a million rows behind.
+    let large = arg("--large-backlog", 0);
+    if large > 0 {
+        let enqueue_started = Instant::now();
+        let rate = throughput(&cluster, &sim, large);
+        println!(
+            "deliveries_per_s_backlog_{large} {rate:.0} msg/s (enqueue and delivery took {:.0} s)",
+            enqueue_started.elapsed().as_secs_f64()
+        );
+    }
 }
