@@ -76,6 +76,17 @@ BEGIN
 END
 $fn$;
 
+-- The tenants the calling role is bound to, directly or through membership ('*' included).
+-- Runs only inside the SECURITY DEFINER functions below, with their pinned search_path.
+CREATE FUNCTION outbox._caller_bindings() RETURNS text[]
+LANGUAGE sql STABLE
+AS $fn$
+    SELECT coalesce(array_agg(DISTINCT b.tenant), '{}')
+      FROM outbox._tenant_bindings b
+      JOIN pg_catalog.pg_roles r ON r.rolname = b.role_name
+     WHERE pg_catalog.pg_has_role(outbox._caller_oid(), r.oid, 'USAGE')
+$fn$;
+
 -- The tenants whose rows the calling role sees (row-level security calls this once per
 -- query). A superuser bypasses row-level security and never needs it.
 CREATE FUNCTION outbox._visible_tenants() RETURNS text[]
@@ -84,14 +95,10 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
-    v_caller oid := outbox._caller_oid();
     v_named  text := nullif(current_setting('outbox.tenant', true), '');
     v_bound  text[];
 BEGIN
-    SELECT coalesce(array_agg(DISTINCT b.tenant), '{}') INTO v_bound
-      FROM outbox._tenant_bindings b
-      JOIN pg_catalog.pg_roles r ON r.rolname = b.role_name
-     WHERE pg_catalog.pg_has_role(v_caller, r.oid, 'USAGE');
+    v_bound := outbox._caller_bindings();
     IF v_named IS NOT NULL THEN
         IF v_named = ANY (v_bound) OR ('*' = ANY (v_bound) AND v_named <> '*') THEN
             RETURN ARRAY[v_named];
@@ -119,7 +126,6 @@ CREATE FUNCTION outbox._acting_tenant() RETURNS text
 LANGUAGE plpgsql STABLE
 AS $fn$
 DECLARE
-    v_caller oid := outbox._caller_oid();
     v_named  text := nullif(current_setting('outbox.tenant', true), '');
     v_bound  text[];
     v_one    text[];
@@ -130,10 +136,7 @@ BEGIN
     IF outbox._caller_is_superuser() THEN
         RETURN coalesce(v_named, 'default');
     END IF;
-    SELECT coalesce(array_agg(DISTINCT b.tenant), '{}') INTO v_bound
-      FROM outbox._tenant_bindings b
-      JOIN pg_catalog.pg_roles r ON r.rolname = b.role_name
-     WHERE pg_catalog.pg_has_role(v_caller, r.oid, 'USAGE');
+    v_bound := outbox._caller_bindings();
     IF v_named IS NOT NULL THEN
         IF v_named = ANY (v_bound) OR '*' = ANY (v_bound) THEN
             RETURN v_named;
@@ -160,16 +163,25 @@ BEGIN
 END
 $fn$;
 
+-- The arguments of bind_tenant / unbind_tenant.
+CREATE FUNCTION outbox._check_binding(role name, tenant text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+AS $fn$
+BEGIN
+    IF role IS NULL OR role = '' THEN
+        RAISE EXCEPTION 'role must not be NULL or empty' USING ERRCODE = '22023';
+    END IF;
+    PERFORM outbox._check_tenant_name(tenant, 'tenant', true);
+END
+$fn$;
+
 CREATE FUNCTION outbox.bind_tenant(role name, tenant text) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
-    IF bind_tenant.role IS NULL OR bind_tenant.role = '' THEN
-        RAISE EXCEPTION 'role must not be NULL or empty' USING ERRCODE = '22023';
-    END IF;
-    PERFORM outbox._check_tenant_name(bind_tenant.tenant, 'tenant', true);
+    PERFORM outbox._check_binding(bind_tenant.role, bind_tenant.tenant);
     IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.rolname = bind_tenant.role) THEN
         RAISE EXCEPTION 'role "%" does not exist', bind_tenant.role
             USING ERRCODE = '42704', HINT = 'Create the role first; bindings name existing roles.';
@@ -192,10 +204,7 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
-    IF unbind_tenant.role IS NULL OR unbind_tenant.role = '' THEN
-        RAISE EXCEPTION 'role must not be NULL or empty' USING ERRCODE = '22023';
-    END IF;
-    PERFORM outbox._check_tenant_name(unbind_tenant.tenant, 'tenant', true);
+    PERFORM outbox._check_binding(unbind_tenant.role, unbind_tenant.tenant);
     DELETE FROM outbox._tenant_bindings b
      WHERE b.role_name = unbind_tenant.role AND b.tenant = unbind_tenant.tenant;
     IF FOUND THEN

@@ -282,3 +282,16 @@ pub fn wait_for_workers(cluster: &Cluster, old: &[i32]) -> Vec<i32> {
         )
     })
 }
+
+/// A quoted SQL identifier.
+pub fn ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// The SQLSTATE of an error, or a note that the server sent none (a lost connection).
+pub fn code_of(e: &postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(d) => d.code().code().to_string(),
+        None => format!("<no SQLSTATE: {e}>"),
+    }
+}

@@ -25,7 +25,9 @@
 //! next test's metrics, and its roles and bindings are dropped.
 
 use openmetrics_parser::prometheus::parse_prometheus;
-use outbox_e2e::cluster::{create_channel, poll, unique, wait_for_workers, Cluster};
+use outbox_e2e::cluster::{
+    code_of, create_channel, ident, poll, unique, wait_for_workers, Cluster,
+};
 use outbox_e2e::sim::Simulator;
 use postgres::types::ToSql;
 use postgres::{Client, GenericClient, NoTls};
@@ -57,17 +59,6 @@ type Params<'a> = [&'a (dyn ToSql + Sync)];
 fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn ident(s: &str) -> String {
-    format!("\"{}\"", s.replace('"', "\"\""))
-}
-
-fn code_of(e: &postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(d) => d.code().code().to_string(),
-        None => format!("<no SQLSTATE: {e}>"),
-    }
 }
 
 fn describe(e: &postgres::Error) -> String {

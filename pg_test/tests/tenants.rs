@@ -28,7 +28,7 @@
 //! says: test 7 plants a trigger on `outbox._messages` and test 9 stops the workers.
 
 use outbox_e2e::cluster::{
-    create_channel, state_of, unique, wait_for_state, wait_for_workers, Cluster,
+    code_of, create_channel, ident, state_of, unique, wait_for_state, wait_for_workers, Cluster,
 };
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::types::ToSql;
@@ -63,24 +63,12 @@ fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A quoted SQL identifier.
-fn ident(s: &str) -> String {
-    format!("\"{}\"", s.replace('"', "\"\""))
-}
-
 /// A quoted SQL string literal.
 fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
 }
 
 /// The SQLSTATE of an error, or a marker saying there was none (a broken connection).
-fn code_of(e: &postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(d) => d.code().code().to_string(),
-        None => format!("<no SQLSTATE: {e}>"),
-    }
-}
-
 /// An error as the server reported it: severity, SQLSTATE, message, detail and hint.
 fn describe(e: &postgres::Error) -> String {
     match e.as_db_error() {

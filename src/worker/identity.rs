@@ -8,7 +8,6 @@
 //! superuser rights and cannot leave that role: `SET ROLE` and `SET SESSION AUTHORIZATION`
 //! are refused, and an aborted transaction restores the previous user by itself.
 
-use crate::gucs;
 use pgrx::bgworkers::BackgroundWorker;
 use pgrx::pg_sys;
 use std::ffi::CString;
@@ -37,27 +36,16 @@ pub fn check(name: &str) -> Result<pg_sys::Oid, String> {
     })
 }
 
-/// The role the worker acts as, from `outbox.role`.
-pub fn configured() -> String {
-    gucs::worker_role()
-}
-
 /// Runs `body` in a transaction, as `role`, in a security-restricted operation.
 pub fn transaction<R>(role: pg_sys::Oid, body: impl FnOnce() -> R) -> R {
     BackgroundWorker::transaction(AssertUnwindSafe(|| {
-        let (saved_user, saved_context) = current();
-        unsafe {
-            // The role may have been made a superuser since the worker checked it.
-            if pg_sys::superuser_arg(role) {
-                pgrx::error!(
-                    "outbox.role names a superuser now; the worker stops acting until it is fixed"
-                );
-            }
-            pg_sys::SetUserIdAndSecContext(role, saved_context | RESTRICTED);
+        // The role may have been made a superuser since the worker checked it.
+        if unsafe { pg_sys::superuser_arg(role) } {
+            pgrx::error!(
+                "outbox.role names a superuser now; the worker stops acting until it is fixed"
+            );
         }
-        let result = body();
-        unsafe { pg_sys::SetUserIdAndSecContext(saved_user, saved_context) };
-        result
+        as_role(role, body)
     }))
 }
 

@@ -109,7 +109,7 @@ fn reload_config_if_asked(index: usize) -> bool {
 fn wait_for_role(index: usize) -> pg_sys::Oid {
     let mut told: Option<String> = None;
     loop {
-        let name = identity::configured();
+        let name = gucs::worker_role();
         match identity::check(&name) {
             Ok(oid) => {
                 if told.is_some() {
