@@ -1429,3 +1429,58 @@ fn metrics_use_indexes_only_at_a_backlog_of_200k() {
         }
     }
 }
+
+/// The worker's own writes reach the statistics autovacuum reads. A background worker
+/// must report them itself; before it did, `_attempts` and `_ledger` (written only by the
+/// worker) showed no rows at all in `pg_stat_user_tables`, autovacuum never processed them,
+/// and under a steady load with retention both grew without bound.
+#[test]
+fn worker_writes_reach_the_statistics_autovacuum_reads() {
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    wait_for_workers(&cluster, &[]);
+    let mut c = cluster.connect();
+    let counts = |c: &mut Client| -> HashMap<String, (i64, i64)> {
+        c.query(
+            "SELECT relname::text, n_tup_ins, n_tup_upd FROM pg_stat_user_tables
+              WHERE schemaname = 'outbox' AND relname IN ('_attempts', '_ledger', '_channel_stats')",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2))))
+        .collect()
+    };
+    let before = counts(&mut c);
+
+    let sim = Simulator::start();
+    let ch = unique("obs_stats");
+    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
+    const N: i64 = 40;
+    let last = (0..N)
+        .map(|i| enqueue(&mut c, &ch, &format!("{ch}-{i}")))
+        .last()
+        .unwrap();
+    wait_state(&cluster, last, "delivered");
+    assert!(
+        sim.wait_for_sends(&ch, N as usize, SETTLE),
+        "the provider did not receive {N} messages"
+    );
+
+    // Unforced reports flush at most once a second; the worker forces one before it idles.
+    let mut now = HashMap::new();
+    let reported = wait_until(Duration::from_secs(15), || {
+        now = counts(&mut c);
+        let grew =
+            |t: &str, f: fn(&(i64, i64)) -> i64| f(&now[t]) - before.get(t).map(f).unwrap_or(0);
+        grew("_attempts", |x| x.0) >= N
+            && grew("_attempts", |x| x.1) >= N
+            && grew("_ledger", |x| x.0) >= N
+            && grew("_channel_stats", |x| x.0 + x.1) >= 1
+    });
+    assert!(
+        reported,
+        "the worker delivered {N} messages but pg_stat_user_tables does not show its writes \
+         (inserts, updates): before {before:?}, now {now:?}"
+    );
+}

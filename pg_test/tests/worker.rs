@@ -1041,6 +1041,86 @@ fn two_workers_never_send_the_same_message() {
     }
 }
 
+/// A channel with a deep backlog does not hold back another channel: the batch is shared
+/// among the channels with due messages, so a single message on another channel is
+/// delivered while most of the first channel's backlog is still queued. Two quiet channels,
+/// one created before the busy one and one after it, so that one of them comes after the
+/// busy channel in whatever order the channel table is read.
+#[test]
+fn a_deep_backlog_on_one_channel_does_not_starve_another() {
+    const BACKLOG: i64 = 6000;
+    let cluster = Cluster::from_env();
+    wait_for_workers(&cluster, &[]);
+    let sim = Simulator::start();
+    let busy = unique("w_busy");
+    let quiet = [unique("w_quiet_before"), unique("w_quiet_after")];
+    // Every request of the busy channel takes 50 ms, and its max_in_flight is above the
+    // batch size, so that it could fill every batch alone: its backlog needs dozens.
+    sim.set_default(&busy, Action::AcceptAfter(Duration::from_millis(50)));
+    let mut c = cluster.connect();
+    create_channel(&mut c, &quiet[0], &sim.send_url(&quiet[0]), "{}");
+    create_channel(
+        &mut c,
+        &busy,
+        &sim.send_url(&busy),
+        r#"{"max_in_flight": 1000}"#,
+    );
+    c.execute(
+        "SELECT outbox.pause_channel($1, 'loading a backlog')",
+        &[&busy],
+    )
+    .unwrap();
+    c.execute(
+        "SELECT outbox.enqueue($1, jsonb_build_object('n', g), $2 || ':' || g)
+           FROM generate_series(1, $3::int8) g",
+        &[&busy, &busy, &BACKLOG],
+    )
+    .unwrap();
+    c.execute("SELECT outbox.resume_channel($1)", &[&busy])
+        .unwrap();
+    create_channel(&mut c, &quiet[1], &sim.send_url(&quiet[1]), "{}");
+    assert!(
+        sim.wait_for_sends(&busy, 200, SETTLE),
+        "the busy channel's backlog did not start"
+    );
+    let ids: Vec<i64> = quiet
+        .iter()
+        .map(|q| enqueue(&mut c, q, r#"{"n": "alone"}"#, &unique("w_quiet_k")))
+        .collect();
+    let delivered = poll(&cluster, SETTLE, |c| {
+        let r = c.query_one(
+            "SELECT (SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'delivered'),
+                    (SELECT count(*) FROM outbox.messages WHERE channel = $2 AND state = 'queued')",
+            &[&ids, &busy],
+        )?;
+        let (done, queued): (i64, i64) = (r.get(0), r.get(1));
+        Ok((done == 2).then_some(queued))
+    });
+    let queued = delivered.expect("the quiet channels' messages were not delivered");
+    assert!(
+        queued >= BACKLOG / 3,
+        "the quiet channels' messages were delivered only when {queued} of the busy channel's \
+         {BACKLOG} messages were still queued: one waited behind the backlog"
+    );
+    for q in &quiet {
+        assert_eq!(sim.send_count(q), 1, "sends to {q}");
+    }
+    // The rest of the backlog stays queued on a paused channel, not sent to a provider that
+    // is gone when this test ends.
+    c.execute("SELECT outbox.pause_channel($1, 'test over')", &[&busy])
+        .unwrap();
+    let settled = poll(&cluster, SETTLE, |c| {
+        let n: i64 = c
+            .query_one(
+                "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'sending'",
+                &[&busy],
+            )?
+            .get(0);
+        Ok((n == 0).then_some(()))
+    });
+    assert!(settled.is_some(), "the busy channel's sends did not settle");
+}
+
 // ---------------------------------------------------------------------------------------
 // 8. Retention
 // ---------------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ const LOAD_CHANNELS: &str = "\
 
 /// Due messages, per unpaused channel up to its free `max_in_flight`, oldest due first; a
 /// message with an ordering key waits while an earlier one with that key is pending.
+/// The batch is shared evenly among the channels that have a due message, taken in a
+/// random order, so that a channel with a deep backlog cannot hold back another channel's
+/// next message for longer than one batch.
 /// The ledger lookup at the end is the barrier: such a message is not sent again.
 const CLAIM_DUE: &str = "
 WITH ch AS (
@@ -20,12 +23,19 @@ WITH ch AS (
                            WHERE s.channel_id = c.id AND s.state = 'sending'))::int AS room
       FROM outbox._channels c
      WHERE NOT c.paused
+), ready AS (
+    SELECT ch.id, ch.room, count(*) OVER () AS sharing
+      FROM ch
+     WHERE ch.room > 0
+       AND EXISTS (SELECT 1 FROM outbox._messages q
+                    WHERE q.channel_id = ch.id AND q.state = 'queued' AND q.next_attempt_at <= now())
+     ORDER BY random()
 ), due AS (
     SELECT d.id
-      FROM ch CROSS JOIN LATERAL (
+      FROM ready CROSS JOIN LATERAL (
            SELECT m.id
              FROM outbox._messages m
-            WHERE m.channel_id = ch.id
+            WHERE m.channel_id = ready.id
               AND m.state = 'queued'
               AND m.next_attempt_at <= now()
               AND (m.ordering_key IS NULL OR NOT EXISTS (
@@ -33,9 +43,8 @@ WITH ch AS (
                       WHERE e.tenant = m.tenant AND e.ordering_key = m.ordering_key
                         AND e.id < m.id AND e.state IN ('queued', 'sending', 'uncertain')))
             ORDER BY m.next_attempt_at, m.id
-            LIMIT least(ch.room, $1)
+            LIMIT least(ready.room, ceil($1::numeric / ready.sharing)::int)
               FOR UPDATE OF m SKIP LOCKED) d
-     WHERE ch.room > 0
      LIMIT $1
 ), claimed AS (
     UPDATE outbox._messages m

@@ -36,9 +36,10 @@ pub fn check(name: &str) -> Result<pg_sys::Oid, String> {
     })
 }
 
-/// Runs `body` in a transaction, as `role`, in a security-restricted operation.
+/// Runs `body` in a transaction, as `role`, in a security-restricted operation, then
+/// reports the transaction's table statistics.
 pub fn transaction<R>(role: pg_sys::Oid, body: impl FnOnce() -> R) -> R {
-    BackgroundWorker::transaction(AssertUnwindSafe(|| {
+    let result = BackgroundWorker::transaction(AssertUnwindSafe(|| {
         // The role may have been made a superuser since the worker checked it.
         if unsafe { pg_sys::superuser_arg(role) } {
             pgrx::error!(
@@ -46,7 +47,20 @@ pub fn transaction<R>(role: pg_sys::Oid, body: impl FnOnce() -> R) -> R {
             );
         }
         as_role(role, body)
-    }))
+    }));
+    report_statistics(false);
+    result
+}
+
+/// Hands the rows this process inserted, updated and deleted to the statistics that
+/// autovacuum reads. A client backend does this whenever it goes idle; a background worker
+/// must do it itself, or autovacuum never learns of the dead rows it leaves (the attempt
+/// and ledger tables, written only by the worker, would then grow without bound).
+/// Unforced, it flushes at most once a second; `force` before the worker sleeps.
+pub fn report_statistics(force: bool) {
+    unsafe {
+        pg_sys::pgstat_report_stat(force);
+    }
 }
 
 /// Runs `body` as `role` in a security-restricted operation inside the current

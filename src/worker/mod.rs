@@ -248,6 +248,7 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
             None => poll,
         };
         slots::update(index, |s| s.phase = slots::Phase::Idle);
+        identity::report_statistics(true);
         if !sleep(timeout) {
             break;
         }
