@@ -134,7 +134,17 @@ fn wait_for_role(index: usize) -> pg_sys::Oid {
 
 /// Sleeps on the latch; false when the worker must stop.
 fn sleep(timeout: Duration) -> bool {
-    BackgroundWorker::wait_latch(Some(timeout.max(Duration::from_millis(1))))
+    let _ = BackgroundWorker::wait_latch(Some(timeout.max(Duration::from_millis(1))));
+    !stop_requested()
+}
+
+/// Whether the worker was asked to stop (SIGTERM: a fast or smart shutdown,
+/// `pg_terminate_backend`). Reads the flag the signal handler sets and nothing clears:
+/// `BackgroundWorker::sigterm_received()` clears its own flag when read, and
+/// `wait_latch` reads it too, so a SIGTERM that arrived during a busy cycle was consumed
+/// by the next latch check and the worker kept delivering through the shutdown.
+fn stop_requested() -> bool {
+    unsafe { (&raw const pg_sys::ShutdownRequestPending).read_volatile() != 0 }
 }
 
 #[pg_guard]
@@ -222,7 +232,7 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
         if reload_config_if_asked(index) {
             worker.role = wait_for_role(index);
         }
-        if BackgroundWorker::sigterm_received() {
+        if stop_requested() {
             break;
         }
         let report = guarded(index, "delivery cycle", || worker.run_once());
@@ -233,9 +243,8 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
         if report.claimed > 0 {
             // More may be due, and this batch may have scheduled a retry sooner than the
             // poll interval: the next cycle claims again or learns when the next one is due.
-            if !BackgroundWorker::wait_latch(Some(Duration::from_millis(0)))
-                && BackgroundWorker::sigterm_received()
-            {
+            let _ = BackgroundWorker::wait_latch(Some(Duration::from_millis(0)));
+            if stop_requested() {
                 break;
             }
             continue;
