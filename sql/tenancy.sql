@@ -43,8 +43,10 @@ SELECT pg_catalog.pg_extension_config_dump('outbox._tenant_bindings', '');
 -- be shared by tenants whose provider dedupes by key across all of them: outside the
 -- default tenant the key is qualified, unambiguously (length-prefixed), by its tenant, so
 -- that one tenant's key can never make a provider drop another tenant's effect.
+-- Not STRICT, so that the planner inlines it (a STRICT function whose body has a CASE is
+-- called row by row instead); a NULL argument still gives NULL.
 CREATE FUNCTION outbox._provider_key(tenant text, effect_key text) RETURNS text
-LANGUAGE sql IMMUTABLE PARALLEL SAFE STRICT
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
 BEGIN ATOMIC
     -- A default-tenant key that itself starts like a qualified one is qualified too, so
     -- that no two (tenant, key) pairs ever give the same text.

@@ -199,4 +199,28 @@ fn providers_receive_keys_qualified_by_tenant() {
     assert_ne!(key("a", "b:c"), key("a:b", "c"));
     assert_eq!(key("default", "4:acme:x"), "7:default:4:acme:x");
     assert_ne!(key("default", "4:acme:x"), key("acme", "x"));
+    // NULL in, NULL out, as for a STRICT function.
+    for (t, k) in [(None, Some("k")), (Some("default"), None), (Some("acme"), None)] {
+        let got = Spi::get_one_with_args::<String>(
+            "SELECT outbox._provider_key($1, $2)",
+            &[t.into(), k.into()],
+        )
+        .unwrap();
+        assert_eq!(got, None, "{t:?}, {k:?}");
+    }
+    // The worker's statements call it once per claimed row: it must be inlined into them.
+    let plan: Vec<String> = Spi::connect(|c| {
+        c.select(
+            "EXPLAIN (VERBOSE, COSTS OFF) SELECT outbox._provider_key(t, k) FROM (VALUES ('acme', 'x')) v(t, k)",
+            None,
+            &[],
+        )
+        .unwrap()
+        .map(|row| row.get::<String>(1).unwrap().unwrap_or_default())
+        .collect()
+    });
+    assert!(
+        !plan.iter().any(|l| l.contains("_provider_key")),
+        "outbox._provider_key is not inlined: {plan:?}"
+    );
 }

@@ -27,8 +27,11 @@ WITH ch AS (
     SELECT ch.id, ch.room, count(*) OVER () AS sharing
       FROM ch
      WHERE ch.room > 0
-       AND EXISTS (SELECT 1 FROM outbox._messages q
-                    WHERE q.channel_id = ch.id AND q.state = 'queued' AND q.next_attempt_at <= now())
+       -- A scalar subquery, one probe of the head of the due index per channel: an EXISTS
+       -- becomes a semi-join that reads every due message of the backlog.
+       AND (SELECT true FROM outbox._messages q
+             WHERE q.channel_id = ch.id AND q.state = 'queued' AND q.next_attempt_at <= now()
+             LIMIT 1)
      ORDER BY random()
 ), due AS (
     SELECT d.id

@@ -4,7 +4,7 @@
 use super::claim::{self, Channel, Channels, Job, LookupJob};
 use super::decide::{self, Verdict};
 use super::record::{self, Outcomes, Tally};
-use super::{identity, recovery, retention, slots};
+use super::{identity, planner, recovery, retention, slots};
 use crate::channels::http::{self, Outgoing, Transport};
 use crate::channels::options::{ChannelOptions, Kind};
 use crate::channels::sql;
@@ -112,6 +112,7 @@ impl Worker {
             self.role,
             AssertUnwindSafe(|| {
                 Spi::connect_mut(|client| -> pgrx::spi::SpiResult<_> {
+                planner::prefer_indexes(client)?;
                 let channels = Channels::load(client)?;
                 let lost = recovery::find_lost_leases(client, include_own_slot, index as i32, RECOVER_PER_CYCLE)?;
                 if !lost.is_empty() {
@@ -304,6 +305,7 @@ impl Worker {
                             verdict,
                         );
                     }
+                    planner::prefer_indexes(client)?;
                     record::record(client, &outcomes)
                 })
                 .unwrap_or_else(|e| panic!("outbox_delivery worker: record failed: {e}"));

@@ -6,6 +6,7 @@ pub mod claim;
 pub mod cycle;
 pub mod decide;
 pub mod identity;
+pub mod planner;
 pub mod record;
 pub mod recovery;
 pub mod retention;
@@ -193,6 +194,7 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
             pg_sys::GucContext::PGC_SUSET,
             pg_sys::GucSource::PGC_S_OVERRIDE,
         );
+
         // Every statement of the worker runs as the non-superuser outbox.role (see
         // identity.rs); is_superuser says so to the code it reaches, as after SET ROLE.
         pg_sys::SetConfigOption(

@@ -9,6 +9,9 @@ use pgrx::spi::{SpiClient, SpiResult};
 
 /// Confirmed effects. The ledger insert is the barrier for every later attempt; a message
 /// already delivered (by another worker or reconcile) keeps its first record.
+/// The `a.id = ANY(...)` condition beside the join lets the planner reach the batch's
+/// attempt rows through the primary key: without it, it may hash-join the batch against a
+/// sequential scan of the whole attempt table, a cost that grows with every delivery.
 const RECORD_DELIVERED: &str = "
 WITH d AS (
     SELECT * FROM unnest($1::int8[], $2::int8[], $3::text[], $4::int4[], $5::text[])
@@ -33,7 +36,7 @@ WITH d AS (
 UPDATE outbox._attempts a
    SET finished_at = now(), outcome = d.outcome, http_status = d.http_status, external_id = d.external_id
   FROM d
- WHERE a.id = d.attempt_id";
+ WHERE a.id = d.attempt_id AND a.id = ANY ($2::int8[])";
 
 /// Every other outcome. Applies only while the message is still in the attempt that
 /// produced it (`sending`, same attempt number): a late answer never overrides a newer state.
@@ -66,7 +69,7 @@ UPDATE outbox._attempts a
        error = o.error,
        retry_after_ms = o.retry_after_ms
   FROM o
- WHERE a.id = o.attempt_id AND a.finished_at IS NULL";
+ WHERE a.id = o.attempt_id AND a.id = ANY ($2::int8[]) AND a.finished_at IS NULL";
 
 /// The recovery decision for an attempt interrupted by a stopped worker, as its own row.
 const RECORD_RECOVERY_ROWS: &str = "
@@ -150,7 +153,6 @@ impl Outcomes {
 
 /// Records deliveries, other outcomes and the counters, in the caller's transaction.
 pub fn record(client: &mut SpiClient<'_>, outcomes: &Outcomes) -> SpiResult<()> {
-    record_stats(client, &outcomes.tallies)?;
     if !outcomes.delivered.is_empty() {
         let d = &outcomes.delivered;
         client.update(
@@ -220,7 +222,9 @@ pub fn record(client: &mut SpiClient<'_>, outcomes: &Outcomes) -> SpiResult<()> 
             ],
         )?;
     }
-    Ok(())
+    // Last: every worker of a channel updates the same counter rows, so the row locks
+    // this takes are held only until the commit that follows.
+    record_stats(client, &outcomes.tallies)
 }
 
 /// Adds a `recovery` attempt row for each recovered message.
