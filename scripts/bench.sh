@@ -19,7 +19,8 @@ LARGE_BACKLOG=${2:-1000000}
 DURATION=${BENCH_SECONDS:-10}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54817}
-export OUTBOX_WORKERS=${OUTBOX_WORKERS:-1}
+# Two delivery workers, one per core (OUTBOX_WORKERS=1 for the single-worker figures).
+export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
 export OUTBOX_EXTRA_CONF=${OUTBOX_EXTRA_CONF:-"outbox.batch_size = 200"}
 
 bash scripts/setup.sh >/dev/null
@@ -35,7 +36,7 @@ psql() { bash scripts/cluster.sh psql -q "$@"; }
 pgb() { runuser -u postgres -- /usr/lib/postgresql/15/bin/pgbench -h "$SOCK" -p "$OUTBOX_PGPORT" -n "$@" outbox 2>/dev/null; }
 tps() { awk '/^tps/ {print int($3)}'; }
 
-echo "machine: $(nproc) cores, $(free -g | awk '/Mem/ {print $2}') GiB; PostgreSQL $(/usr/lib/postgresql/15/bin/postgres --version | awk '{print $3}')"
+echo "machine: $(nproc) cores, $(free -g | awk '/Mem/ {print $2}') GiB; PostgreSQL $(/usr/lib/postgresql/15/bin/postgres --version | awk '{print $3}'); $OUTBOX_WORKERS delivery worker(s)"
 
 # 1. Enqueue vs plain INSERT ------------------------------------------------------------
 psql <<'SQL'

@@ -35,108 +35,40 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
 #variable_conflict use_column
 DECLARE
-    v_channel_id integer;
     v_id         bigint;
+    v_wake       boolean;
+    v_channel_id integer;
     v_existing   record;
     v_tenant     text;
-    v_max_bytes  integer := coalesce(pg_catalog.current_setting('outbox.max_payload_bytes', true)::integer, 1048576);
-    v_bytes      integer;
-    v_bad_header text;
-    v_paused     boolean;
-    v_count      integer;
-    v_total      integer;
+    v_checked    boolean;
 BEGIN
-    IF enqueue.effect_key IS NULL OR enqueue.effect_key = '' THEN
-        RAISE EXCEPTION 'effect_key must not be NULL or empty'
-            USING ERRCODE = '22023',
-                  DETAIL = 'Every message carries the stable key of the side effect it performs.',
-                  HINT = 'Derive it from the request and the operation: outbox.effect_key(request_id, ''send_reply'').';
-    END IF;
-    IF enqueue.effect_key ~ '[[:cntrl:]]' THEN
-        RAISE EXCEPTION 'effect_key must not contain control characters'
-            USING ERRCODE = '22023',
-                  DETAIL = 'The key travels in an HTTP header, where a control character cannot.',
-                  HINT = 'Use outbox.effect_key(source, operation), which returns 64 hex characters.';
-    END IF;
-    IF enqueue.not_before = 'infinity'::timestamptz THEN
-        RAISE EXCEPTION 'not_before must be a finite time'
-            USING ERRCODE = '22023', HINT = 'A message that must never be sent is not enqueued; NULL means now.';
-    END IF;
-    IF pg_catalog.octet_length(enqueue.effect_key) > 255 THEN
-        RAISE EXCEPTION 'effect_key is % bytes long; at most 255 are allowed',
-                pg_catalog.octet_length(enqueue.effect_key)
-            USING ERRCODE = '22023',
-                  HINT = 'Use outbox.effect_key(source, operation), which returns 64 hex characters.';
-    END IF;
-    IF enqueue.ordering_key IS NOT NULL
-       AND (enqueue.ordering_key = '' OR pg_catalog.octet_length(enqueue.ordering_key) > 255) THEN
-        RAISE EXCEPTION 'ordering_key must be NULL or 1 to 255 bytes long'
-            USING ERRCODE = '22023',
-                  DETAIL = pg_catalog.format('ordering_key is %s bytes long.', pg_catalog.octet_length(enqueue.ordering_key));
-    END IF;
-    IF enqueue.payload IS NULL THEN
-        RAISE EXCEPTION 'payload must not be NULL'
-            USING ERRCODE = '22023', HINT = 'Send an empty object ''{}'' for a message without a body.';
-    END IF;
-    v_bytes := pg_catalog.octet_length(enqueue.payload::text);
-    IF v_max_bytes IS NOT NULL AND v_bytes > v_max_bytes THEN
-        RAISE EXCEPTION 'payload is % bytes; outbox.max_payload_bytes allows %', v_bytes, v_max_bytes
-            USING ERRCODE = '54000',
-                  HINT = 'Store large content elsewhere and send a reference, or raise outbox.max_payload_bytes.';
-    END IF;
-    IF enqueue.headers IS NOT NULL THEN
-        IF pg_catalog.jsonb_typeof(enqueue.headers) <> 'object' THEN
-            RAISE EXCEPTION 'headers must be a JSON object of strings, not %', pg_catalog.jsonb_typeof(enqueue.headers)
-                USING ERRCODE = '22023', HINT = 'Example: ''{"X-Request-Id": "r-42"}''.';
-        END IF;
-        SELECT h.key INTO v_bad_header
-          FROM pg_catalog.jsonb_each(enqueue.headers) AS h
-         WHERE pg_catalog.jsonb_typeof(h.value) <> 'string'
-            OR h.key !~ '^[!#$%&''*+.^_`|~0-9A-Za-z-]+$'
-            OR pg_catalog.octet_length(h.key) > 256
-         LIMIT 1;
-        IF FOUND THEN
-            RAISE EXCEPTION 'headers: "%" must be a valid HTTP header name of at most 256 bytes with a string value',
-                    pg_catalog.left(v_bad_header, 256)
-                USING ERRCODE = '22023', HINT = 'Header values are strings; names are HTTP tokens.';
-        END IF;
-        SELECT h.key INTO v_bad_header
-          FROM pg_catalog.jsonb_each_text(enqueue.headers) AS h
-         WHERE pg_catalog.octet_length(h.value) > 8192
-            OR h.value ~ '[\x01-\x08\x0a-\x1f\x7f]'
-         LIMIT 1;
-        IF FOUND THEN
-            RAISE EXCEPTION 'headers: the value of "%" must be at most 8192 bytes without control characters', v_bad_header
-                USING ERRCODE = '22023',
-                      DETAIL = 'A line break in a header value would start another header.',
-                      HINT = 'Put long or structured data in the payload.';
-        END IF;
-        SELECT count(*), coalesce(sum(pg_catalog.octet_length(h.key) + pg_catalog.octet_length(h.value)), 0)
-          INTO v_count, v_total
-          FROM pg_catalog.jsonb_each_text(enqueue.headers) AS h;
-        IF v_count > 32 OR v_total > 16384 THEN
-            RAISE EXCEPTION 'headers: % headers of % bytes; at most 32 headers of 16384 bytes in all are allowed', v_count, v_total
-                USING ERRCODE = '22023', HINT = 'Put long or structured data in the payload.';
-        END IF;
-    END IF;
-
+    -- Every argument rule in one call (src/outbox/enqueue_check.rs): 22023, or 54000 for a
+    -- payload over outbox.max_payload_bytes. Then the tenant, then one INSERT that finds
+    -- the channel; the slower paths (no such channel, an existing effect) follow only when
+    -- it inserted nothing.
+    -- (An assignment, not PERFORM: PL/pgSQL evaluates it without a query.)
+    v_checked := outbox._check_enqueue(enqueue.effect_key, enqueue.ordering_key, enqueue.not_before,
+                                       pg_catalog.octet_length(enqueue.payload::text), enqueue.headers::text);
     v_tenant := outbox._acting_tenant();
-    SELECT c.id, c.paused INTO v_channel_id, v_paused FROM outbox._channels c WHERE c.name = enqueue.channel;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'channel "%" does not exist', enqueue.channel
-            USING ERRCODE = '42704',
-                  HINT = 'Create it with outbox.create_channel(name, endpoint, options); list them in outbox.channels.';
-    END IF;
 
     INSERT INTO outbox._messages AS m
            (tenant, channel_id, effect_key, ordering_key, payload, headers, not_before, next_attempt_at)
-    VALUES (v_tenant, v_channel_id, enqueue.effect_key, enqueue.ordering_key, enqueue.payload,
-            enqueue.headers, enqueue.not_before,
-            GREATEST(pg_catalog.now(), enqueue.not_before))
+    SELECT v_tenant, c.id, enqueue.effect_key, enqueue.ordering_key, enqueue.payload,
+           enqueue.headers, enqueue.not_before, GREATEST(pg_catalog.now(), enqueue.not_before)
+      FROM outbox._channels c
+     WHERE c.name = enqueue.channel
     ON CONFLICT (tenant, effect_key) DO NOTHING
-    RETURNING m.id INTO v_id;
+    -- A paused channel sends nothing: no worker needs to wake for it (resume_channel wakes them).
+    RETURNING m.id, (SELECT NOT c.paused FROM outbox._channels c WHERE c.id = m.channel_id)
+         INTO v_id, v_wake;
 
     IF v_id IS NULL THEN
+        SELECT c.id INTO v_channel_id FROM outbox._channels c WHERE c.name = enqueue.channel;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'channel "%" does not exist', enqueue.channel
+                USING ERRCODE = '42704',
+                      HINT = 'Create it with outbox.create_channel(name, endpoint, options); list them in outbox.channels.';
+        END IF;
         SELECT m.id, m.payload, m.channel_id INTO v_existing
           FROM outbox._messages m
          WHERE m.tenant = v_tenant AND m.effect_key = enqueue.effect_key;
@@ -158,8 +90,7 @@ BEGIN
         RETURN v_existing.id;
     END IF;
 
-    -- A paused channel sends nothing: no worker needs to wake for it (resume_channel wakes them).
-    IF NOT v_paused THEN
+    IF v_wake THEN
         PERFORM outbox._wake_at_commit();
     END IF;
     RETURN v_id;

@@ -230,6 +230,11 @@ pub fn workers() -> usize {
     (WORKERS.get().max(0) as usize).min(MAX_WORKERS)
 }
 
+/// Largest payload `enqueue` accepts (bytes of its JSON text).
+pub fn max_payload_bytes() -> i32 {
+    MAX_PAYLOAD_BYTES.get()
+}
+
 pub fn batch_size() -> usize {
     BATCH_SIZE.get().max(1) as usize
 }

@@ -237,10 +237,30 @@ fn latency(cluster: &Cluster, sim: &Simulator, samples: usize) -> (f64, f64) {
     (percentile(&ms, 0.5), percentile(&ms, 0.99))
 }
 
+/// Waits until every delivery worker is in its delivery loop (past its start, the wait for
+/// the extension and for its role), so that no sample measures a worker's start.
+fn wait_for_delivery_loop(cluster: &Cluster) {
+    let mut c = cluster.connect();
+    let ready = wait_until(Duration::from_secs(60), || {
+        c.query_one(
+            "SELECT count(*) FILTER (WHERE state IN ('idle', 'claiming', 'sending', 'recording'))
+                    = current_setting('outbox.workers')::int8
+               FROM outbox.worker_status()",
+            &[],
+        )
+        .map(|r| r.get::<_, bool>(0))
+        .unwrap_or(false)
+    });
+    if !ready {
+        eprintln!("the delivery workers did not reach their loop within 60 s");
+    }
+}
+
 fn main() {
     let backlog = arg("--backlog", 10_000);
     let samples = arg("--latency-samples", 200);
     let cluster = Cluster::from_env();
+    wait_for_delivery_loop(&cluster);
     let sim = Simulator::start();
     sim.set_record_bodies(false);
     sim.set_record_requests(false);
