@@ -55,10 +55,20 @@ cat >"$WORK/insert.sql" <<'SQL'
 INSERT INTO public.plain_outbox (tenant, channel_id, effect_key, payload, next_attempt_at)
 VALUES ('default', 1, md5(random()::text || clock_timestamp()::text), '{"to": "user-1", "text": "benchmark message"}'::jsonb, now());
 SQL
+# Three alternating rounds, each run after a CHECKPOINT; the median of each side. A single
+# pair of runs moves by a third from run to run here (commit flushes, checkpoints,
+# autovacuum of the growing tables).
+median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 for clients in 1 8; do
-  e=$(pgb -c $clients -j $clients -T "$DURATION" -f "$WORK/enqueue.sql" | tps)
-  p=$(pgb -c $clients -j $clients -T "$DURATION" -f "$WORK/insert.sql" | tps)
-  awk -v c=$clients -v e="$e" -v p="$p" 'BEGIN { printf "enqueue_%dc %d tps | plain_insert_%dc %d tps | plain/enqueue %.2fx\n", c, e, c, p, p / e }'
+  es=""; ps=""
+  for round in 1 2 3; do
+    psql -c "CHECKPOINT" >/dev/null
+    es="$es $(pgb -c $clients -j $clients -T "$DURATION" -f "$WORK/enqueue.sql" | tps)"
+    psql -c "CHECKPOINT" >/dev/null
+    ps="$ps $(pgb -c $clients -j $clients -T "$DURATION" -f "$WORK/insert.sql" | tps)"
+  done
+  e=$(echo $es | tr ' ' '\n' | median); p=$(echo $ps | tr ' ' '\n' | median)
+  awk -v c=$clients -v e="$e" -v p="$p" -v es="$es" -v ps="$ps" 'BEGIN { printf "enqueue_%dc %d tps (rounds:%s) | plain_insert_%dc %d tps (rounds:%s) | plain/enqueue %.2fx\n", c, e, es, c, p, ps, p / e }'
 done
 
 # 2. Claim-only baseline: what a user would write (claim 100 with SKIP LOCKED, mark done) --

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Where the time of an enqueue goes: microseconds per committed transaction for a plain
+# INSERT statement and for outbox.enqueue(), and for three cut-down copies of enqueue that add its
+# parts one by one (a SECURITY DEFINER PL/pgSQL function with only the INSERT; plus the
+# tenant resolution; plus the argument check). Each is called by a procedure that commits
+# after every call (synchronous_commit off: CPU only), N times, in three alternating rounds.
+# Figures only; nothing is asserted. Runs on a throwaway cluster (port 54818).
+# Usage: scripts/bench_enqueue_parts.sh [calls per round = 50000]
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+export PATH="$HOME/.cargo/bin:$PATH"
+N=${1:-50000}
+export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench_parts}
+export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54818}
+export OUTBOX_WORKERS=1 OUTBOX_EXTRA_CONF=
+
+bash scripts/setup.sh >/dev/null
+bash scripts/cluster.sh install >/dev/null
+bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
+bash scripts/cluster.sh start >/dev/null
+trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true' EXIT
+psql() { bash scripts/cluster.sh psql -qAt "$@"; }
+
+psql >/dev/null <<'SQL'
+SELECT outbox.create_channel('bench_enqueue', 'http://127.0.0.1:9/x');
+SELECT outbox.pause_channel('bench_enqueue', 'enqueue benchmark: nothing is sent');
+CREATE TABLE public.plain_outbox (LIKE outbox._messages INCLUDING ALL);
+CREATE SEQUENCE public.plain_outbox_seq;
+ALTER TABLE public.plain_outbox ALTER COLUMN id SET DEFAULT nextval('public.plain_outbox_seq');
+-- The baseline: the same row by a plain INSERT statement, no function.
+CREATE PROCEDURE public.calls_plain_insert(n int) LANGUAGE plpgsql AS $fn$
+BEGIN
+  FOR i IN 1..n LOOP
+    INSERT INTO public.plain_outbox (tenant, channel_id, effect_key, payload, next_attempt_at)
+    VALUES ('default', 1, md5(random()::text || clock_timestamp()::text),
+            '{"to": "user-1", "text": "benchmark message"}'::jsonb, now());
+    COMMIT;
+  END LOOP;
+END $fn$;
+SQL
+
+# A cut-down enqueue: SECURITY DEFINER PL/pgSQL with the same INSERT, plus $2.
+part() {
+  psql >/dev/null <<SQL
+CREATE FUNCTION public.$1(channel text, payload jsonb, effect_key text) RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS \$fn\$
+#variable_conflict use_column
+DECLARE v_id bigint; v_tenant text := 'default'; v_checked boolean;
+BEGIN
+  $2
+  INSERT INTO outbox._messages AS m (tenant, channel_id, effect_key, payload, next_attempt_at)
+  SELECT v_tenant, c.id, $1.effect_key, $1.payload, now() FROM outbox._channels c WHERE c.name = $1.channel
+  ON CONFLICT (tenant, effect_key) DO NOTHING RETURNING m.id INTO v_id;
+  RETURN v_id;
+END \$fn\$;
+SQL
+}
+part insert_only ""
+part with_tenant "v_tenant := outbox._acting_tenant();"
+part with_check "v_checked := outbox._check_enqueue(with_check.effect_key, NULL, NULL, pg_catalog.octet_length(with_check.payload::text), NULL);"
+
+# One procedure per function, each calling it with a static statement and committing.
+for fn in public.insert_only public.with_tenant public.with_check outbox.enqueue; do
+  psql >/dev/null <<SQL
+CREATE PROCEDURE public.calls_${fn#*.}(n int) LANGUAGE plpgsql AS \$fn\$
+BEGIN
+  FOR i IN 1..n LOOP
+    PERFORM $fn('bench_enqueue', '{"to": "user-1", "text": "benchmark message"}'::jsonb, md5(random()::text || clock_timestamp()::text));
+    COMMIT;
+  END LOOP;
+END \$fn\$;
+SQL
+done
+
+echo "enqueue parts: microseconds per committed call, $N calls per round, 3 alternating rounds (synchronous_commit off)"
+declare -A rounds
+fns="plain_insert insert_only with_tenant with_check enqueue"
+for round in 1 2 3; do
+  for fn in $fns; do
+    psql -c "CHECKPOINT" >/dev/null
+    t0=$(date +%s%N)
+    psql -c "SET synchronous_commit = off" -c "CALL public.calls_$fn($N)"
+    t1=$(date +%s%N)
+    rounds[$fn]="${rounds[$fn]:-} $(( (t1 - t0) / N / 1000 ))"
+  done
+done
+for fn in $fns; do echo "$fn:${rounds[$fn]} us"; done
