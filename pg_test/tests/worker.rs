@@ -199,6 +199,23 @@ fn set_fault(cluster: &Cluster, point: &str) {
     std::thread::sleep(Duration::from_millis(700));
 }
 
+/// Pauses `channel` and waits until none of its messages is in flight, so that the rest of
+/// a backlog stays queued instead of going to a provider that is gone when the test ends.
+fn pause_and_settle(cluster: &Cluster, c: &mut Client, channel: &str) {
+    c.execute("SELECT outbox.pause_channel($1, 'test over')", &[&channel])
+        .unwrap();
+    let settled = poll(cluster, SETTLE, |c| {
+        let n: i64 = c
+            .query_one(
+                "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'sending'",
+                &[&channel],
+            )?
+            .get(0);
+        Ok((n == 0).then_some(()))
+    });
+    assert!(settled.is_some(), "the sends of {channel} did not settle");
+}
+
 fn body_json(r: &Received) -> serde_json::Value {
     serde_json::from_slice(&r.body)
         .unwrap_or_else(|e| panic!("body of request {} is not JSON ({e})", r.seq))
@@ -1105,20 +1122,7 @@ fn a_deep_backlog_on_one_channel_does_not_starve_another() {
     for q in &quiet {
         assert_eq!(sim.send_count(q), 1, "sends to {q}");
     }
-    // The rest of the backlog stays queued on a paused channel, not sent to a provider that
-    // is gone when this test ends.
-    c.execute("SELECT outbox.pause_channel($1, 'test over')", &[&busy])
-        .unwrap();
-    let settled = poll(&cluster, SETTLE, |c| {
-        let n: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'sending'",
-                &[&busy],
-            )?
-            .get(0);
-        Ok((n == 0).then_some(()))
-    });
-    assert!(settled.is_some(), "the busy channel's sends did not settle");
+    pause_and_settle(&cluster, &mut c, &busy);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1360,23 +1364,12 @@ fn fast_shutdown_under_load_stops_promptly_and_leaves_no_attempt_open() {
     cluster.script(&["start"]);
     wait_for_workers(&cluster, &[]);
     let mut c = cluster.connect();
-    c.execute("SELECT outbox.pause_channel($1, 'test over')", &[&ch])
-        .unwrap();
+    // The restarted workers may have claimed a batch before the pause: it settles first.
+    pause_and_settle(&cluster, &mut c, &ch);
     assert!(
         took < Duration::from_secs(20),
         "pg_ctl stop -m fast took {took:?} with the workers busy"
     );
-    // The restarted workers may have claimed a batch before the pause: let it settle.
-    let settled = poll(&cluster, SETTLE, |c| {
-        let n: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'sending'",
-                &[&ch],
-            )?
-            .get(0);
-        Ok((n == 0).then_some(()))
-    });
-    assert!(settled.is_some(), "sends did not settle after the restart");
 
     let states: HashMap<String, i64> = c
         .query(
