@@ -70,6 +70,16 @@ for clients in 1 8; do
   e=$(echo $es | tr ' ' '\n' | median); p=$(echo $ps | tr ' ' '\n' | median)
   awk -v c=$clients -v e="$e" -v p="$p" -v es="$es" -v ps="$ps" 'BEGIN { printf "enqueue_%dc %d tps (rounds:%s) | plain_insert_%dc %d tps (rounds:%s) | plain/enqueue %.2fx\n", c, e, es, c, p, ps, p / e }'
 done
+# The same 8 clients as an application connects: a login role in outbox_writer bound to a
+# tenant (the superuser above skips the tenant bindings), against the INSERT figure above.
+psql -c "CREATE ROLE bench_writer LOGIN IN ROLE outbox_writer" -c "SELECT outbox.bind_tenant('bench_writer', 'default')" >/dev/null
+ws=""
+for round in 1 2 3; do
+  psql -c "CHECKPOINT" >/dev/null
+  ws="$ws $(pgb -U bench_writer -c 8 -j 8 -T "$DURATION" -f "$WORK/enqueue.sql" | tps)"
+done
+w=$(echo $ws | tr ' ' '\n' | median)
+awk -v w="$w" -v p="$p" -v ws="$ws" 'BEGIN { printf "enqueue_8c_as_writer %d tps (rounds:%s) | plain_insert_8c %d tps (above) | plain/enqueue %.2fx\n", w, ws, p, p / w }'
 
 # 2. Claim-only baseline: what a user would write (claim 100 with SKIP LOCKED, mark done) --
 psql <<SQL
