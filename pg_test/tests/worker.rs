@@ -199,6 +199,18 @@ fn set_fault(cluster: &Cluster, point: &str) {
     std::thread::sleep(Duration::from_millis(700));
 }
 
+/// How many messages of `channel` are in each state.
+fn states_of(c: &mut Client, channel: &str) -> HashMap<String, i64> {
+    c.query(
+        "SELECT state::text, count(*) FROM outbox.messages WHERE channel = $1 GROUP BY 1",
+        &[&channel],
+    )
+    .unwrap()
+    .iter()
+    .map(|r| (r.get(0), r.get(1)))
+    .collect()
+}
+
 /// Pauses `channel` and waits until none of its messages is in flight, so that the rest of
 /// a backlog stays queued instead of going to a provider that is gone when the test ends.
 fn pause_and_settle(cluster: &Cluster, c: &mut Client, channel: &str) {
@@ -990,15 +1002,7 @@ fn two_workers_never_send_the_same_message() {
             .get(0);
         Ok((n as usize == N).then_some(()))
     });
-    let states: Vec<(String, i64)> = c
-        .query(
-            "SELECT state::text, count(*) FROM outbox.messages WHERE channel = $1 GROUP BY 1",
-            &[&ch],
-        )
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
+    let states = states_of(&mut c, &ch);
     assert!(done.is_some(), "not all delivered: {states:?}");
 
     let sends = sim.sends(&ch);
@@ -1371,15 +1375,7 @@ fn fast_shutdown_under_load_stops_promptly_and_leaves_no_attempt_open() {
         "pg_ctl stop -m fast took {took:?} with the workers busy"
     );
 
-    let states: HashMap<String, i64> = c
-        .query(
-            "SELECT state::text, count(*) FROM outbox.messages WHERE channel = $1 GROUP BY 1",
-            &[&ch],
-        )
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
+    let states = states_of(&mut c, &ch);
     let delivered = states.get("delivered").copied().unwrap_or(0);
     assert!(
         delivered < BACKLOG,

@@ -226,10 +226,12 @@ pub fn check_headers(headers: &str) -> Result<(), Refusal> {
             Some("Header values are strings; names are HTTP tokens."),
         ));
     }
-    let value = |v: &Option<String>| v.as_deref().unwrap_or_default().to_owned();
+    fn value(v: &Option<String>) -> &str {
+        v.as_deref().unwrap_or_default()
+    }
     if let Some((name, _)) = entries.iter().find(|(_, v)| {
         let v = value(v);
-        v.len() > MAX_HEADER_VALUE_BYTES || !value_ok(&v)
+        v.len() > MAX_HEADER_VALUE_BYTES || !value_ok(v)
     }) {
         return Err(Refusal::invalid(
             format!(
