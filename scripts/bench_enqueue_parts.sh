@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Where the time of an enqueue goes: microseconds per committed transaction for a plain
-# INSERT statement and for outbox.enqueue(), and for three cut-down copies of enqueue that add its
-# parts one by one (a SECURITY DEFINER PL/pgSQL function with only the INSERT; plus the
-# tenant resolution; plus the argument check). Each is called by a procedure that commits
-# after every call (synchronous_commit off: CPU only), N times, in three alternating rounds.
+# INSERT statement, for a SECURITY DEFINER PL/pgSQL function with SET search_path holding
+# only the same INSERT (the machinery enqueue had before it was written in Rust), and for
+# outbox.enqueue() as the superuser and as a tenant-bound writer role. Each is called by a
+# procedure that commits after every call (synchronous_commit off: CPU only), N times, in
+# three alternating rounds.
 # Figures only; nothing is asserted. Runs on a throwaway cluster (port 54818).
 # Usage: scripts/bench_enqueue_parts.sh [calls per round = 50000]
 set -euo pipefail
@@ -40,28 +41,27 @@ BEGIN
 END $fn$;
 SQL
 
-# A cut-down enqueue: SECURITY DEFINER PL/pgSQL with the same INSERT, plus $2.
-part() {
-  psql >/dev/null <<SQL
-CREATE FUNCTION public.$1(channel text, payload jsonb, effect_key text) RETURNS bigint
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS \$fn\$
+# The shape enqueue had as a PL/pgSQL function: SECURITY DEFINER with SET search_path, and
+# only the INSERT (no argument check, no tenant): the cost of that function machinery.
+psql >/dev/null <<'SQL'
+CREATE FUNCTION public.definer_plpgsql(channel text, payload jsonb, effect_key text) RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
 #variable_conflict use_column
-DECLARE v_id bigint; v_tenant text := 'default'; v_checked boolean;
+DECLARE v_id bigint;
 BEGIN
-  $2
   INSERT INTO outbox._messages AS m (tenant, channel_id, effect_key, payload, next_attempt_at)
-  SELECT v_tenant, c.id, $1.effect_key, $1.payload, now() FROM outbox._channels c WHERE c.name = $1.channel
+  SELECT 'default', c.id, definer_plpgsql.effect_key, definer_plpgsql.payload, now()
+    FROM outbox._channels c WHERE c.name = definer_plpgsql.channel
   ON CONFLICT (tenant, effect_key) DO NOTHING RETURNING m.id INTO v_id;
   RETURN v_id;
-END \$fn\$;
+END $fn$;
+-- enqueue as an application connects: a login role in outbox_writer bound to a tenant.
+CREATE ROLE bench_writer LOGIN IN ROLE outbox_writer;
+SELECT outbox.bind_tenant('bench_writer', 'default');
 SQL
-}
-part insert_only ""
-part with_tenant "v_tenant := outbox._acting_tenant();"
-part with_check "v_checked := outbox._check_enqueue(with_check.effect_key, NULL, NULL, pg_catalog.octet_length(with_check.payload::text), NULL);"
 
 # One procedure per function, each calling it with a static statement and committing.
-for fn in public.insert_only public.with_tenant public.with_check outbox.enqueue; do
+for fn in public.definer_plpgsql outbox.enqueue; do
   psql >/dev/null <<SQL
 CREATE PROCEDURE public.calls_${fn#*.}(n int) LANGUAGE plpgsql AS \$fn\$
 BEGIN
@@ -72,15 +72,19 @@ BEGIN
 END \$fn\$;
 SQL
 done
+psql -c "GRANT EXECUTE ON PROCEDURE public.calls_enqueue(int) TO bench_writer" >/dev/null
 
 echo "enqueue parts: microseconds per committed call, $N calls per round, 3 alternating rounds (synchronous_commit off)"
 declare -A rounds
-fns="plain_insert insert_only with_tenant with_check enqueue"
+fns="plain_insert definer_plpgsql enqueue enqueue_as_writer"
 for round in 1 2 3; do
   for fn in $fns; do
     psql -c "CHECKPOINT" >/dev/null
     t0=$(date +%s%N)
-    psql -c "SET synchronous_commit = off" -c "CALL public.calls_$fn($N)"
+    case $fn in
+      enqueue_as_writer) psql -c "SET synchronous_commit = off" -c "SET ROLE bench_writer" -c "CALL public.calls_enqueue($N)" ;;
+      *) psql -c "SET synchronous_commit = off" -c "CALL public.calls_$fn($N)" ;;
+    esac
     t1=$(date +%s%N)
     rounds[$fn]="${rounds[$fn]:-} $(( (t1 - t0) / N / 1000 ))"
   done

@@ -21,6 +21,46 @@ AS $fn$ SELECT outbox._alter_channel($1, $2::text) $fn$;
 COMMENT ON FUNCTION outbox.alter_channel(text, jsonb) IS
     'Changes channel options (merged; null resets a key to its default; "endpoint" moves the channel). Queued messages follow the new policy at their next decision.';
 
+-- When enqueue inserted nothing, the effect key already names a message of the tenant:
+-- its id is returned, with a warning if its channel or payload differs. Called only by
+-- enqueue, as its owner.
+CREATE FUNCTION outbox._enqueue_existing(channel_id integer, payload jsonb, effect_key text, tenant text)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    v_existing   record;
+BEGIN
+    SELECT m.id, m.payload, m.channel_id INTO v_existing
+      FROM outbox._messages m
+     WHERE m.tenant = _enqueue_existing.tenant AND m.effect_key = _enqueue_existing.effect_key;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'message with effect key % was removed while this enqueue ran', _enqueue_existing.effect_key
+            USING ERRCODE = '40001', HINT = 'Retry the transaction.';
+    END IF;
+    IF v_existing.payload IS DISTINCT FROM _enqueue_existing.payload OR v_existing.channel_id <> _enqueue_existing.channel_id THEN
+        RAISE WARNING 'effect key % already belongs to message %, whose channel or payload differs; nothing new was enqueued',
+                _enqueue_existing.effect_key, v_existing.id
+            USING DETAIL = pg_catalog.format(
+                      'existing message %s: channel id %s, payload sha256 %s; this call: channel id %s, payload sha256 %s',
+                      v_existing.id, v_existing.channel_id,
+                      pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(v_existing.payload::text, 'UTF8')), 'hex'),
+                      _enqueue_existing.channel_id,
+                      pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(_enqueue_existing.payload::text, 'UTF8')), 'hex')),
+                  HINT = 'One effect key names one side effect. A new, intentional action needs a new key.';
+    END IF;
+    RETURN v_existing.id;
+END
+$fn$;
+
+-- enqueue is a C-language function (src/outbox/enqueue.rs): it checks its arguments,
+-- resolves the tenant and inserts the row with a plan kept for the session. SECURITY
+-- DEFINER without SET search_path: its statements are schema-qualified, operators
+-- included, and are planned and run under a search path of pg_catalog alone that the
+-- function pushes itself (src/pinned_statement.rs); a SET clause would cost a
+-- configuration save and restore in every call.
 CREATE FUNCTION outbox.enqueue(
     channel      text,
     payload      jsonb,
@@ -29,73 +69,9 @@ CREATE FUNCTION outbox.enqueue(
     not_before   timestamptz DEFAULT NULL,
     headers      jsonb       DEFAULT NULL
 ) RETURNS bigint
-LANGUAGE plpgsql VOLATILE
+LANGUAGE c VOLATILE
 SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-#variable_conflict use_column
-DECLARE
-    v_id         bigint;
-    v_wake       boolean;
-    v_channel_id integer;
-    v_existing   record;
-    v_tenant     text;
-    v_checked    boolean;
-BEGIN
-    -- Every argument rule in one call (src/outbox/enqueue_check.rs): 22023, or 54000 for a
-    -- payload over outbox.max_payload_bytes. Then the tenant, then one INSERT that finds
-    -- the channel; the slower paths (no such channel, an existing effect) follow only when
-    -- it inserted nothing.
-    -- (An assignment, not PERFORM: PL/pgSQL evaluates it without a query.)
-    v_checked := outbox._check_enqueue(enqueue.effect_key, enqueue.ordering_key, enqueue.not_before,
-                                       pg_catalog.octet_length(enqueue.payload::text), enqueue.headers::text);
-    v_tenant := outbox._acting_tenant();
-
-    INSERT INTO outbox._messages AS m
-           (tenant, channel_id, effect_key, ordering_key, payload, headers, not_before, next_attempt_at)
-    SELECT v_tenant, c.id, enqueue.effect_key, enqueue.ordering_key, enqueue.payload,
-           enqueue.headers, enqueue.not_before, GREATEST(pg_catalog.now(), enqueue.not_before)
-      FROM outbox._channels c
-     WHERE c.name = enqueue.channel
-    ON CONFLICT (tenant, effect_key) DO NOTHING
-    -- A paused channel sends nothing: no worker needs to wake for it (resume_channel wakes them).
-    RETURNING m.id, (SELECT NOT c.paused FROM outbox._channels c WHERE c.id = m.channel_id)
-         INTO v_id, v_wake;
-
-    IF v_id IS NULL THEN
-        SELECT c.id INTO v_channel_id FROM outbox._channels c WHERE c.name = enqueue.channel;
-        IF NOT FOUND THEN
-            RAISE EXCEPTION 'channel "%" does not exist', enqueue.channel
-                USING ERRCODE = '42704',
-                      HINT = 'Create it with outbox.create_channel(name, endpoint, options); list them in outbox.channels.';
-        END IF;
-        SELECT m.id, m.payload, m.channel_id INTO v_existing
-          FROM outbox._messages m
-         WHERE m.tenant = v_tenant AND m.effect_key = enqueue.effect_key;
-        IF NOT FOUND THEN
-            RAISE EXCEPTION 'message with effect key % was removed while this enqueue ran', enqueue.effect_key
-                USING ERRCODE = '40001', HINT = 'Retry the transaction.';
-        END IF;
-        IF v_existing.payload IS DISTINCT FROM enqueue.payload OR v_existing.channel_id <> v_channel_id THEN
-            RAISE WARNING 'effect key % already belongs to message %, whose channel or payload differs; nothing new was enqueued',
-                    enqueue.effect_key, v_existing.id
-                USING DETAIL = pg_catalog.format(
-                          'existing message %s: channel id %s, payload sha256 %s; this call: channel id %s, payload sha256 %s',
-                          v_existing.id, v_existing.channel_id,
-                          pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(v_existing.payload::text, 'UTF8')), 'hex'),
-                          v_channel_id,
-                          pg_catalog.encode(pg_catalog.sha256(pg_catalog.convert_to(enqueue.payload::text, 'UTF8')), 'hex')),
-                      HINT = 'One effect key names one side effect. A new, intentional action needs a new key.';
-        END IF;
-        RETURN v_existing.id;
-    END IF;
-
-    IF v_wake THEN
-        PERFORM outbox._wake_at_commit();
-    END IF;
-    RETURN v_id;
-END
-$fn$;
+AS 'MODULE_PATHNAME', 'outbox_enqueue';
 COMMENT ON FUNCTION outbox.enqueue(text, jsonb, text, text, timestamptz, jsonb) IS
     'Writes a message in the caller''s transaction; it exists if and only if that transaction commits. The same (tenant, effect key) returns the existing message id.';
 

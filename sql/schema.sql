@@ -33,6 +33,15 @@ CREATE TABLE outbox._channels (
 ALTER SEQUENCE outbox._channels_id_seq OWNED BY outbox._channels.id;
 COMMENT ON TABLE outbox._channels IS 'Delivery channels (private; use outbox.create_channel / alter_channel).';
 
+-- enqueue caches the channels (name -> id, paused) and the tenant bindings for the
+-- session (src/config_cache.rs). Every statement that changes either table invalidates
+-- the table's relation cache entry, which tells every session to read it again.
+CREATE FUNCTION outbox._config_changed() RETURNS trigger
+LANGUAGE c AS 'MODULE_PATHNAME', 'outbox_config_changed';
+CREATE TRIGGER _channels_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox._channels
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox._config_changed();
+
 -- Messages: one row per side effect. (tenant, effect_key) is unique: the same effect
 -- enqueued twice yields the same message.
 CREATE SEQUENCE outbox._messages_id_seq AS bigint;

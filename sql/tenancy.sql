@@ -37,6 +37,10 @@ CREATE TABLE outbox._tenant_bindings (
 COMMENT ON TABLE outbox._tenant_bindings IS
     'Which tenants each role acts for (private; change with outbox.bind_tenant / unbind_tenant).';
 SELECT pg_catalog.pg_extension_config_dump('outbox._tenant_bindings', '');
+-- enqueue caches a role's bindings for the session (src/config_cache.rs).
+CREATE TRIGGER _tenant_bindings_changed
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox._tenant_bindings
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox._config_changed();
 
 -- The effect key as providers see it (idempotency and reference headers, reconcile URLs,
 -- the argument of a sql channel's function). Keys are unique per tenant, and a channel may
@@ -56,27 +60,8 @@ END;
 COMMENT ON FUNCTION outbox._provider_key(text, text) IS
     'The effect key a provider receives: the key itself in tenant default (unless it starts with digits and a colon), else <bytes of tenant>:<tenant>:<key>.';
 
--- A tenant name: 1 to 128 bytes, no control characters. '*' only where allowed (bindings).
-CREATE FUNCTION outbox._check_tenant_name(tenant text, argument text, star_allowed boolean)
-RETURNS void
-LANGUAGE plpgsql IMMUTABLE
-AS $fn$
-BEGIN
-    IF tenant IS NULL OR tenant = '' OR octet_length(tenant) > 128 OR tenant ~ '[[:cntrl:]]' THEN
-        RAISE EXCEPTION '% must be a tenant name of 1 to 128 bytes without control characters', argument
-            USING ERRCODE = '22023',
-                  DETAIL = pg_catalog.format('%s is %s.', argument,
-                              CASE WHEN tenant IS NULL THEN 'NULL'
-                                   ELSE pg_catalog.format('%s bytes long', octet_length(tenant)) END),
-                  HINT = 'Tenants are short names such as ''acme'' or a UUID; a single-tenant install uses ''default''.';
-    END IF;
-    IF tenant = '*' AND NOT star_allowed THEN
-        RAISE EXCEPTION '% must name one tenant; ''*'' is a binding, not a tenant', argument
-            USING ERRCODE = '22023',
-                  HINT = 'SET outbox.tenant to the tenant this connection works for.';
-    END IF;
-END
-$fn$;
+-- A tenant name: 1 to 128 bytes, no control characters; '*' only where allowed
+-- (bindings): outbox._check_tenant_name(tenant, argument, star_allowed), in src/tenancy.rs.
 
 -- The tenants the calling role is bound to, directly or through membership ('*' included).
 -- Runs only inside the SECURITY DEFINER functions below, with their pinned search_path.
@@ -128,47 +113,8 @@ AS $fn$
     SELECT outbox._caller_is_superuser() OR _tenant_visible.tenant = ANY (outbox._visible_tenants())
 $fn$;
 
--- The tenant the calling role writes for (enqueue); 42501 when it cannot say.
-CREATE FUNCTION outbox._acting_tenant() RETURNS text
-LANGUAGE plpgsql STABLE
-AS $fn$
-DECLARE
-    v_named  text := nullif(current_setting('outbox.tenant', true), '');
-    v_bound  text[];
-    v_one    text[];
-BEGIN
-    IF v_named IS NOT NULL THEN
-        PERFORM outbox._check_tenant_name(v_named, 'outbox.tenant', false);
-    END IF;
-    IF outbox._caller_is_superuser() THEN
-        RETURN coalesce(v_named, 'default');
-    END IF;
-    v_bound := outbox._caller_bindings();
-    IF v_named IS NOT NULL THEN
-        IF v_named = ANY (v_bound) OR '*' = ANY (v_bound) THEN
-            RETURN v_named;
-        END IF;
-        RAISE EXCEPTION 'role % may not act for tenant "%"', pg_catalog.quote_ident(outbox._caller_name()), v_named
-            USING ERRCODE = '42501',
-                  DETAIL = pg_catalog.format('The role is bound to %s.',
-                              CASE WHEN v_bound = '{}' THEN 'no tenant' ELSE array_to_string(v_bound, ', ') END),
-                  HINT = 'An outbox_admin binds roles to tenants with outbox.bind_tenant(role, tenant).';
-    END IF;
-    v_one := array_remove(v_bound, '*');
-    IF cardinality(v_one) = 1 AND NOT '*' = ANY (v_bound) THEN
-        RETURN v_one[1];
-    END IF;
-    IF v_bound = '{}' THEN
-        RAISE EXCEPTION 'role % is bound to no tenant', pg_catalog.quote_ident(outbox._caller_name())
-            USING ERRCODE = '42501',
-                  HINT = 'An outbox_admin binds it: SELECT outbox.bind_tenant(role, ''default'') for a single-tenant install.';
-    END IF;
-    RAISE EXCEPTION 'role % acts for several tenants; name one with SET outbox.tenant', pg_catalog.quote_ident(outbox._caller_name())
-        USING ERRCODE = '42501',
-              DETAIL = pg_catalog.format('The role is bound to %s.', array_to_string(v_bound, ', ')),
-              HINT = 'SET outbox.tenant = ''name'' (or SET LOCAL in the transaction) before enqueueing.';
-END
-$fn$;
+-- The tenant the calling role writes for is resolved by enqueue itself
+-- (tenancy::acting_tenant_of_caller in src/tenancy.rs).
 
 -- The arguments of bind_tenant / unbind_tenant.
 CREATE FUNCTION outbox._check_binding(role name, tenant text) RETURNS void

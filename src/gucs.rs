@@ -231,6 +231,14 @@ pub fn workers() -> usize {
 }
 
 /// Largest payload `enqueue` accepts (bytes of its JSON text).
+/// `outbox.tenant`; `None` when unset or empty.
+pub fn tenant() -> Option<String> {
+    TENANT
+        .get()
+        .map(|t| t.to_string_lossy().into_owned())
+        .filter(|t| !t.is_empty())
+}
+
 pub fn max_payload_bytes() -> i32 {
     MAX_PAYLOAD_BYTES.get()
 }

@@ -5,10 +5,12 @@ use pgrx::prelude::*;
 
 pub mod channels;
 pub mod classify;
+pub mod config_cache;
 pub mod effect_key;
 pub mod error;
 pub mod gucs;
 pub mod outbox;
+pub mod pinned_statement;
 pub mod reconcile;
 pub mod retry_policy;
 pub mod tenancy;
@@ -20,7 +22,13 @@ extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 extension_sql_file!(
     "../sql/tenancy.sql",
     name = "tenancy",
-    requires = ["schema", _caller_oid, _caller_name, _caller_is_superuser]
+    requires = [
+        "schema",
+        _caller_oid,
+        _caller_name,
+        _caller_is_superuser,
+        _check_tenant_name
+    ]
 );
 extension_sql_file!("../sql/views.sql", name = "views", requires = ["tenancy"]);
 extension_sql_file!(

@@ -1,13 +1,10 @@
 //! What `outbox.enqueue` refuses before it writes anything: the effect key, the ordering
 //! key, `not_before`, the payload's size and the message headers.
 //!
-//! `enqueue` itself stays in SQL (`sql/api.sql`); it makes one call here with everything it
-//! has to check. One call instead of a PL/pgSQL `IF` per rule matters: PL/pgSQL prepares
-//! each of its expressions again in every transaction, and an application enqueues one
-//! message per transaction.
+//! Pure rules, called by `enqueue` (`super::enqueue`) with everything it has to check; the
+//! first problem is raised with its SQLSTATE, detail and hint.
 
 use pgrx::pg_sys::panic::ErrorReport;
-use pgrx::prelude::*;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
 use serde_json::value::RawValue;
 
@@ -54,7 +51,7 @@ impl Refusal {
         }
     }
 
-    fn raise(self) -> ! {
+    pub fn raise(self) -> ! {
         let mut report = ErrorReport::new(self.sqlstate(), self.message, "outbox_delivery");
         if let Some(detail) = self.detail {
             report = report.set_detail(detail);
@@ -69,7 +66,7 @@ impl Refusal {
 
 /// A control character as the database's `[[:cntrl:]]` class knows it in a UTF-8 locale:
 /// C0, DEL, C1, and the line and paragraph separators.
-fn is_control(c: char) -> bool {
+pub(crate) fn is_control(c: char) -> bool {
     c.is_control() || c == '\u{2028}' || c == '\u{2029}'
 }
 
@@ -281,31 +278,6 @@ pub fn check(
     match headers {
         Some(h) => check_headers(h),
         None => Ok(()),
-    }
-}
-
-/// Raises the first problem of an enqueue's arguments (22023, or 54000 for a payload over
-/// `outbox.max_payload_bytes`); returns true otherwise. `payload_bytes` is the length of the
-/// payload's JSON text, NULL for a NULL payload; `headers` is the text of the headers.
-#[pg_extern(stable, parallel_safe)]
-fn _check_enqueue(
-    effect_key: Option<&str>,
-    ordering_key: Option<&str>,
-    not_before: Option<pgrx::datum::TimestampWithTimeZone>,
-    payload_bytes: Option<i32>,
-    headers: Option<&str>,
-) -> bool {
-    let infinite = not_before.is_some_and(|t| t.is_infinity());
-    match check(
-        effect_key,
-        ordering_key,
-        infinite,
-        payload_bytes,
-        crate::gucs::max_payload_bytes(),
-        headers,
-    ) {
-        Ok(()) => true,
-        Err(refusal) => refusal.raise(),
     }
 }
 

@@ -46,7 +46,7 @@ fn warn_not_preloaded_once() {
 
 /// Marks the current transaction so that the workers are woken when it commits.
 #[pg_extern(volatile, parallel_unsafe)]
-fn _wake_at_commit() {
+pub fn _wake_at_commit() {
     if !slots::preloaded() {
         warn_not_preloaded_once();
         return;

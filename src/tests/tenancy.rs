@@ -224,3 +224,76 @@ fn providers_receive_keys_qualified_by_tenant() {
         "outbox._provider_key is not inlined: {plan:?}"
     );
 }
+
+#[pg_test]
+fn enqueue_ignores_the_callers_search_path() {
+    // enqueue runs as its owner without a SET search_path clause: a caller whose search
+    // path puts its own `=` operator and `now()` first must not get them called there.
+    channel("sp");
+    role("t_sp", "outbox_writer");
+    Spi::run(
+        "SELECT outbox.bind_tenant('t_sp', 'default');
+         CREATE SCHEMA hostile;
+         GRANT USAGE, CREATE ON SCHEMA hostile TO PUBLIC;
+         CREATE TABLE hostile.calls (what text);
+         GRANT INSERT ON hostile.calls TO PUBLIC;
+         CREATE FUNCTION hostile.text_eq(text, text) RETURNS boolean LANGUAGE sql
+             AS $$ INSERT INTO hostile.calls VALUES ('=') RETURNING $1 OPERATOR(pg_catalog.=) $2 $$;
+         CREATE OPERATOR hostile.= (LEFTARG = text, RIGHTARG = text, FUNCTION = hostile.text_eq);
+         CREATE FUNCTION hostile.now() RETURNS timestamptz LANGUAGE sql
+             AS $$ INSERT INTO hostile.calls VALUES ('now') RETURNING pg_catalog.now() $$;
+         CREATE FUNCTION hostile.array_agg(text) RETURNS text[] LANGUAGE sql
+             AS $$ INSERT INTO hostile.calls VALUES ('array_agg') RETURNING ARRAY[$1] $$;",
+    )
+    .expect("hostile schema");
+    Spi::run("SET LOCAL search_path = hostile, pg_catalog, public").unwrap();
+    let as_writer = enqueue_as("t_sp", "sp", "k-hostile-1");
+    let as_superuser = Spi::get_one::<i64>("SELECT outbox.enqueue('sp', '{}', 'k-hostile-2')")
+        .unwrap()
+        .unwrap();
+    let again = enqueue_as("t_sp", "sp", "k-hostile-1");
+    Spi::run("RESET search_path").unwrap();
+    assert_eq!(again, as_writer, "the same effect key, the same message");
+    assert_eq!(
+        count(&format!(
+            "SELECT count(*) FROM outbox._messages WHERE id IN ({as_writer}, {as_superuser}) AND tenant = 'default'"
+        )),
+        2
+    );
+    assert_eq!(count("SELECT count(*) FROM hostile.calls"), 0, "no function of the caller's schema ran");
+    // The operator works where the caller's own statements use it: the test would see it.
+    Spi::run("SET LOCAL search_path = hostile, pg_catalog").unwrap();
+    Spi::run("SELECT 'a'::text = 'a'::text").unwrap();
+    Spi::run("RESET search_path").unwrap();
+    assert_eq!(count("SELECT count(*) FROM hostile.calls"), 1);
+}
+
+#[pg_test]
+fn enqueue_sees_bindings_memberships_and_channels_changed_in_its_transaction() {
+    // enqueue caches bindings and channels for the session; a change made earlier in the
+    // same transaction is seen by the next call.
+    channel("cc");
+    role("t_cache", "outbox_writer");
+    role("t_cache_group", "outbox_writer");
+    Spi::run("SELECT outbox.bind_tenant('t_cache', 'a'); SELECT outbox.bind_tenant('t_cache_group', 'g')").unwrap();
+    let tenant_of = |id: i64| {
+        Spi::get_one::<String>(&format!("SELECT tenant FROM outbox._messages WHERE id = {id}"))
+            .unwrap()
+            .unwrap()
+    };
+    assert_eq!(tenant_of(enqueue_as("t_cache", "cc", "c1")), "a");
+    Spi::run("SELECT outbox.unbind_tenant('t_cache', 'a'); SELECT outbox.bind_tenant('t_cache', 'b')").unwrap();
+    assert_eq!(tenant_of(enqueue_as("t_cache", "cc", "c2")), "b", "a new binding");
+    Spi::run("SELECT outbox.unbind_tenant('t_cache', 'b')").unwrap();
+    assert_eq!(sqlstate_as("t_cache", "SELECT outbox.enqueue('cc', '{}', 'c3')"), "42501", "no binding left");
+    Spi::run("GRANT t_cache_group TO t_cache").unwrap();
+    assert_eq!(tenant_of(enqueue_as("t_cache", "cc", "c4")), "g", "a new membership");
+    Spi::run("REVOKE t_cache_group FROM t_cache").unwrap();
+    assert_eq!(sqlstate_as("t_cache", "SELECT outbox.enqueue('cc', '{}', 'c5')"), "42501", "membership revoked");
+
+    // A channel that does not exist yet is not remembered as missing.
+    assert_eq!(sqlstate("SELECT outbox.enqueue('cc_late', '{}', 'c6')"), "42704");
+    channel("cc_late");
+    assert_eq!(sqlstate("SELECT outbox.enqueue('cc_late', '{}', 'c6')"), "00000");
+    assert_eq!(count("SELECT count(*) FROM outbox._messages m JOIN outbox._channels c ON c.id = m.channel_id WHERE c.name = 'cc_late'"), 1);
+}

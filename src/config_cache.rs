@@ -1,0 +1,90 @@
+//! What `enqueue` reads in every call but changes rarely — the channels (name → id, paused)
+//! and the tenant bindings of the session's role — is cached for the session.
+//!
+//! A cache is valid while the generation it was filled in is current. The generation moves
+//! on every relation-cache invalidation this backend processes (and on any change of a
+//! role or a role membership, which decides the bindings through `pg_has_role`). The
+//! tables themselves send one: a statement trigger on `outbox._channels` and
+//! `outbox._tenant_bindings` invalidates the table's relation cache entry whenever a
+//! statement changes it, so every session sees the change at its next transaction (and
+//! the changing session at its next statement). Unrelated DDL also moves the generation;
+//! that only costs one lookup more.
+//!
+//! A cached value can be stale only within a transaction that began before a change
+//! committed: for the channels that is a wake-up missed or sent in vain, never a message
+//! lost (the worker's poll finds it), and channels are never deleted, so an id stays right.
+
+use pgrx::pg_sys;
+use pgrx::prelude::*;
+use std::cell::Cell;
+
+thread_local! {
+    static GENERATION: Cell<u64> = const { Cell::new(1) };
+    static REGISTERED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The current generation; a cache filled in an older one must be filled again.
+pub fn generation() -> u64 {
+    if !REGISTERED.replace(true) {
+        unsafe {
+            pg_sys::CacheRegisterRelcacheCallback(
+                Some(on_relcache_invalidation),
+                pg_sys::Datum::from(0),
+            );
+            for cache in [
+                pg_sys::SysCacheIdentifier::AUTHOID,
+                pg_sys::SysCacheIdentifier::AUTHMEMROLEMEM,
+            ] {
+                pg_sys::CacheRegisterSyscacheCallback(
+                    cache as i32,
+                    Some(on_syscache_invalidation),
+                    pg_sys::Datum::from(0),
+                );
+            }
+        }
+        // Anything cached before the callbacks existed is forgotten.
+        advance();
+    }
+    GENERATION.get()
+}
+
+fn advance() {
+    GENERATION.set(GENERATION.get().wrapping_add(1));
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, _relid: pg_sys::Oid) {
+    advance();
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn on_syscache_invalidation(_arg: pg_sys::Datum, _cache: i32, _hash: u32) {
+    advance();
+}
+
+#[no_mangle]
+#[doc(hidden)]
+pub extern "C" fn pg_finfo_outbox_config_changed() -> &'static pg_sys::Pg_finfo_record {
+    const V1: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+    &V1
+}
+
+/// The statement trigger `outbox._config_changed()` on the cached tables (`sql/schema.sql`,
+/// `sql/tenancy.sql`): invalidates the table's relation cache entry, which every session
+/// processes before it next reads the table.
+///
+/// # Safety
+/// Called by the trigger manager.
+#[no_mangle]
+#[pg_guard]
+pub unsafe extern "C-unwind" fn outbox_config_changed(
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> pg_sys::Datum {
+    let context = (*fcinfo).context;
+    if context.is_null() || (*context).type_ != pg_sys::NodeTag::T_TriggerData {
+        pgrx::error!("outbox._config_changed() runs only as a trigger");
+    }
+    let trigger = context as *mut pg_sys::TriggerData;
+    pg_sys::CacheInvalidateRelcache((*trigger).tg_relation);
+    pg_sys::Datum::from(0)
+}

@@ -1,0 +1,215 @@
+//! `outbox.enqueue(channel, payload, effect_key, ordering_key, not_before, headers)`: writes
+//! a message in the caller's transaction.
+//!
+//! An application calls it once per business transaction, so its cost is paid on the
+//! application's critical path. It is a C-language function: the arguments are checked in
+//! Rust (`enqueue_check`), the tenant and the channel come from caches kept for the session
+//! (`tenancy`, `config_cache`), and the row is written by one INSERT whose plan is kept for
+//! the session (`pinned_statement`). The payload and headers reach that INSERT as the
+//! caller's jsonb datums, never converted.
+//!
+//! It is declared `SECURITY DEFINER` (writers have no INSERT right on the tables) without a
+//! `SET search_path` clause: its statements are schema-qualified and run under a pinned
+//! search path, which `pinned_statement` explains.
+//!
+//! The rare path, an effect key that already names a message, is
+//! `outbox._enqueue_existing` in `sql/api.sql`.
+
+use super::enqueue_check;
+use super::wake;
+use crate::config_cache;
+use crate::pinned_statement::{self, PinnedStatement};
+use crate::tenancy;
+use pgrx::datum::TimestampWithTimeZone;
+use pgrx::fcinfo::{pg_arg_is_null, pg_getarg, pg_getarg_datum_raw};
+use pgrx::pg_sys;
+use pgrx::pg_sys::panic::ErrorReport;
+use pgrx::prelude::*;
+use pgrx::{PgLogLevel, PgSqlErrorCode};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::CStr;
+
+/// The arguments, in the order of the SQL signature.
+const CHANNEL_NAME: usize = 0;
+const PAYLOAD: usize = 1;
+const EFFECT_KEY: usize = 2;
+const ORDERING_KEY: usize = 3;
+const NOT_BEFORE: usize = 4;
+const HEADERS: usize = 5;
+
+thread_local! {
+    /// Inserts the message if its (tenant, effect key) is new; returns its id.
+    /// $1 tenant, $2 channel id, $3 effect key, $4 ordering key, $5 payload, $6 headers,
+    /// $7 not_before.
+    static INSERT_MESSAGE: PinnedStatement = const { PinnedStatement::new(
+        c"INSERT INTO outbox._messages AS m
+                 (tenant, channel_id, effect_key, ordering_key, payload, headers, not_before, next_attempt_at)
+          VALUES ($1, $2, $3, $4, $5, $6, $7, GREATEST(pg_catalog.now(), $7))
+          ON CONFLICT (tenant, effect_key) DO NOTHING
+          RETURNING m.id",
+        &[
+            pg_sys::TEXTOID,
+            pg_sys::INT4OID,
+            pg_sys::TEXTOID,
+            pg_sys::TEXTOID,
+            pg_sys::JSONBOID,
+            pg_sys::JSONBOID,
+            pg_sys::TIMESTAMPTZOID,
+        ],
+    ) };
+
+    /// When nothing was inserted: the id of the message the effect key already names (with
+    /// a warning if its channel or payload differs). $1 channel id, $2 payload,
+    /// $3 effect key, $4 tenant.
+    static EXISTING_MESSAGE: PinnedStatement = const { PinnedStatement::new(
+        c"SELECT outbox._enqueue_existing($1, $2, $3, $4)",
+        &[pg_sys::INT4OID, pg_sys::JSONBOID, pg_sys::TEXTOID, pg_sys::TEXTOID],
+    ) };
+
+    /// A channel's id and whether it is paused, by name.
+    static CHANNEL: PinnedStatement = const { PinnedStatement::new(
+        c"SELECT c.id, c.paused FROM outbox._channels c WHERE c.name OPERATOR(pg_catalog.=) $1",
+        &[pg_sys::TEXTOID],
+    ) };
+
+    /// Channels by name, and the `config_cache` generation they were read in.
+    static CHANNELS: RefCell<(u64, HashMap<String, Channel>)> = RefCell::new((0, HashMap::new()));
+}
+
+/// What enqueue needs of a channel.
+#[derive(Clone, Copy)]
+struct Channel {
+    id: i32,
+    /// A paused channel sends nothing: no worker needs to wake for it (resume_channel wakes
+    /// them).
+    paused: bool,
+}
+
+/// The channel named `name`; 42704 if there is none.
+fn channel(name: Option<&str>) -> Channel {
+    let generation = config_cache::generation();
+    if let Some(name) = name {
+        let cached = CHANNELS.with_borrow(|(g, channels)| match *g == generation {
+            true => channels.get(name).copied(),
+            false => None,
+        });
+        if let Some(channel) = cached {
+            return channel;
+        }
+    }
+    let found = unsafe {
+        pinned_statement::connected(|| {
+            CHANNEL.with(|s| s.execute(&[name.map(|n| text_datum(n))]));
+            (pinned_statement::rows() == 1).then(|| Channel {
+                id: pinned_statement::column(0, 1)
+                    .expect("id is NOT NULL")
+                    .value() as i32,
+                paused: pinned_statement::column(0, 2).is_some_and(|d| d.value() != 0),
+            })
+        })
+    };
+    let (Some(name), Some(channel)) = (name, found) else {
+        ErrorReport::new(
+            PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
+            format!("channel \"{}\" does not exist", name.unwrap_or("<NULL>")),
+            "outbox_delivery",
+        )
+        .set_hint("Create it with outbox.create_channel(name, endpoint, options); list them in outbox.channels.")
+        .report(PgLogLevel::ERROR);
+        unreachable!("an ERROR report does not return")
+    };
+    CHANNELS.with_borrow_mut(|(g, channels)| {
+        if *g != generation {
+            channels.clear();
+            *g = generation;
+        }
+        channels.insert(name.to_string(), channel);
+    });
+    channel
+}
+
+#[no_mangle]
+#[doc(hidden)]
+pub extern "C" fn pg_finfo_outbox_enqueue() -> &'static pg_sys::Pg_finfo_record {
+    const V1: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+    &V1
+}
+
+/// The C entry point of `outbox.enqueue` (declared in `sql/api.sql`).
+///
+/// # Safety
+/// Called by the function manager with the six arguments of the SQL signature.
+#[no_mangle]
+#[pg_guard]
+pub unsafe extern "C-unwind" fn outbox_enqueue(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    let datum = |n: usize| (!pg_arg_is_null(fcinfo, n)).then(|| pg_getarg_datum_raw(fcinfo, n));
+    let effect_key: Option<&str> = pg_getarg(fcinfo, EFFECT_KEY);
+    let ordering_key: Option<&str> = pg_getarg(fcinfo, ORDERING_KEY);
+    let not_before: Option<TimestampWithTimeZone> = pg_getarg(fcinfo, NOT_BEFORE);
+    let payload = datum(PAYLOAD);
+    let headers = datum(HEADERS);
+
+    let payload_bytes = payload.map(|p| json_text(p).to_bytes().len() as i32);
+    let headers_text = headers.map(|h| json_text(h).to_string_lossy());
+    if let Err(refusal) = enqueue_check::check(
+        effect_key,
+        ordering_key,
+        not_before.is_some_and(|t| t.is_infinity()),
+        payload_bytes,
+        crate::gucs::max_payload_bytes(),
+        headers_text.as_deref(),
+    ) {
+        refusal.raise();
+    }
+    let tenant = text_datum(&tenancy::acting_tenant_of_caller());
+    let channel = channel(pg_getarg(fcinfo, CHANNEL_NAME));
+    let channel_id = Some(pg_sys::Datum::from(channel.id));
+
+    let inserted = pinned_statement::connected(|| {
+        INSERT_MESSAGE.with(|s| {
+            s.execute(&[
+                Some(tenant),
+                channel_id,
+                datum(EFFECT_KEY),
+                datum(ORDERING_KEY),
+                payload,
+                headers,
+                datum(NOT_BEFORE),
+            ])
+        });
+        (pinned_statement::rows() == 1)
+            .then(|| pinned_statement::column(0, 1).expect("id is NOT NULL"))
+    });
+    let id = match inserted {
+        Some(id) => {
+            if !channel.paused {
+                wake::_wake_at_commit();
+            }
+            id
+        }
+        None => pinned_statement::connected(|| {
+            EXISTING_MESSAGE
+                .with(|s| s.execute(&[channel_id, payload, datum(EFFECT_KEY), Some(tenant)]));
+            pinned_statement::column(0, 1).expect("_enqueue_existing returns an id or raises")
+        }),
+    };
+    (*fcinfo).isnull = false;
+    id
+}
+
+/// The JSON text of a jsonb datum (palloc'd in the current memory context).
+unsafe fn json_text<'a>(jsonb: pg_sys::Datum) -> &'a CStr {
+    CStr::from_ptr(pg_sys::OidOutputFunctionCall(
+        pg_sys::Oid::from(pg_sys::F_JSONB_OUT),
+        jsonb,
+    ))
+}
+
+/// A text datum in the current memory context.
+unsafe fn text_datum(s: &str) -> pg_sys::Datum {
+    pg_sys::Datum::from(pg_sys::cstring_to_text_with_len(
+        s.as_ptr() as *const _,
+        s.len() as i32,
+    ))
+}
