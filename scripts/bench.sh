@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Benchmarks, side by side with their baselines in the same run, on a throwaway cluster:
 #   1. enqueue: outbox.enqueue() vs a plain INSERT into a table of the same shape and
-#      indexes (pgbench, 1 and 8 clients);
+#      indexes (pgbench, 1 and 8 clients; simple and prepared protocol);
 #   2. the claim-only baseline: a hand-written SKIP LOCKED claim loop in plain SQL;
 #   3. delivery: deliveries/s for a backlog to a loopback sink, the sink's own ceiling
 #      (wrk), and COMMIT -> request latency idle and under load;
@@ -59,27 +59,37 @@ SQL
 # pair of runs moves by a third from run to run here (commit flushes, checkpoints,
 # autovacuum of the growing tables).
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
-for clients in 1 8; do
+# Each side by pgbench's simple protocol (every statement parsed and planned, as psql or a
+# driver without prepared statements sends it) and by -M prepared (planned once per
+# connection, as a driver with prepared statements sends it).
+psql -c "CREATE ROLE bench_writer LOGIN IN ROLE outbox_writer" -c "SELECT outbox.bind_tenant('bench_writer', 'default')" >/dev/null
+declare -A insert_tps
+for spec in "1 simple" "8 simple" "8 prepared"; do
+  set -- $spec
+  clients=$1; mode=$2; label="${clients}c"; [ "$mode" = prepared ] && label="${clients}c_prepared"
   es=""; ps=""
   for round in 1 2 3; do
     psql -c "CHECKPOINT" >/dev/null
-    es="$es $(pgb -c $clients -j $clients -T "$DURATION" -f "$WORK/enqueue.sql" | tps)"
+    es="$es $(pgb -M "$mode" -c $clients -j $clients -T "$DURATION" -f "$WORK/enqueue.sql" | tps)"
     psql -c "CHECKPOINT" >/dev/null
-    ps="$ps $(pgb -c $clients -j $clients -T "$DURATION" -f "$WORK/insert.sql" | tps)"
+    ps="$ps $(pgb -M "$mode" -c $clients -j $clients -T "$DURATION" -f "$WORK/insert.sql" | tps)"
   done
   e=$(echo $es | tr ' ' '\n' | median); p=$(echo $ps | tr ' ' '\n' | median)
-  awk -v c=$clients -v e="$e" -v p="$p" -v es="$es" -v ps="$ps" 'BEGIN { printf "enqueue_%dc %d tps (rounds:%s) | plain_insert_%dc %d tps (rounds:%s) | plain/enqueue %.2fx\n", c, e, es, c, p, ps, p / e }'
+  insert_tps[$label]=$p
+  awk -v l="$label" -v e="$e" -v p="$p" -v es="$es" -v ps="$ps" 'BEGIN { printf "enqueue_%s %d tps (rounds:%s) | plain_insert_%s %d tps (rounds:%s) | plain/enqueue %.2fx\n", l, e, es, l, p, ps, p / e }'
 done
 # The same 8 clients as an application connects: a login role in outbox_writer bound to a
-# tenant (the superuser above skips the tenant bindings), against the INSERT figure above.
-psql -c "CREATE ROLE bench_writer LOGIN IN ROLE outbox_writer" -c "SELECT outbox.bind_tenant('bench_writer', 'default')" >/dev/null
-ws=""
-for round in 1 2 3; do
-  psql -c "CHECKPOINT" >/dev/null
-  ws="$ws $(pgb -U bench_writer -c 8 -j 8 -T "$DURATION" -f "$WORK/enqueue.sql" | tps)"
+# tenant (the superuser above skips the tenant bindings), against the INSERT figures above.
+for mode in simple prepared; do
+  label=8c; [ "$mode" = prepared ] && label=8c_prepared
+  ws=""
+  for round in 1 2 3; do
+    psql -c "CHECKPOINT" >/dev/null
+    ws="$ws $(pgb -M "$mode" -U bench_writer -c 8 -j 8 -T "$DURATION" -f "$WORK/enqueue.sql" | tps)"
+  done
+  w=$(echo $ws | tr ' ' '\n' | median)
+  awk -v l="$label" -v w="$w" -v p="${insert_tps[$label]}" -v ws="$ws" 'BEGIN { printf "enqueue_%s_as_writer %d tps (rounds:%s) | plain_insert_%s %d tps (above) | plain/enqueue %.2fx\n", l, w, ws, l, p, p / w }'
 done
-w=$(echo $ws | tr ' ' '\n' | median)
-awk -v w="$w" -v p="$p" -v ws="$ws" 'BEGIN { printf "enqueue_8c_as_writer %d tps (rounds:%s) | plain_insert_8c %d tps (above) | plain/enqueue %.2fx\n", w, ws, p, p / w }'
 
 # 2. Claim-only baseline: what a user would write (claim 100 with SKIP LOCKED, mark done) --
 psql <<SQL
