@@ -91,6 +91,12 @@ for mode in simple prepared; do
   awk -v l="$label" -v w="$w" -v p="${insert_tps[$label]}" -v ws="$ws" 'BEGIN { printf "enqueue_%s_as_writer %d tps (rounds:%s) | plain_insert_%s %d tps (above) | plain/enqueue %.2fx\n", l, w, ws, l, p, p / w }'
 done
 
+# The enqueue rounds leave their messages queued on the paused channel, as many as the
+# rounds' length allows (millions with BENCH_SECONDS=20): they are removed, so that the
+# delivery figures below do not depend on how long the enqueue rounds ran.
+psql -c "TRUNCATE outbox._messages" >/dev/null
+psql -c "VACUUM ANALYZE outbox._messages" >/dev/null
+
 # 2. Claim-only baseline: what a user would write (claim 100 with SKIP LOCKED, mark done) --
 psql <<SQL
 TRUNCATE public.plain_outbox;
