@@ -1150,7 +1150,14 @@ fn retention_purges_old_delivered_and_keeps_everything_else() {
         r#"{"external_id": "/id"}"#,
     );
     create_channel(&mut c, &fail_ch, &sim.send_url(&fail_ch), "{}");
-    create_channel(&mut c, &held_ch, &sim.send_url(&held_ch), "{}");
+    // A retry horizon as long as a channel may declare: the ledger is kept at least that
+    // long, capped at a century, and the purge must not leave the range of timestamps.
+    create_channel(
+        &mut c,
+        &held_ch,
+        &sim.send_url(&held_ch),
+        r#"{"retry": {"max_age_ms": 9223372036854775807}}"#,
+    );
     c.execute(
         "SELECT outbox.pause_channel($1::text, 'retention test')",
         &[&held_ch],

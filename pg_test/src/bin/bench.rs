@@ -271,7 +271,9 @@ fn main() {
 
     // Three drains, each of a fresh backlog on a channel of its own: one drain of 10,000
     // lasts about a second, and single runs differ by up to a fifth on this machine.
-    let mut drains: Vec<f64> = (0..3).map(|_| throughput(&cluster, &sim, backlog)).collect();
+    let mut drains: Vec<f64> = (0..3)
+        .map(|_| throughput(&cluster, &sim, backlog))
+        .collect();
     let shown = drains
         .iter()
         .map(|r| format!("{r:.0}"))
