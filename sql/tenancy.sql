@@ -64,10 +64,10 @@ COMMENT ON FUNCTION outbox._provider_key(text, text) IS
 -- (bindings): outbox._check_tenant_name(tenant, argument, star_allowed), in src/tenancy.rs.
 
 -- The tenants the calling role is bound to, directly or through membership ('*' included).
--- Runs only inside the SECURITY DEFINER functions below, with their pinned search_path.
+-- Runs only inside the SECURITY DEFINER functions below, with their pinned search_path,
+-- and inside enqueue (src/tenancy.rs), which caches its answer for the session.
 -- PL/pgSQL, not SQL: PL/pgSQL keeps the query's plan for the session, where a SQL function
--- called from enqueue plans it again in every transaction (a third of an enqueue by a
--- tenant-bound role).
+-- plans it again in every call.
 CREATE FUNCTION outbox._caller_bindings() RETURNS text[]
 LANGUAGE plpgsql STABLE
 AS $fn$

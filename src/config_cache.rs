@@ -16,7 +16,10 @@
 
 use pgrx::pg_sys;
 use pgrx::prelude::*;
-use std::cell::Cell;
+use std::borrow::Borrow;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::hash::Hash;
 
 thread_local! {
     static GENERATION: Cell<u64> = const { Cell::new(1) };
@@ -46,6 +49,52 @@ pub fn generation() -> u64 {
         advance();
     }
     GENERATION.get()
+}
+
+/// Values read from the cached tables, by key, valid for one generation. Keep one in a
+/// `thread_local!` (a backend has one thread).
+pub struct SessionCache<K, V> {
+    entries: RefCell<(u64, HashMap<K, V>)>,
+}
+
+impl<K: Eq + Hash, V: Clone> SessionCache<K, V> {
+    pub fn new() -> Self {
+        SessionCache {
+            entries: RefCell::new((0, HashMap::new())),
+        }
+    }
+
+    /// The value for `key`: cached if read in the current generation, else `fill()`'s,
+    /// which is cached unless it is `None` (a name not found yet may be created).
+    pub fn get_or_fill<Q>(&self, key: &Q, fill: impl FnOnce() -> Option<V>) -> Option<V>
+    where
+        K: Borrow<Q>,
+        Q: Eq + Hash + ToOwned<Owned = K> + ?Sized,
+    {
+        let generation = generation();
+        {
+            let (g, entries) = &*self.entries.borrow();
+            if *g == generation {
+                if let Some(value) = entries.get(key) {
+                    return Some(value.clone());
+                }
+            }
+        }
+        let value = fill()?;
+        let (g, entries) = &mut *self.entries.borrow_mut();
+        if *g != generation {
+            entries.clear();
+            *g = generation;
+        }
+        entries.insert(key.to_owned(), value.clone());
+        Some(value)
+    }
+}
+
+impl<K: Eq + Hash, V: Clone> Default for SessionCache<K, V> {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 fn advance() {

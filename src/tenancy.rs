@@ -5,13 +5,12 @@
 //! the role named by `SET ROLE`. Row-level security and the definer functions therefore
 //! agree on one identity.
 
-use crate::config_cache;
+use crate::config_cache::SessionCache;
 use crate::pinned_statement::{self, PinnedStatement};
 use pgrx::pg_sys;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
-use std::cell::RefCell;
 use std::ffi::CStr;
 
 /// The oid of the session's role (`session_user`, or the role of `SET ROLE`).
@@ -198,41 +197,35 @@ fn _check_tenant_name(tenant: Option<&str>, argument: &str, star_allowed: bool) 
 }
 
 thread_local! {
-    /// The tenants the session's role is bound to, directly or through membership, sorted.
+    /// The tenants the session's role is bound to, directly or through membership, sorted
+    /// (the function row-level security uses too, in sql/tenancy.sql).
     static BINDINGS: PinnedStatement = const { PinnedStatement::new(
-        c"SELECT pg_catalog.array_agg(DISTINCT b.tenant)
-            FROM outbox._tenant_bindings b
-            JOIN pg_catalog.pg_roles r ON r.rolname OPERATOR(pg_catalog.=) b.role_name
-           WHERE pg_catalog.pg_has_role($1, r.oid, 'USAGE')",
-        &[pg_sys::OIDOID],
+        c"SELECT outbox._caller_bindings()",
+        &[],
     ) };
 }
 
 thread_local! {
-    /// The bindings of a role, and the `config_cache` generation they were read in.
-    static CACHED_BINDINGS: RefCell<Option<(u64, pg_sys::Oid, Vec<String>)>> = const { RefCell::new(None) };
+    /// The bindings of a role.
+    static CACHED_BINDINGS: SessionCache<pg_sys::Oid, Vec<String>> = SessionCache::new();
 }
 
-/// The tenants `role` is bound to, directly or through membership, sorted; cached for the
-/// session until the bindings, a role or a membership change (`config_cache`).
+/// The tenants `role` (the session's role) is bound to, directly or through membership,
+/// sorted; cached for the session until the bindings, a role or a membership change
+/// (`config_cache`).
 fn bindings_of(role: pg_sys::Oid) -> Vec<String> {
-    let generation = config_cache::generation();
-    if let Some((g, r, bound)) = CACHED_BINDINGS.with_borrow(|c| c.clone()) {
-        if g == generation && r == role {
-            return bound;
-        }
-    }
-    let bound = unsafe {
+    let read = || unsafe {
         pinned_statement::connected(|| {
-            BINDINGS.with(|s| s.execute(&[Some(pg_sys::Datum::from(role))]));
-            match pinned_statement::column(0, 1) {
+            BINDINGS.with(|s| s.execute(&[]));
+            Some(match pinned_statement::column(0, 1) {
                 Some(array) => Vec::<String>::from_datum(array, false).unwrap_or_default(),
                 None => Vec::new(),
-            }
+            })
         })
     };
-    CACHED_BINDINGS.set(Some((generation, role, bound.clone())));
-    bound
+    CACHED_BINDINGS
+        .with(|cache| cache.get_or_fill(&role, read))
+        .unwrap_or_default()
 }
 
 /// The tenant the session's role writes for: `outbox.tenant` if it may act for it, else

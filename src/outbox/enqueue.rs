@@ -17,7 +17,7 @@
 
 use super::enqueue_check;
 use super::wake;
-use crate::config_cache;
+use crate::config_cache::SessionCache;
 use crate::pinned_statement::{self, PinnedStatement};
 use crate::tenancy;
 use pgrx::datum::TimestampWithTimeZone;
@@ -26,8 +26,6 @@ use pgrx::pg_sys;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
-use std::cell::RefCell;
-use std::collections::HashMap;
 use std::ffi::CStr;
 
 /// The arguments, in the order of the SQL signature.
@@ -73,8 +71,8 @@ thread_local! {
         &[pg_sys::TEXTOID],
     ) };
 
-    /// Channels by name, and the `config_cache` generation they were read in.
-    static CHANNELS: RefCell<(u64, HashMap<String, Channel>)> = RefCell::new((0, HashMap::new()));
+    /// Channels by name.
+    static CHANNELS: SessionCache<String, Channel> = SessionCache::new();
 }
 
 /// What enqueue needs of a channel.
@@ -88,19 +86,9 @@ struct Channel {
 
 /// The channel named `name`; 42704 if there is none.
 fn channel(name: Option<&str>) -> Channel {
-    let generation = config_cache::generation();
-    if let Some(name) = name {
-        let cached = CHANNELS.with_borrow(|(g, channels)| match *g == generation {
-            true => channels.get(name).copied(),
-            false => None,
-        });
-        if let Some(channel) = cached {
-            return channel;
-        }
-    }
-    let found = unsafe {
+    let read = |name: &str| unsafe {
         pinned_statement::connected(|| {
-            CHANNEL.with(|s| s.execute(&[name.map(|n| text_datum(n))]));
+            CHANNEL.with(|s| s.execute(&[Some(text_datum(name))]));
             (pinned_statement::rows() == 1).then(|| Channel {
                 id: pinned_statement::column(0, 1)
                     .expect("id is NOT NULL")
@@ -109,7 +97,8 @@ fn channel(name: Option<&str>) -> Channel {
             })
         })
     };
-    let (Some(name), Some(channel)) = (name, found) else {
+    let found = name.and_then(|name| CHANNELS.with(|cache| cache.get_or_fill(name, || read(name))));
+    let Some(channel) = found else {
         ErrorReport::new(
             PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
             format!("channel \"{}\" does not exist", name.unwrap_or("<NULL>")),
@@ -119,13 +108,6 @@ fn channel(name: Option<&str>) -> Channel {
         .report(PgLogLevel::ERROR);
         unreachable!("an ERROR report does not return")
     };
-    CHANNELS.with_borrow_mut(|(g, channels)| {
-        if *g != generation {
-            channels.clear();
-            *g = generation;
-        }
-        channels.insert(name.to_string(), channel);
-    });
     channel
 }
 
