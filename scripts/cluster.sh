@@ -67,7 +67,18 @@ CONF
   fi
   if ! running; then
     touch "$LOG" && chown postgres "$LOG"
-    pg_ctl -l "$LOG" -w -t 60 start >/dev/null
+    # The port lies in the kernel's range of ephemeral ports: an outgoing connection that
+    # used it as its local port holds it for a minute after it closes (TIME_WAIT).
+    local deadline=$((SECONDS + 90)) from
+    while from=$(stat -c %s "$LOG"); ! pg_ctl -l "$LOG" -w -t 60 start >/dev/null 2>&1; do
+      if [ $SECONDS -ge $deadline ] || ! tail -c +"$((from + 1))" "$LOG" | grep -q 'Address already in use'; then
+        echo "[cluster] the server did not start; the end of $LOG:" >&2
+        tail -n 20 "$LOG" >&2
+        return 1
+      fi
+      echo "[cluster] port $PORT is still held by a closed connection; starting again in 2 s" >&2
+      sleep 2
+    done
   fi
   if [ "$(psql_db postgres -Atc "SELECT count(*) FROM pg_database WHERE datname = '$DB'")" = 0 ]; then
     psql_db postgres -qc "CREATE DATABASE $DB"

@@ -5,7 +5,10 @@
 # during the drain: the CPU share of each process, then the hottest functions. Figures
 # only; nothing is asserted. Runs on a throwaway cluster (port 54821).
 # Usage: scripts/profile_delivery.sh [backlog = 60000]
-#   OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200), PROFILE=1 (needs perf), RUNS (1)
+#   OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200), PROFILE=1 (needs perf), RUNS (1),
+#   PROFILE_AT (seconds into the drain when the 4 s profile starts, 1),
+#   CONF (more postgresql.conf lines for the cluster, e.g. "max_wal_size = 8GB"),
+#   STATEMENTS=1 (the workers' statements by total time, from pg_stat_statements)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -14,7 +17,9 @@ N=${1:-60000}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_profile}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54821}
 export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
-export OUTBOX_EXTRA_CONF="outbox.batch_size = ${BATCH:-200}"
+export OUTBOX_EXTRA_CONF="outbox.batch_size = ${BATCH:-200}
+${STATEMENTS:+shared_preload_libraries = 'outbox_delivery, pg_stat_statements'}
+${CONF:-}"
 SINK_PORT=18801
 
 bash scripts/setup.sh >/dev/null
@@ -24,6 +29,25 @@ target/release/provider-sim --port $SINK_PORT --quiet --no-record-requests --no-
 SINK_PID=$!
 trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
+LOG=$OUTBOX_BASE/postgres.log
+TICK=$(getconf CLK_TCK)
+# Every second, the CPU ticks so far of each server process: "pid kind ticks" lines.
+sample_server_cpu() {
+  local p t kind
+  while :; do
+    for p in $(pgrep -u postgres -x postgres); do
+      t=$(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null) || continue
+      case "$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null)" in
+        *"outbox_delivery worker"*) kind=workers ;;
+        *autovacuum\ worker*) kind=autovacuum ;;
+        *) kind=other ;;
+      esac
+      echo "$p $kind $t"
+    done
+    sleep 1
+  done
+}
+process_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
 for run in $(seq 1 "${RUNS:-1}"); do
   bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
@@ -33,20 +57,53 @@ for run in $(seq 1 "${RUNS:-1}"); do
   psql -c "SELECT count(outbox.enqueue('profile', jsonb_build_object('n', g, 'text', 'benchmark message'), 'k:' || g)) FROM generate_series(1, $N) g" >/dev/null
   psql -c "VACUUM ANALYZE outbox._messages" >/dev/null
   psql -c "CHECKPOINT" >/dev/null
-  psql -c "SELECT pg_stat_reset()" >/dev/null
+  psql -c "SELECT pg_stat_reset(), pg_stat_reset_shared('wal'), pg_stat_reset_shared('bgwriter')" >/dev/null
+  if [ -n "${STATEMENTS:-}" ]; then
+    psql -c "CREATE EXTENSION IF NOT EXISTS pg_stat_statements" -c "SELECT pg_stat_statements_reset()" >/dev/null
+  fi
+  sample_server_cpu >"$OUTBOX_BASE/cpu.samples" &
+  SAMPLER=$!
+  k0=$(process_ticks $SINK_PID)
   t0=$(date +%s%N)
   psql -c "SELECT outbox.resume_channel('profile')" >/dev/null
   if [ -n "${PROFILE:-}" ]; then
-    sleep 1
+    sleep "${PROFILE_AT:-1}"
     perf record -a -g -o "$OUTBOX_BASE/perf.data" -- sleep 4 >/dev/null 2>&1
   fi
-  while [ "$(psql -c "SELECT count(*) FROM outbox._messages WHERE state <> 'delivered'")" != 0 ]; do sleep 0.2; done
+  # Two probes of the heads of partial indexes: a count of the table would cost the
+  # drain a fifth of the machine at a backlog of a million.
+  while [ "$(psql -c "SELECT EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'queued')
+                          OR EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'sending')")" != f ]; do sleep 0.2; done
   t1=$(date +%s%N)
+  k1=$(process_ticks $SINK_PID)
+  kill $SAMPLER; wait $SAMPLER 2>/dev/null || true
   echo "run $run: $N messages delivered in $(( (t1 - t0) / 1000000 )) ms: $(( N * 1000000000 / (t1 - t0) )) msg/s ($OUTBOX_WORKERS workers, batch ${BATCH:-200})"
   sleep 1  # the workers report their table statistics before they sleep
+  # Per process, its last sample less its first; a process that exits between two samples
+  # loses at most a second.
+  awk -v k=$((k1 - k0)) -v hz="$TICK" -v n="$N" -v ns=$((t1 - t0)) '
+    !($1 in first) { first[$1] = $3; kind[$1] = $2 } { last[$1] = $3 }
+    END {
+      for (p in last) cpu[kind[p]] += (last[p] - first[p]) / hz
+      printf "cpu s during the drain (of %.1f on 2 cores): workers %.1f (%.0f us a message), autovacuum %.1f, other server processes %.1f, sink %.1f\n",
+             2 * ns / 1e9, cpu["workers"], cpu["workers"] / n * 1e6, cpu["autovacuum"], cpu["other"], k / hz
+    }' "$OUTBOX_BASE/cpu.samples"
   psql -F ' ' -c "SELECT 'writes ' || relname, 'inserts ' || n_tup_ins, 'updates ' || n_tup_upd, 'hot ' || n_tup_hot_upd
                     FROM pg_stat_user_tables WHERE schemaname = 'outbox' AND relname IN ('_messages', '_attempts', '_ledger')
                    ORDER BY relname"
+  psql -F ' ' -c "SELECT 'wal', pg_size_pretty(wal_bytes) || ',', round(wal_bytes / $N) || ' bytes a message,',
+                         round(wal_fpi::numeric / $N, 2) || ' full-page images a message,',
+                         (SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter) || ' checkpoints,',
+                         (SELECT buffers_backend FROM pg_stat_bgwriter) || ' buffers written by backends'
+                    FROM pg_stat_wal"
+  if [ -n "${STATEMENTS:-}" ]; then
+    echo "statements by total time (ms; buffers per call):"
+    psql -F ' | ' -c "SELECT round(total_exec_time), calls, round((total_exec_time / calls)::numeric, 3) || ' ms a call',
+                             round((shared_blks_hit + shared_blks_read)::numeric / calls) || ' buffers',
+                             regexp_replace(left(query, 110), '\s+', ' ', 'g')
+                        FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat%'
+                       ORDER BY total_exec_time DESC LIMIT 8"
+  fi
   if [ -n "${PROFILE:-}" ]; then
     echo "CPU by process (perf, whole machine, 4 s):"
     perf report -i "$OUTBOX_BASE/perf.data" --sort comm --stdio -g none 2>/dev/null | grep '%' | head -6

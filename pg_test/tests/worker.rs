@@ -1129,6 +1129,78 @@ fn a_deep_backlog_on_one_channel_does_not_starve_another() {
     pause_and_settle(&cluster, &mut c, &busy);
 }
 
+/// While a worker drains a backlog in full batches, its claims of a channel resume where the
+/// last one began instead of at the head of the due index. A message that commits late
+/// with a due time older than the whole backlog sits behind those positions; a claim from
+/// the head at least every second must still find it while the backlog drains.
+#[test]
+fn a_message_committed_late_with_an_older_due_time_is_claimed_during_a_backlog() {
+    const BACKLOG: i64 = 12_000;
+    let cluster = Cluster::from_env();
+    wait_for_workers(&cluster, &[]);
+    let sim = Simulator::start();
+    let busy = unique("w_late");
+    // 100 ms a request: a batch lasts at least that long, and the backlog some seconds.
+    sim.set_default(&busy, Action::AcceptAfter(Duration::from_millis(100)));
+    let mut c = cluster.connect();
+    create_channel(
+        &mut c,
+        &busy,
+        &sim.send_url(&busy),
+        r#"{"max_in_flight": 5000}"#,
+    );
+    c.execute(
+        "SELECT outbox.pause_channel($1, 'loading a backlog')",
+        &[&busy],
+    )
+    .unwrap();
+    // The late message's transaction begins first: its due time is its transaction's start.
+    let mut late_conn = cluster.connect();
+    let mut late_tx = late_conn.transaction().unwrap();
+    let late_key = unique("w_late_k");
+    let late = enqueue(&mut late_tx, &busy, r#"{"n": "late"}"#, &late_key);
+    std::thread::sleep(Duration::from_millis(20));
+    c.execute(
+        "SELECT outbox.enqueue($1, jsonb_build_object('n', g), $2 || ':' || g)
+           FROM generate_series(1, $3::int8) g",
+        &[&busy, &busy, &BACKLOG],
+    )
+    .unwrap();
+    c.execute("SELECT outbox.resume_channel($1)", &[&busy])
+        .unwrap();
+    assert!(
+        sim.wait_for_sends(&busy, 600, SETTLE),
+        "the backlog did not start"
+    );
+    late_tx.commit().unwrap();
+    let older: bool = c
+        .query_one(
+            "SELECT (SELECT next_attempt_at FROM outbox._messages WHERE id = $1)
+                  < (SELECT min(next_attempt_at) FROM outbox._messages m JOIN outbox._channels ch
+                        ON ch.id = m.channel_id WHERE ch.name = $2 AND m.id <> $1)",
+            &[&late, &busy],
+        )
+        .unwrap()
+        .get(0);
+    assert!(older, "the late message is not due before the backlog");
+    let delivered = poll(&cluster, SETTLE, |c| {
+        let r = c.query_one(
+            "SELECT (SELECT state::text FROM outbox._messages WHERE id = $1),
+                    (SELECT count(*) FROM outbox.messages WHERE channel = $2 AND state = 'queued')",
+            &[&late, &busy],
+        )?;
+        let (state, queued): (String, i64) = (r.get(0), r.get(1));
+        Ok((state == "delivered").then_some(queued))
+    });
+    let queued = delivered.expect("the late message was not delivered");
+    assert!(
+        queued >= BACKLOG / 4,
+        "the late message was delivered only when {queued} of {BACKLOG} messages were still \
+         queued: the claims passed over it"
+    );
+    pause_and_settle(&cluster, &mut c, &busy);
+}
+
 // ---------------------------------------------------------------------------------------
 // 8. Retention
 // ---------------------------------------------------------------------------------------

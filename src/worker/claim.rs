@@ -1,6 +1,7 @@
 //! Claim: one short transaction moves up to `batch_size` due messages to `sending` under a
 //! lease, counts the attempt and writes its attempt row before anything is sent.
 
+use super::claim_cursor::{ClaimCursors, Floors, Position};
 use crate::channels::options::ChannelOptions;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::collections::HashMap;
@@ -14,23 +15,30 @@ const LOAD_CHANNELS: &str = "\
 /// The batch is shared evenly among the channels that have a due message, taken in a
 /// random order, so that a channel with a deep backlog cannot hold back another channel's
 /// next message for longer than one batch.
+/// A channel named in `$5` is read from the position (`$6` µs since the epoch, `$7` id)
+/// on, not from the head of its due index (`claim_cursor`).
 /// The ledger lookup at the end is the barrier: such a message is not sent again.
 const CLAIM_DUE: &str = "
 WITH ch AS (
     SELECT c.id,
            greatest(0, (c.options ->> 'max_in_flight')::int
                        - (SELECT count(*) FROM outbox._messages s
-                           WHERE s.channel_id = c.id AND s.state = 'sending'))::int AS room
+                           WHERE s.channel_id = c.id AND s.state = 'sending'))::int AS room,
+           coalesce(timestamptz 'epoch' + f.due_at_us * interval '1 microsecond', '-infinity') AS floor_at,
+           coalesce(f.id, 0) AS floor_id
       FROM outbox._channels c
+      LEFT JOIN unnest($5::int4[], $6::int8[], $7::int8[]) AS f(channel_id, due_at_us, id)
+             ON f.channel_id = c.id
      WHERE NOT c.paused
 ), ready AS (
-    SELECT ch.id, ch.room, count(*) OVER () AS sharing
+    SELECT ch.id, ch.room, ch.floor_at, ch.floor_id, count(*) OVER () AS sharing
       FROM ch
      WHERE ch.room > 0
        -- A scalar subquery, one probe of the head of the due index per channel: an EXISTS
        -- becomes a semi-join that reads every due message of the backlog.
        AND (SELECT true FROM outbox._messages q
              WHERE q.channel_id = ch.id AND q.state = 'queued' AND q.next_attempt_at <= now()
+               AND (q.next_attempt_at, q.id) >= (ch.floor_at, ch.floor_id)
              LIMIT 1)
      ORDER BY random()
 ), due AS (
@@ -41,6 +49,7 @@ WITH ch AS (
             WHERE m.channel_id = ready.id
               AND m.state = 'queued'
               AND m.next_attempt_at <= now()
+              AND (m.next_attempt_at, m.id) >= (ready.floor_at, ready.floor_id)
               AND (m.ordering_key IS NULL OR NOT EXISTS (
                      SELECT 1 FROM outbox._messages e
                       WHERE e.tenant = m.tenant AND e.ordering_key = m.ordering_key
@@ -62,7 +71,7 @@ WITH ch AS (
  RETURNING m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers, m.attempts,
            outbox._provider_key(m.tenant, m.effect_key) AS key_sent,
            coalesce(m.budget_started_at, m.created_at) AS budget_started_at, m.first_attempt_at,
-           m.attempts - m.budget_base AS budget_attempt
+           m.attempts - m.budget_base AS budget_attempt, m.next_attempt_at
 ), attempt AS (
     INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, effect_key_sent, worker_pid)
     SELECT c.id, c.tenant, c.attempts, 'send', c.key_sent, $4 FROM claimed c
@@ -71,7 +80,8 @@ WITH ch AS (
 SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.key_sent, c.payload::text, c.headers::text,
        (extract(epoch FROM c.budget_started_at) * 1000)::int8,
        (extract(epoch FROM c.first_attempt_at) * 1000)::int8,
-       l.message_id, l.external_id, c.budget_attempt
+       l.message_id, l.external_id, c.budget_attempt,
+       (extract(epoch FROM c.next_attempt_at) * 1000000)::int8
   FROM claimed c
   JOIN attempt a ON a.message_id = c.id
   -- One index probe per claimed message (OFFSET 0 keeps the subquery from becoming a
@@ -168,6 +178,8 @@ pub struct Job {
     pub budget_attempt: i32,
     /// Set when the effect is already in the ledger: (message that recorded it, external id).
     pub ledger: Option<(i64, Option<String>)>,
+    /// Where the message stood in its channel's due index when it was claimed.
+    pub position: Position,
 }
 
 impl Job {
@@ -182,12 +194,49 @@ impl Job {
     }
 }
 
+/// Claims up to `batch_size` due messages, reading each channel from its cursor when the
+/// worker has one; a claim under cursors that comes back short claims the rest from the
+/// heads of the due indexes, in the same transaction.
 pub fn claim_due(
     client: &mut SpiClient<'_>,
     batch_size: i32,
     lease_ms: i64,
     worker_index: i32,
     pid: i32,
+    cursors: &mut ClaimCursors,
+    now_ms: i64,
+) -> SpiResult<Vec<Job>> {
+    let floors = cursors.floors(now_ms);
+    let mut from_head = floors.is_empty();
+    let mut jobs = claim_from(client, batch_size, lease_ms, worker_index, pid, &floors)?;
+    if !from_head && (jobs.len() as i32) < batch_size {
+        let rest = batch_size - jobs.len() as i32;
+        jobs.extend(claim_from(
+            client,
+            rest,
+            lease_ms,
+            worker_index,
+            pid,
+            &Floors::default(),
+        )?);
+        from_head = true;
+    }
+    cursors.after_claim(
+        now_ms,
+        from_head,
+        batch_size.max(0) as usize,
+        jobs.iter().map(|j| (j.channel_id, j.position)),
+    );
+    Ok(jobs)
+}
+
+fn claim_from(
+    client: &mut SpiClient<'_>,
+    batch_size: i32,
+    lease_ms: i64,
+    worker_index: i32,
+    pid: i32,
+    floors: &Floors,
 ) -> SpiResult<Vec<Job>> {
     let rows = client.update(
         CLAIM_DUE,
@@ -197,6 +246,9 @@ pub fn claim_due(
             (lease_ms as f64).into(),
             worker_index.into(),
             pid.into(),
+            floors.channel_ids.clone().into(),
+            floors.due_at_us.clone().into(),
+            floors.ids.clone().into(),
         ],
     )?;
     let mut jobs = Vec::with_capacity(rows.len());
@@ -221,6 +273,10 @@ pub fn claim_due(
             first_attempt_at_ms: row.get::<i64>(10)?.unwrap_or_default(),
             budget_attempt: row.get::<i32>(13)?.unwrap_or(1),
             ledger,
+            position: Position {
+                due_at_us: row.get::<i64>(14)?.unwrap_or(i64::MIN),
+                id: message_id,
+            },
         });
     }
     Ok(jobs)

@@ -2,6 +2,7 @@
 //! send (no transaction open), decide, record (one transaction).
 
 use super::claim::{self, Channel, Channels, Job, LookupJob};
+use super::claim_cursor::ClaimCursors;
 use super::decide::{self, Verdict};
 use super::record::{self, Outcomes, Tally};
 use super::{identity, planner, recovery, retention, slots};
@@ -15,7 +16,7 @@ use crate::reconcile::{self, lookup, lookup::Lookup};
 use pgrx::prelude::*;
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Lost leases recovered per cycle at most.
 const RECOVER_PER_CYCLE: i64 = 500;
@@ -49,6 +50,9 @@ pub struct Worker {
     jitter: Jitter,
     first_cycle: bool,
     longest_retry_horizon_ms: u64,
+    /// Where the next claim of each channel starts, measured on the clock of `started`.
+    cursors: ClaimCursors,
+    started: Instant,
     /// The role every transaction of the worker runs as (`outbox.role`).
     pub role: pgrx::pg_sys::Oid,
 }
@@ -90,6 +94,8 @@ impl Worker {
             jitter: Jitter(seed | 1),
             first_cycle: true,
             longest_retry_horizon_ms: 0,
+            cursors: ClaimCursors::default(),
+            started: Instant::now(),
             role,
         }
     }
@@ -108,6 +114,8 @@ impl Worker {
         });
 
         let jitter = &mut self.jitter;
+        let cursors = &mut self.cursors;
+        let started = self.started;
         let (channels, lookups, jobs, next_due_ms) = identity::transaction(
             self.role,
             AssertUnwindSafe(|| {
@@ -135,7 +143,15 @@ impl Worker {
                     log!("outbox_delivery worker {index}: recovered {} message(s) whose attempt was interrupted", lost.len());
                 }
                 let lookups = claim::claim_lookups(client, LOOKUPS_PER_CYCLE, lease_ms)?;
-                let jobs = claim::claim_due(client, batch_size as i32, lease_ms, index as i32, pid)?;
+                let jobs = claim::claim_due(
+                    client,
+                    batch_size as i32,
+                    lease_ms,
+                    index as i32,
+                    pid,
+                    cursors,
+                    started.elapsed().as_millis() as i64,
+                )?;
                 let next_due = if jobs.len() < batch_size { claim::next_due_ms(client)? } else { None };
                 Ok((channels, lookups, jobs, next_due))
             })

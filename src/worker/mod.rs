@@ -3,6 +3,7 @@
 //! and the ledger entry in one local transaction.
 
 pub mod claim;
+pub mod claim_cursor;
 pub mod cycle;
 pub mod decide;
 pub mod identity;
