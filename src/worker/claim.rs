@@ -78,10 +78,13 @@ WITH ch AS (
     RETURNING id, message_id
 )
 SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.key_sent, c.payload::text, c.headers::text,
-       (extract(epoch FROM c.budget_started_at) * 1000)::int8,
-       (extract(epoch FROM c.first_attempt_at) * 1000)::int8,
+       -- NULL (read as 0) for a time of ±infinity set by hand, which has no number.
+       CASE WHEN isfinite(c.budget_started_at) THEN (extract(epoch FROM c.budget_started_at) * 1000)::int8 END,
+       CASE WHEN isfinite(c.first_attempt_at) THEN (extract(epoch FROM c.first_attempt_at) * 1000)::int8 END,
        l.message_id, l.external_id, c.budget_attempt,
-       (extract(epoch FROM c.next_attempt_at) * 1000000)::int8
+       -- NULL for a due time outside the range of positions (one set by hand).
+       CASE WHEN c.next_attempt_at BETWEEN timestamptz '1900-01-01' AND timestamptz '2200-01-01'
+            THEN (extract(epoch FROM c.next_attempt_at) * 1000000)::int8 END
   FROM claimed c
   JOIN attempt a ON a.message_id = c.id
   -- One index probe per claimed message (OFFSET 0 keeps the subquery from becoming a
@@ -90,10 +93,12 @@ SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.key_sent, c.payload::te
                       WHERE l.tenant = c.tenant AND l.effect_key = c.effect_key OFFSET 0) l ON true
  ORDER BY c.id";
 
-/// When the earliest queued message of an unpaused channel is due (unix ms), at most a day
-/// ahead (a message may wait until 'infinity').
+/// When the earliest queued message of an unpaused channel is due (unix ms): a day ahead
+/// when none is queued or the earliest waits longer (until 'infinity', say); now when it
+/// is already due, also at '-infinity', a time with no number.
 const NEXT_DUE: &str = "
-SELECT (extract(epoch FROM least(min(n.next_attempt_at), now() + interval '1 day')) * 1000)::int8
+SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infinity'), now()),
+                                 now() + interval '1 day')) * 1000)::int8
   FROM outbox._channels c
   CROSS JOIN LATERAL (
        SELECT m.next_attempt_at FROM outbox._messages m
@@ -179,7 +184,7 @@ pub struct Job {
     /// Set when the effect is already in the ledger: (message that recorded it, external id).
     pub ledger: Option<(i64, Option<String>)>,
     /// Where the message stood in its channel's due index when it was claimed.
-    pub position: Position,
+    pub position: Option<Position>,
 }
 
 impl Job {
@@ -273,10 +278,10 @@ fn claim_from(
             first_attempt_at_ms: row.get::<i64>(10)?.unwrap_or_default(),
             budget_attempt: row.get::<i32>(13)?.unwrap_or(1),
             ledger,
-            position: Position {
-                due_at_us: row.get::<i64>(14)?.unwrap_or(i64::MIN),
+            position: row.get::<i64>(14)?.map(|due_at_us| Position {
+                due_at_us,
                 id: message_id,
-            },
+            }),
         });
     }
     Ok(jobs)
@@ -310,7 +315,7 @@ UPDATE outbox._messages m
   FROM due
  WHERE m.id = due.id
 RETURNING m.id, m.channel_id, outbox._provider_key(m.tenant, m.effect_key), m.external_id, m.payload::text,
-          extract(epoch FROM m.created_at)::int8, m.reconcile_attempts";
+          CASE WHEN isfinite(m.created_at) THEN extract(epoch FROM m.created_at)::int8 END, m.reconcile_attempts";
 
 /// A message due for a reconcile lookup.
 #[derive(Debug, Clone)]

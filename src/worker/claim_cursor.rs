@@ -71,30 +71,34 @@ impl ClaimCursors {
     }
 
     /// Takes note of a claim: whether it read every channel from the head, how many
-    /// messages were asked for, and the channel and position of each message claimed.
+    /// messages were asked for, and the channel and position of each message claimed
+    /// (none for a due time out of the range of positions: its channel gets no cursor).
     pub fn after_claim(
         &mut self,
         now_ms: i64,
         from_head: bool,
         batch_size: usize,
-        claimed: impl IntoIterator<Item = (i32, Position)>,
+        claimed: impl IntoIterator<Item = (i32, Option<Position>)>,
     ) {
         if from_head {
             self.last_full_scan_ms = Some(now_ms);
         }
         self.by_channel.clear();
         let mut count = 0usize;
-        let mut first = BTreeMap::new();
+        let mut first: BTreeMap<i32, Option<Position>> = BTreeMap::new();
         for (channel_id, p) in claimed {
             count += 1;
             first
                 .entry(channel_id)
-                .and_modify(|q: &mut Position| *q = (*q).min(p))
+                .and_modify(|q| *q = q.zip(p).map(|(a, b)| a.min(b)))
                 .or_insert(p);
         }
         // A short batch means no deep backlog (or a full channel): read from the head.
         if count >= batch_size && batch_size > 0 {
-            self.by_channel = first;
+            self.by_channel = first
+                .into_iter()
+                .filter_map(|(channel_id, p)| Some((channel_id, p?)))
+                .collect();
         }
     }
 }
@@ -108,7 +112,12 @@ mod tests {
     }
 
     fn full(cursors: &mut ClaimCursors, now: i64, claimed: &[(i32, Position)]) {
-        cursors.after_claim(now, true, claimed.len(), claimed.iter().copied());
+        cursors.after_claim(
+            now,
+            true,
+            claimed.len(),
+            claimed.iter().map(|&(c, p)| (c, Some(p))),
+        );
     }
 
     #[test]
@@ -146,7 +155,7 @@ mod tests {
         let mut c = ClaimCursors::default();
         full(&mut c, 0, &[(1, p(10, 1)), (1, p(10, 2))]);
         assert!(!c.floors(1).is_empty());
-        c.after_claim(2, false, 3, [(1, p(10, 5)), (1, p(10, 6))]);
+        c.after_claim(2, false, 3, [(1, Some(p(10, 5))), (1, Some(p(10, 6)))]);
         assert!(c.floors(3).is_empty());
         c.after_claim(4, true, 3, []);
         assert!(c.floors(5).is_empty());
@@ -166,7 +175,7 @@ mod tests {
         // Full batches under cursors do not renew the head read.
         for now in [1_100, 1_500, 1_999] {
             assert!(!c.floors(now).is_empty(), "at {now}");
-            c.after_claim(now, false, 1, [(1, p(now, now))]);
+            c.after_claim(now, false, 1, [(1, Some(p(now, now)))]);
         }
         assert!(c.floors(2_000).is_empty());
         assert!(c.floors(5_000).is_empty());
@@ -193,13 +202,37 @@ mod tests {
         let mut c = ClaimCursors::default();
         full(&mut c, 0, &[(1, p(10, 1)), (2, p(10, 2))]);
         assert_eq!(c.floors(1).channel_ids, vec![1, 2]);
-        c.after_claim(2, false, 2, [(2, p(20, 7)), (2, p(20, 8))]);
+        c.after_claim(2, false, 2, [(2, Some(p(20, 7))), (2, Some(p(20, 8)))]);
         assert_eq!(
             c.floors(3),
             Floors {
                 channel_ids: vec![2],
                 due_at_us: vec![20],
                 ids: vec![7],
+            }
+        );
+    }
+
+    #[test]
+    fn a_channel_with_a_message_of_unknown_position_is_read_from_the_head() {
+        let mut c = ClaimCursors::default();
+        c.after_claim(
+            0,
+            true,
+            4,
+            [
+                (1, Some(p(10, 1))),
+                (1, None),
+                (1, Some(p(5, 2))),
+                (2, Some(p(7, 3))),
+            ],
+        );
+        assert_eq!(
+            c.floors(1),
+            Floors {
+                channel_ids: vec![2],
+                due_at_us: vec![7],
+                ids: vec![3],
             }
         );
     }

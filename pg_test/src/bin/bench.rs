@@ -44,9 +44,54 @@ fn pending(c: &mut Client, channel: &str) -> bool {
     .unwrap_or(true)
 }
 
+/// Messages the worker has recorded delivered on the channel (its counter in
+/// `_channel_stats`, written with each batch).
+fn delivered(c: &mut Client, channel: &str) -> i64 {
+    c.query_one(
+        "SELECT coalesce((SELECT s.delivered_total FROM outbox._channel_stats s
+                           JOIN outbox._channels ch ON ch.id = s.channel_id WHERE ch.name = $1), 0)",
+        &[&channel],
+    )
+    .map(|r| r.get(0))
+    .unwrap_or(0)
+}
+
+/// One drain: its rate, and (seconds since the resume, messages delivered) every 20 ms.
+struct Drain {
+    rate: f64,
+    progress: Vec<(f64, i64)>,
+}
+
+impl Drain {
+    /// The rate over the first `k` deliveries: to the first sample that reached them.
+    fn rate_of_first(&self, k: i64) -> Option<f64> {
+        self.progress
+            .iter()
+            .find(|(_, d)| *d >= k)
+            .map(|(t, d)| *d as f64 / t)
+    }
+
+    /// The rate in each tenth of the drain's messages.
+    fn rates_by_tenth(&self, n: i64) -> Vec<f64> {
+        let mut out = Vec::new();
+        let mut from = (0.0, 0i64);
+        for tenth in 1..=10 {
+            let goal = n * tenth / 10;
+            let Some(&at) = self.progress.iter().find(|(_, d)| *d >= goal) else {
+                break;
+            };
+            if at.0 > from.0 {
+                out.push((at.1 - from.1) as f64 / (at.0 - from.0));
+            }
+            from = at;
+        }
+        out
+    }
+}
+
 /// Enqueues `n` messages on a paused channel in batches of 1,000, then resumes it and
 /// measures until all are delivered.
-fn throughput(cluster: &Cluster, sim: &Simulator, n: usize) -> f64 {
+fn throughput(cluster: &Cluster, sim: &Simulator, n: usize) -> Drain {
     let mut c = cluster.connect();
     let ch = unique("bench_tp");
     c.execute(
@@ -102,12 +147,21 @@ fn throughput(cluster: &Cluster, sim: &Simulator, n: usize) -> f64 {
     let start = Instant::now();
     c.execute("SELECT outbox.resume_channel($1)", &[&ch])
         .unwrap();
-    let ok = wait_until(Duration::from_secs(900), || !pending(&mut c, &ch));
+    let mut progress = Vec::new();
+    let ok = wait_until(Duration::from_secs(900), || {
+        let done = delivered(&mut c, &ch);
+        progress.push((start.elapsed().as_secs_f64(), done));
+        // Every half second at least, in case a message ends other than delivered.
+        (done >= n as i64 || progress.len() % 25 == 0) && !pending(&mut c, &ch)
+    });
     let secs = start.elapsed().as_secs_f64();
     if !ok {
         eprintln!("backlog of {n} not delivered within 900 s");
     }
-    n as f64 / secs
+    Drain {
+        rate: n as f64 / secs,
+        progress,
+    }
 }
 
 /// Sets a setting server-wide (ALTER SYSTEM must be its own statement) and reloads.
@@ -272,7 +326,7 @@ fn main() {
     // Three drains, each of a fresh backlog on a channel of its own: one drain of 10,000
     // lasts about a second, and single runs differ by up to a fifth on this machine.
     let mut drains: Vec<f64> = (0..3)
-        .map(|_| throughput(&cluster, &sim, backlog))
+        .map(|_| throughput(&cluster, &sim, backlog).rate)
         .collect();
     let shown = drains
         .iter()
@@ -338,10 +392,23 @@ fn main() {
     let large = arg("--large-backlog", 0);
     if large > 0 {
         let enqueue_started = Instant::now();
-        let rate = throughput(&cluster, &sim, large);
+        let drain = throughput(&cluster, &sim, large);
         println!(
-            "deliveries_per_s_backlog_{large} {rate:.0} msg/s (enqueue and delivery took {:.0} s)",
+            "deliveries_per_s_backlog_{large} {:.0} msg/s (enqueue and delivery took {:.0} s)",
+            drain.rate,
             enqueue_started.elapsed().as_secs_f64()
         );
+        // The same drain seen in parts: its first `backlog` messages (a drain as long as the
+        // small backlog's, from a large table), and each tenth.
+        if let Some(first) = drain.rate_of_first(backlog as i64) {
+            println!("deliveries_per_s_backlog_{large}_first_{backlog} {first:.0} msg/s");
+        }
+        let tenths = drain
+            .rates_by_tenth(large as i64)
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(" / ");
+        println!("deliveries_per_s_backlog_{large}_by_tenth {tenths} msg/s");
     }
 }
