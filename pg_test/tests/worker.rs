@@ -228,6 +228,32 @@ fn pause_and_settle(cluster: &Cluster, c: &mut Client, channel: &str) {
     assert!(settled.is_some(), "the sends of {channel} did not settle");
 }
 
+/// A new channel whose every request the simulator answers after `delay`, with room for
+/// `max_in_flight` messages in flight.
+fn slow_channel(
+    c: &mut Client,
+    sim: &Simulator,
+    prefix: &str,
+    delay: Duration,
+    max_in_flight: i64,
+) -> String {
+    let ch = unique(prefix);
+    sim.set_default(&ch, Action::AcceptAfter(delay));
+    let options = format!(r#"{{"max_in_flight": {max_in_flight}}}"#);
+    create_channel(c, &ch, &sim.send_url(&ch), &options);
+    ch
+}
+
+/// Enqueues `n` messages on the channel in one statement.
+fn enqueue_backlog(c: &mut Client, channel: &str, n: i64) {
+    c.execute(
+        "SELECT outbox.enqueue($1, jsonb_build_object('n', g), $2 || ':' || g)
+           FROM generate_series(1, $3::int8) g",
+        &[&channel, &channel, &n],
+    )
+    .unwrap();
+}
+
 fn body_json(r: &Received) -> serde_json::Value {
     serde_json::from_slice(&r.body)
         .unwrap_or_else(|e| panic!("body of request {} is not JSON ({e})", r.seq))
@@ -1073,30 +1099,18 @@ fn a_deep_backlog_on_one_channel_does_not_starve_another() {
     let cluster = Cluster::from_env();
     wait_for_workers(&cluster, &[]);
     let sim = Simulator::start();
-    let busy = unique("w_busy");
     let quiet = [unique("w_quiet_before"), unique("w_quiet_after")];
-    // Every request of the busy channel takes 50 ms, and its max_in_flight is above the
-    // batch size, so that it could fill every batch alone: its backlog needs dozens.
-    sim.set_default(&busy, Action::AcceptAfter(Duration::from_millis(50)));
     let mut c = cluster.connect();
     create_channel(&mut c, &quiet[0], &sim.send_url(&quiet[0]), "{}");
-    create_channel(
-        &mut c,
-        &busy,
-        &sim.send_url(&busy),
-        r#"{"max_in_flight": 1000}"#,
-    );
+    // Every request of the busy channel takes 50 ms, and its max_in_flight is above the
+    // batch size, so that it could fill every batch alone: its backlog needs dozens.
+    let busy = slow_channel(&mut c, &sim, "w_busy", Duration::from_millis(50), 1000);
     c.execute(
         "SELECT outbox.pause_channel($1, 'loading a backlog')",
         &[&busy],
     )
     .unwrap();
-    c.execute(
-        "SELECT outbox.enqueue($1, jsonb_build_object('n', g), $2 || ':' || g)
-           FROM generate_series(1, $3::int8) g",
-        &[&busy, &busy, &BACKLOG],
-    )
-    .unwrap();
+    enqueue_backlog(&mut c, &busy, BACKLOG);
     c.execute("SELECT outbox.resume_channel($1)", &[&busy])
         .unwrap();
     create_channel(&mut c, &quiet[1], &sim.send_url(&quiet[1]), "{}");
@@ -1139,16 +1153,9 @@ fn a_message_committed_late_with_an_older_due_time_is_claimed_during_a_backlog()
     let cluster = Cluster::from_env();
     wait_for_workers(&cluster, &[]);
     let sim = Simulator::start();
-    let busy = unique("w_late");
-    // 100 ms a request: a batch lasts at least that long, and the backlog some seconds.
-    sim.set_default(&busy, Action::AcceptAfter(Duration::from_millis(100)));
     let mut c = cluster.connect();
-    create_channel(
-        &mut c,
-        &busy,
-        &sim.send_url(&busy),
-        r#"{"max_in_flight": 5000}"#,
-    );
+    // 100 ms a request: a batch lasts at least that long, and the backlog some seconds.
+    let busy = slow_channel(&mut c, &sim, "w_late", Duration::from_millis(100), 5000);
     c.execute(
         "SELECT outbox.pause_channel($1, 'loading a backlog')",
         &[&busy],
@@ -1160,12 +1167,7 @@ fn a_message_committed_late_with_an_older_due_time_is_claimed_during_a_backlog()
     let late_key = unique("w_late_k");
     let late = enqueue(&mut late_tx, &busy, r#"{"n": "late"}"#, &late_key);
     std::thread::sleep(Duration::from_millis(20));
-    c.execute(
-        "SELECT outbox.enqueue($1, jsonb_build_object('n', g), $2 || ':' || g)
-           FROM generate_series(1, $3::int8) g",
-        &[&busy, &busy, &BACKLOG],
-    )
-    .unwrap();
+    enqueue_backlog(&mut c, &busy, BACKLOG);
     c.execute("SELECT outbox.resume_channel($1)", &[&busy])
         .unwrap();
     assert!(
@@ -1437,22 +1439,10 @@ fn fast_shutdown_under_load_stops_promptly_and_leaves_no_attempt_open() {
     let cluster = Cluster::from_env();
     wait_for_workers(&cluster, &[]);
     let sim = Simulator::start();
-    let ch = unique("w_shutdown");
-    // 200 ms per request: the backlog keeps both workers busy for several seconds.
-    sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(200)));
     let mut c = cluster.connect();
-    create_channel(
-        &mut c,
-        &ch,
-        &sim.send_url(&ch),
-        r#"{"max_in_flight": 1000}"#,
-    );
-    c.execute(
-        "SELECT outbox.enqueue($1, jsonb_build_object('n', g), $2 || ':' || g)
-           FROM generate_series(1, $3::int8) g",
-        &[&ch, &ch, &BACKLOG],
-    )
-    .unwrap();
+    // 200 ms per request: the backlog keeps both workers busy for several seconds.
+    let ch = slow_channel(&mut c, &sim, "w_shutdown", Duration::from_millis(200), 1000);
+    enqueue_backlog(&mut c, &ch, BACKLOG);
     assert!(
         sim.wait_for_sends(&ch, 400, SETTLE),
         "the backlog did not start"

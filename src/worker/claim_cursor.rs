@@ -111,6 +111,15 @@ mod tests {
         Position { due_at_us, id }
     }
 
+    /// Floors from (channel, due time, id) triples.
+    fn floors_of(entries: &[(i32, i64, i64)]) -> Floors {
+        Floors {
+            channel_ids: entries.iter().map(|e| e.0).collect(),
+            due_at_us: entries.iter().map(|e| e.1).collect(),
+            ids: entries.iter().map(|e| e.2).collect(),
+        }
+    }
+
     fn full(cursors: &mut ClaimCursors, now: i64, claimed: &[(i32, Position)]) {
         cursors.after_claim(
             now,
@@ -140,14 +149,7 @@ mod tests {
                 (2, p(40, 11)),
             ],
         );
-        assert_eq!(
-            c.floors(101),
-            Floors {
-                channel_ids: vec![1, 2],
-                due_at_us: vec![10, 40],
-                ids: vec![3, 11],
-            }
-        );
+        assert_eq!(c.floors(101), floors_of(&[(1, 10, 3), (2, 40, 11)]));
     }
 
     #[test]
@@ -203,14 +205,7 @@ mod tests {
         full(&mut c, 0, &[(1, p(10, 1)), (2, p(10, 2))]);
         assert_eq!(c.floors(1).channel_ids, vec![1, 2]);
         c.after_claim(2, false, 2, [(2, Some(p(20, 7))), (2, Some(p(20, 8)))]);
-        assert_eq!(
-            c.floors(3),
-            Floors {
-                channel_ids: vec![2],
-                due_at_us: vec![20],
-                ids: vec![7],
-            }
-        );
+        assert_eq!(c.floors(3), floors_of(&[(2, 20, 7)]));
     }
 
     #[test]
@@ -227,14 +222,7 @@ mod tests {
                 (2, Some(p(7, 3))),
             ],
         );
-        assert_eq!(
-            c.floors(1),
-            Floors {
-                channel_ids: vec![2],
-                due_at_us: vec![7],
-                ids: vec![3],
-            }
-        );
+        assert_eq!(c.floors(1), floors_of(&[(2, 7, 3)]));
     }
 
     #[test]
