@@ -68,7 +68,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON
     outbox._channel_stats, outbox._channel_minutes
     TO outbox_worker;
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO outbox_worker;
-GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text) TO outbox_worker;
+GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text), outbox._epoch_ms(timestamptz) TO outbox_worker;
 
 -- Say at CREATE EXTENSION time when no worker will deliver.
 SELECT outbox._check_preloaded();

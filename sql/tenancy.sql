@@ -60,6 +60,15 @@ END;
 COMMENT ON FUNCTION outbox._provider_key(text, text) IS
     'The effect key a provider receives: the key itself in tenant default (unless it starts with digits and a colon), else <bytes of tenant>:<tenant>:<key>.';
 
+-- A time as milliseconds since the epoch, as the worker reads times; NULL for -infinity
+-- and infinity, which have no number (a row may hold them when written by hand). Not
+-- STRICT, and STABLE like extract() of a timestamptz, so that the planner inlines it.
+CREATE FUNCTION outbox._epoch_ms(t timestamptz) RETURNS int8
+LANGUAGE sql STABLE PARALLEL SAFE
+BEGIN ATOMIC
+    SELECT CASE WHEN isfinite(t) THEN (extract(epoch FROM t) * 1000)::int8 END;
+END;
+
 -- A tenant name: 1 to 128 bytes, no control characters; '*' only where allowed
 -- (bindings): outbox._check_tenant_name(tenant, argument, star_allowed), in src/tenancy.rs.
 

@@ -72,7 +72,7 @@ SELECT m.state::text FROM m";
 /// tenant's message is not found, exactly as an id that does not exist.
 const LOCK_SUBJECT: &str = "
 SELECT m.state::text, outbox._provider_key(m.tenant, m.effect_key), m.external_id, m.payload::text,
-       CASE WHEN isfinite(m.created_at) THEN extract(epoch FROM m.created_at)::int8 END, m.reconcile_attempts, c.id, c.options::text
+       (outbox._epoch_ms(m.created_at) / 1000.0)::int8, m.reconcile_attempts, c.id, c.options::text
   FROM outbox._messages m
   LEFT JOIN outbox._channels c ON c.id = m.channel_id
  WHERE m.id = $1 AND outbox._tenant_visible(m.tenant)

@@ -78,9 +78,8 @@ WITH ch AS (
     RETURNING id, message_id
 )
 SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.key_sent, c.payload::text, c.headers::text,
-       -- NULL (read as 0) for a time of ±infinity set by hand, which has no number.
-       CASE WHEN isfinite(c.budget_started_at) THEN (extract(epoch FROM c.budget_started_at) * 1000)::int8 END,
-       CASE WHEN isfinite(c.first_attempt_at) THEN (extract(epoch FROM c.first_attempt_at) * 1000)::int8 END,
+       -- NULL (read as 0) for a time of ±infinity set by hand.
+       outbox._epoch_ms(c.budget_started_at), outbox._epoch_ms(c.first_attempt_at),
        l.message_id, l.external_id, c.budget_attempt,
        -- NULL for a due time outside the range of positions (one set by hand).
        CASE WHEN c.next_attempt_at BETWEEN timestamptz '1900-01-01' AND timestamptz '2200-01-01'
@@ -213,7 +212,7 @@ pub fn claim_due(
 ) -> SpiResult<Vec<Job>> {
     let floors = cursors.floors(now_ms);
     let mut from_head = floors.is_empty();
-    let mut jobs = claim_from(client, batch_size, lease_ms, worker_index, pid, &floors)?;
+    let mut jobs = claim_from(client, batch_size, lease_ms, worker_index, pid, floors)?;
     if !from_head && (jobs.len() as i32) < batch_size {
         let rest = batch_size - jobs.len() as i32;
         jobs.extend(claim_from(
@@ -222,7 +221,7 @@ pub fn claim_due(
             lease_ms,
             worker_index,
             pid,
-            &Floors::default(),
+            Floors::default(),
         )?);
         from_head = true;
     }
@@ -241,7 +240,7 @@ fn claim_from(
     lease_ms: i64,
     worker_index: i32,
     pid: i32,
-    floors: &Floors,
+    floors: Floors,
 ) -> SpiResult<Vec<Job>> {
     let rows = client.update(
         CLAIM_DUE,
@@ -251,9 +250,9 @@ fn claim_from(
             (lease_ms as f64).into(),
             worker_index.into(),
             pid.into(),
-            floors.channel_ids.clone().into(),
-            floors.due_at_us.clone().into(),
-            floors.ids.clone().into(),
+            floors.channel_ids.into(),
+            floors.due_at_us.into(),
+            floors.ids.into(),
         ],
     )?;
     let mut jobs = Vec::with_capacity(rows.len());
@@ -315,7 +314,7 @@ UPDATE outbox._messages m
   FROM due
  WHERE m.id = due.id
 RETURNING m.id, m.channel_id, outbox._provider_key(m.tenant, m.effect_key), m.external_id, m.payload::text,
-          CASE WHEN isfinite(m.created_at) THEN extract(epoch FROM m.created_at)::int8 END, m.reconcile_attempts";
+          (outbox._epoch_ms(m.created_at) / 1000.0)::int8, m.reconcile_attempts";
 
 /// A message due for a reconcile lookup.
 #[derive(Debug, Clone)]

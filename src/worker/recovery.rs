@@ -6,10 +6,8 @@ use pgrx::spi::{SpiClient, SpiResult};
 
 const FIND_LOST_LEASES: &str = "
 SELECT m.id, m.channel_id, m.attempts,
-       CASE WHEN isfinite(coalesce(m.budget_started_at, m.created_at))
-            THEN (extract(epoch FROM coalesce(m.budget_started_at, m.created_at)) * 1000)::int8 END,
-       CASE WHEN isfinite(coalesce(m.first_attempt_at, m.created_at))
-            THEN (extract(epoch FROM coalesce(m.first_attempt_at, m.created_at)) * 1000)::int8 END,
+       outbox._epoch_ms(coalesce(m.budget_started_at, m.created_at)),
+       outbox._epoch_ms(coalesce(m.first_attempt_at, m.created_at)),
        (SELECT max(a.id) FROM outbox._attempts a WHERE a.message_id = m.id AND a.kind = 'send'),
        m.attempts - m.budget_base
   FROM outbox._messages m
