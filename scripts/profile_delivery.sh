@@ -8,7 +8,10 @@
 #   OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200), PROFILE=1 (needs perf), RUNS (1),
 #   PROFILE_AT (seconds into the drain when the 4 s profile starts, 1),
 #   CONF (more postgresql.conf lines for the cluster, e.g. "max_wal_size = 8GB"),
-#   STATEMENTS=1 (the workers' statements by total time, from pg_stat_statements)
+#   STATEMENTS=1 (the workers' statements by total time, from pg_stat_statements),
+#   TIMELINE=1 (every 5 s of the drain: its rate, the whole machine's CPU by kind from
+#   /proc/stat, including the kernel's own threads and time taken by the host, and the
+#   page cache's dirty and writeback memory)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -48,6 +51,31 @@ sample_server_cpu() {
   done
 }
 process_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# Every 5 s: seconds, messages delivered so far, the vacuums running, the machine's CPU ticks (user nice system
+# idle iowait irq softirq steal) and the page cache's Dirty and Writeback kB.
+sample_machine() {
+  local d
+  while :; do
+    d=$(psql -F ' ' -c "SELECT coalesce(sum(delivered_total), 0),
+                               coalesce((SELECT string_agg(relid::regclass::text || ':' || replace(phase, ' ', '_'), ',')
+                                           FROM pg_stat_progress_vacuum), '-')
+                          FROM outbox._channel_stats" 2>/dev/null || echo "- -")
+    echo "$(date +%s.%N) $d $(awk '/^cpu /{print $2, $3, $4, $5, $6, $7, $8, $9}' /proc/stat)" \
+         "$(awk '/^Dirty:/{d=$2} /^Writeback:/{w=$2} END{print d, w}' /proc/meminfo)"
+    sleep 5
+  done
+}
+print_timeline() {
+  echo "timeline (each 5 s: msg/s; machine CPU %: user system iowait softirq steal idle; dirty, writeback MB; the vacuums running, by table and phase):"
+  awk 'NR > 1 && $2 != "-" && p2 != "-" {
+         dt = $1 - p1; tot = 0; for (i = 4; i <= 11; i++) tot += $i - p[i]
+         if (tot > 0) printf "  %5.0f s %7.0f msg/s  cpu %3.0f %3.0f %3.0f %3.0f %3.0f %3.0f  dirty %5.0f wb %4.0f  %s\n",
+           $1 - t0, ($2 - p2) / dt, 100 * ($4 + $5 - p[4] - p[5]) / tot, 100 * ($6 - p[6]) / tot,
+           100 * ($8 - p[8]) / tot, 100 * ($9 + $10 - p[9] - p[10]) / tot, 100 * ($11 - p[11]) / tot,
+           100 * ($7 - p[7]) / tot, $12 / 1024, $13 / 1024, $3 }
+       NR == 1 { t0 = $1 }
+       { p1 = $1; p2 = $2; for (i = 4; i <= 11; i++) p[i] = $i }' "$1"
+}
 
 for run in $(seq 1 "${RUNS:-1}"); do
   bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
@@ -63,6 +91,7 @@ for run in $(seq 1 "${RUNS:-1}"); do
   fi
   sample_server_cpu >"$OUTBOX_BASE/cpu.samples" &
   SAMPLER=$!
+  if [ -n "${TIMELINE:-}" ]; then sample_machine >"$OUTBOX_BASE/machine.samples" & MACHINE=$!; fi
   k0=$(process_ticks $SINK_PID)
   t0=$(date +%s%N)
   psql -c "SELECT outbox.resume_channel('profile')" >/dev/null
@@ -77,6 +106,7 @@ for run in $(seq 1 "${RUNS:-1}"); do
   t1=$(date +%s%N)
   k1=$(process_ticks $SINK_PID)
   kill $SAMPLER; wait $SAMPLER 2>/dev/null || true
+  if [ -n "${TIMELINE:-}" ]; then kill $MACHINE; wait $MACHINE 2>/dev/null || true; fi
   echo "run $run: $N messages delivered in $(( (t1 - t0) / 1000000 )) ms: $(( N * 1000000000 / (t1 - t0) )) msg/s ($OUTBOX_WORKERS workers, batch ${BATCH:-200})"
   sleep 1  # the workers report their table statistics before they sleep
   # Per process, its last sample less its first; a process that exits between two samples
@@ -96,9 +126,10 @@ for run in $(seq 1 "${RUNS:-1}"); do
                          (SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter) || ' checkpoints,',
                          (SELECT buffers_backend FROM pg_stat_bgwriter) || ' buffers written by backends'
                     FROM pg_stat_wal"
+  if [ -n "${TIMELINE:-}" ]; then print_timeline "$OUTBOX_BASE/machine.samples"; fi
   if [ -n "${STATEMENTS:-}" ]; then
     echo "statements by total time (ms; buffers per call):"
-    psql -F ' | ' -c "SELECT round(total_exec_time), calls, round((total_exec_time / calls)::numeric, 3) || ' ms a call',
+    psql -F ' | ' -c "SELECT round(total_exec_time), calls, round((total_exec_time / calls)::numeric, 3) || ' ms a call', round((total_plan_time / calls)::numeric, 3) || ' ms planning',
                              round((shared_blks_hit + shared_blks_read)::numeric / calls) || ' buffers',
                              regexp_replace(left(query, 110), '\s+', ' ', 'g')
                         FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat%'
