@@ -69,6 +69,10 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON
     TO outbox_worker;
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text), outbox._epoch_ms(timestamptz) TO outbox_worker;
+-- A channel's integer options, read by the worker and by outbox.messages (which runs as
+-- its reader, like every view here).
+GRANT EXECUTE ON FUNCTION outbox._option_int(jsonb, text[])
+    TO outbox_worker, outbox_writer, outbox_operator;
 
 -- Say at CREATE EXTENSION time when no worker will deliver.
 SELECT outbox._check_preloaded();

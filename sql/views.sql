@@ -7,7 +7,8 @@ SELECT c.id,
        c.options - 'headers'
            || jsonb_build_object('headers',
                   (SELECT coalesce(jsonb_object_agg(h.key, '********'), '{}'::jsonb)
-                     FROM jsonb_each(c.options -> 'headers') AS h)) AS options,
+                     FROM jsonb_each(CASE WHEN jsonb_typeof(c.options -> 'headers') = 'object'
+                                          THEN c.options -> 'headers' END) AS h)) AS options,
        c.paused,
        c.paused_reason,
        c.paused_at,
@@ -25,7 +26,7 @@ SELECT m.id,
        m.effect_key,
        m.ordering_key,
        m.attempts,
-       (c.options -> 'retry' ->> 'max_attempts')::integer AS max_attempts,
+       outbox._option_int(c.options, '{retry,max_attempts}') AS max_attempts,
        -- queued: the next send; uncertain on a channel that can reconcile: the next lookup.
        CASE WHEN m.state = 'queued'
               OR (m.state = 'uncertain' AND jsonb_typeof(c.options -> 'reconcile') = 'object')

@@ -1405,12 +1405,73 @@ fn bad_rows_never_stop_the_worker() {
     };
     wait_state(&cluster, timeless, "delivered");
 
+    // Counters at the ends of their range, a lease without an end, headers that are not an
+    // object, and a channel whose options were changed by hand, all written in one
+    // transaction. Before the worker saturated its counters, the first of these failed every
+    // claim with 'integer out of range' and both workers restarted every second.
+    let (at_max, base_min, no_lease, hdr_array, bad_opts) = {
+        let mut tx = c.transaction().unwrap();
+        let at_max = enqueue(&mut tx, &good_ch, r#"{"x": 6}"#, &unique("at_max"));
+        let base_min = enqueue(&mut tx, &good_ch, r#"{"x": 7}"#, &unique("base_min"));
+        let no_lease = enqueue(&mut tx, &good_ch, r#"{"x": 8}"#, &unique("no_lease"));
+        let hdr_array = enqueue(&mut tx, &good_ch, r#"{"x": 9}"#, &unique("hdr_array"));
+        let bad_opts = enqueue(&mut tx, &dns_ch, r#"{"x": 10}"#, &unique("bad_opts"));
+        for (sql, id) in [
+            ("UPDATE outbox._messages SET attempts = 2147483647 WHERE id = $1", at_max),
+            ("UPDATE outbox._messages SET attempts = 5, budget_base = -2147483648 WHERE id = $1", base_min),
+            ("UPDATE outbox._messages SET state = 'sending', lease_until = NULL, lease_owner = NULL WHERE id = $1", no_lease),
+            ("UPDATE outbox._messages SET headers = '[1, 2]' WHERE id = $1", hdr_array),
+        ] {
+            tx.execute(sql, &[&id]).expect(sql);
+        }
+        tx.execute(
+            r#"UPDATE outbox._channels SET options = jsonb_set(options, '{max_in_flight}', '"many"'),
+                                           paused = false
+                WHERE name = $1"#,
+            &[&dns_ch],
+        )
+        .expect("write the bad option");
+        tx.commit().unwrap();
+        (at_max, base_min, no_lease, hdr_array, bad_opts)
+    };
+    let m = wait_state(&cluster, at_max, "delivered");
+    assert_eq!(m.attempts, i32::MAX, "the counter stays at its limit: {m:?}");
+    wait_state(&cluster, base_min, "delivered");
+    // In flight with no end to its lease: taken back as an interrupted attempt, not resent.
+    let m = wait_state(&cluster, no_lease, "uncertain");
+    assert_eq!(m.last_error_class.as_deref(), Some("ambiguous"), "{m:?}");
+    let m = wait_state(&cluster, hdr_array, "failed");
+    assert!(
+        m.last_error.as_deref().unwrap_or("").contains("must be a JSON object"),
+        "{m:?}"
+    );
+    let m = wait_state(&cluster, bad_opts, "failed");
+    assert!(
+        m.last_error.as_deref().unwrap_or("").contains("max_in_flight"),
+        "the channel's bad option is named: {m:?}"
+    );
+    assert_eq!(
+        sim.stored(&good_ch).len(),
+        3,
+        "the two messages at the counters' ends were sent, the others not"
+    );
+    // The views read the bad option as unknown instead of failing.
+    let max_attempts: Option<i32> = c
+        .query_one("SELECT max_attempts FROM outbox.messages WHERE id = $1", &[&bad_opts])
+        .expect("outbox.messages with a channel's option changed by hand")
+        .get(0);
+    assert_eq!(max_attempts, Some(8));
+    c.execute("SELECT outbox.pause_channel($1::text, 'end of test')", &[&dns_ch])
+        .unwrap();
+    c.execute("SELECT outbox.cancel($1, 'end of test')", &[&no_lease])
+        .unwrap();
+
     // After those, normal work goes on, on another channel and on the bad header's channel.
     let good = enqueue(&mut c, &good_ch, r#"{"x": 3}"#, &unique("good"));
     let also = enqueue(&mut c, &bad_hdr_ch, r#"{"x": 4}"#, &unique("good2"));
     let g = wait_state(&cluster, good, "delivered");
     wait_state(&cluster, also, "delivered");
-    assert_eq!(sim.stored(&good_ch).len(), 2);
+    assert_eq!(sim.stored(&good_ch).len(), 4);
     assert!(
         sim.stored(&good_ch)
             .iter()

@@ -26,7 +26,7 @@ use std::sync::Arc;
 const RECORD_LOOKUP: &str = "
 WITH cur AS (
     SELECT m.id, m.state,
-           (m.attempts - m.budget_base) >= coalesce((c.options -> 'retry' ->> 'max_attempts')::int, 8) AS spent,
+           (m.attempts::int8 - m.budget_base) >= coalesce(outbox._option_int(c.options, '{retry,max_attempts}'), 8) AS spent,
            last_send.at + $8::int8 * interval '1 millisecond' AS settled_at
       FROM outbox._messages m
       LEFT JOIN outbox._channels c ON c.id = m.channel_id
@@ -51,7 +51,7 @@ WITH cur AS (
                                   WHEN $6::int8 IS NOT NULL THEN to_timestamp($6::int8 / 1000.0)
                                   ELSE m.next_attempt_at END,
            last_error = CASE WHEN $2 = 'delivered' THEN m.last_error ELSE $5 END,
-           reconcile_attempts = m.reconcile_attempts + 1,
+           reconcile_attempts = least(m.reconcile_attempts, 2147483646) + 1,
            updated_at = now()
       FROM verdict v
      WHERE m.id = v.id AND m.state NOT IN ('delivered', 'sending')

@@ -21,7 +21,7 @@ const LOAD_CHANNELS: &str = "\
 const CLAIM_DUE: &str = "
 WITH ch AS (
     SELECT c.id,
-           greatest(0, (c.options ->> 'max_in_flight')::int
+           greatest(0, coalesce(outbox._option_int(c.options, '{max_in_flight}'), 64)
                        - (SELECT count(*) FROM outbox._messages s
                            WHERE s.channel_id = c.id AND s.state = 'sending'))::int AS room,
            coalesce(timestamptz 'epoch' + f.due_at_us * interval '1 microsecond', '-infinity') AS floor_at,
@@ -61,7 +61,8 @@ WITH ch AS (
 ), claimed AS (
     UPDATE outbox._messages m
        SET state = 'sending',
-           attempts = m.attempts + 1,
+           -- Saturates: a counter at its limit (set by hand) must not fail every claim.
+           attempts = least(m.attempts, 2147483646) + 1,
            lease_until = now() + $2 * interval '1 millisecond',
            lease_owner = $3,
            first_attempt_at = coalesce(m.first_attempt_at, now()),
@@ -71,7 +72,7 @@ WITH ch AS (
  RETURNING m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers, m.attempts,
            outbox._provider_key(m.tenant, m.effect_key) AS key_sent,
            coalesce(m.budget_started_at, m.created_at) AS budget_started_at, m.first_attempt_at,
-           m.attempts - m.budget_base AS budget_attempt, m.next_attempt_at
+           m.attempts::int8 - m.budget_base AS budget_attempt, m.next_attempt_at
 ), attempt AS (
     INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, effect_key_sent, worker_pid)
     SELECT c.id, c.tenant, c.attempts, 'send', c.key_sent, $4 FROM claimed c
@@ -179,7 +180,7 @@ pub struct Job {
     pub budget_started_at_ms: i64,
     pub first_attempt_at_ms: i64,
     /// Attempts counted against the current budget, this one included.
-    pub budget_attempt: i32,
+    pub budget_attempt: i64,
     /// Set when the effect is already in the ledger: (message that recorded it, external id).
     pub ledger: Option<(i64, Option<String>)>,
     /// Where the message stood in its channel's due index when it was claimed.
@@ -275,7 +276,7 @@ fn claim_from(
             headers: row.get::<String>(8)?,
             budget_started_at_ms: row.get::<i64>(9)?.unwrap_or_default(),
             first_attempt_at_ms: row.get::<i64>(10)?.unwrap_or_default(),
-            budget_attempt: row.get::<i32>(13)?.unwrap_or(1),
+            budget_attempt: row.get::<i64>(13)?.unwrap_or(1),
             ledger,
             position: row.get::<i64>(14)?.map(|due_at_us| Position {
                 due_at_us,

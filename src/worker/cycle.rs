@@ -462,7 +462,16 @@ impl Worker {
         if let Some(raw) = &job.headers {
             let parsed: serde_json::Value = serde_json::from_str(raw)
                 .map_err(|e| format!("message headers are not JSON: {e}"))?;
-            for (name, value) in parsed.as_object().into_iter().flatten() {
+            let fields = match &parsed {
+                serde_json::Value::Null => None,
+                serde_json::Value::Object(fields) => Some(fields),
+                other => {
+                    return Err(format!(
+                        "message headers must be a JSON object of strings, not {other}"
+                    ))
+                }
+            };
+            for (name, value) in fields.into_iter().flatten() {
                 let value = value
                     .as_str()
                     .ok_or_else(|| format!("message header \"{name}\" is not a string"))?;

@@ -26,13 +26,13 @@ pub struct AttemptContext {
 impl AttemptContext {
     /// `budget_attempt` counts the attempts against the current budget, this one included.
     pub fn new(
-        budget_attempt: i32,
+        budget_attempt: i64,
         now_ms: i64,
         budget_started_at_ms: i64,
         first_attempt_at_ms: i64,
     ) -> Self {
         AttemptContext {
-            attempt: budget_attempt.max(1) as u32,
+            attempt: budget_attempt.clamp(1, u32::MAX.into()) as u32,
             now_ms,
             enqueued_at_ms: budget_started_at_ms,
             first_attempt_at_ms,

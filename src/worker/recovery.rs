@@ -9,10 +9,11 @@ SELECT m.id, m.channel_id, m.attempts,
        outbox._epoch_ms(coalesce(m.budget_started_at, m.created_at)),
        outbox._epoch_ms(coalesce(m.first_attempt_at, m.created_at)),
        (SELECT max(a.id) FROM outbox._attempts a WHERE a.message_id = m.id AND a.kind = 'send'),
-       m.attempts - m.budget_base
+       m.attempts::int8 - m.budget_base
   FROM outbox._messages m
  WHERE m.state = 'sending'
-   AND (m.lease_until < now() OR ($1 AND m.lease_owner = $2))
+   -- A lease without an end (written by hand) has ended.
+   AND (coalesce(m.lease_until, '-infinity') < now() OR ($1 AND m.lease_owner = $2))
  ORDER BY m.id
  LIMIT $3
    FOR UPDATE OF m SKIP LOCKED";
@@ -27,7 +28,7 @@ pub struct LostLease {
     pub first_attempt_at_ms: i64,
     pub attempt_id: Option<i64>,
     /// Attempts counted against the current budget.
-    pub budget_attempt: i32,
+    pub budget_attempt: i64,
 }
 
 impl LostLease {
@@ -65,7 +66,7 @@ pub fn find_lost_leases(
             budget_started_at_ms: row.get::<i64>(4)?.unwrap_or_default(),
             first_attempt_at_ms: row.get::<i64>(5)?.unwrap_or_default(),
             attempt_id: row.get::<i64>(6)?,
-            budget_attempt: row.get::<i32>(7)?.unwrap_or(1),
+            budget_attempt: row.get::<i64>(7)?.unwrap_or(1),
         });
     }
     Ok(out)
