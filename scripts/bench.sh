@@ -137,5 +137,4 @@ for pid in $(psql -Atc "SELECT pid FROM outbox.worker_status() WHERE pid IS NOT 
   # Private memory (RssAnon) is the worker's own; RssShmem is shared_buffers pages it touched.
   echo "worker_rss_private $(($(awk '/RssAnon/ {print $2}' /proc/$pid/status) / 1024)) MB, shared $(($(awk '/RssShmem/ {print $2}' /proc/$pid/status) / 1024)) MB (pid $pid)"
 done
-psql -Atc "SELECT 'size ' || c.relname || ' ' || pg_size_pretty(pg_relation_size(c.oid)) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'outbox' AND c.relkind IN ('r', 'i') ORDER BY pg_relation_size(c.oid) DESC LIMIT 8"
 rm -rf "$WORK"

@@ -9,6 +9,7 @@
 #   PROFILE_AT (seconds into the drain when the 4 s profile starts, 1),
 #   CONF (more postgresql.conf lines for the cluster, e.g. "max_wal_size = 8GB"),
 #   STATEMENTS=1 (the workers' statements by total time, from pg_stat_statements),
+#   SETUP_SQL (statements run before the backlog is enqueued, e.g. to try a schema change),
 #   TIMELINE=1 (every 5 s of the drain: its rate, the whole machine's CPU by kind from
 #   /proc/stat, including the kernel's own threads and time taken by the host, and the
 #   page cache's dirty and writeback memory)
@@ -80,6 +81,7 @@ print_timeline() {
 for run in $(seq 1 "${RUNS:-1}"); do
   bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
   bash scripts/cluster.sh start >/dev/null
+  if [ -n "${SETUP_SQL:-}" ]; then psql -c "$SETUP_SQL" >/dev/null; fi
   psql -c "SELECT outbox.create_channel('profile', 'http://127.0.0.1:$SINK_PORT/ch/profile', '{\"max_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb)" \
        -c "SELECT outbox.pause_channel('profile', 'loading the backlog')" >/dev/null
   psql -c "SELECT count(outbox.enqueue('profile', jsonb_build_object('n', g, 'text', 'benchmark message'), 'k:' || g)) FROM generate_series(1, $N) g" >/dev/null

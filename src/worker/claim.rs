@@ -42,9 +42,9 @@ WITH ch AS (
              LIMIT 1)
      ORDER BY random()
 ), due AS (
-    SELECT d.id
+    SELECT d.id, d.ctid
       FROM ready CROSS JOIN LATERAL (
-           SELECT m.id
+           SELECT m.id, m.ctid
              FROM outbox._messages m
             WHERE m.channel_id = ready.id
               AND m.state = 'queued'
@@ -68,7 +68,10 @@ WITH ch AS (
            first_attempt_at = coalesce(m.first_attempt_at, now()),
            updated_at = now()
       FROM due
-     WHERE m.id = due.id
+     -- The version just locked, by its address: no second descent of the primary key. A
+     -- version newer than this statement's snapshot is not found, and that message waits
+     -- for the next claim.
+     WHERE m.ctid = due.ctid AND m.id = due.id
  RETURNING m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers, m.attempts,
            outbox._provider_key(m.tenant, m.effect_key) AS key_sent,
            coalesce(m.budget_started_at, m.created_at) AS budget_started_at, m.first_attempt_at,

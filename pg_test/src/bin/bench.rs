@@ -323,21 +323,7 @@ fn main() {
     println!("latency_idle_p50 {p50:.2} ms");
     println!("latency_idle_p99 {p99:.2} ms");
 
-    // Three drains, each of a fresh backlog on a channel of its own: one drain of 10,000
-    // lasts about a second, and single runs differ by up to a fifth on this machine.
-    let mut drains: Vec<f64> = (0..3)
-        .map(|_| throughput(&cluster, &sim, backlog).rate)
-        .collect();
-    let shown = drains
-        .iter()
-        .map(|r| format!("{r:.0}"))
-        .collect::<Vec<_>>()
-        .join(" / ");
-    drains.sort_by(f64::total_cmp);
-    println!(
-        "deliveries_per_s_backlog_{backlog} {:.0} msg/s (median of 3 drains: {shown})",
-        drains[1]
-    );
+    let small = small_drains(&cluster, &sim, backlog, "");
 
     // Latency under load: a second backlog drains while the samples are taken.
     let loaded = Arc::new(Mutex::new(None));
@@ -410,5 +396,62 @@ fn main() {
             .collect::<Vec<_>>()
             .join(" / ");
         println!("deliveries_per_s_backlog_{large}_by_tenth {tenths} msg/s");
+        print_sizes(&cluster);
+
+        // The small backlog again, on tables emptied as they were before it: the large
+        // drain runs minutes after the first small drains, and this machine's pace drifts
+        // by a fifth over minutes. Its ratio is to the median of all six small drains.
+        cluster
+            .connect()
+            .batch_execute("TRUNCATE outbox._messages, outbox._attempts, outbox._ledger; VACUUM ANALYZE outbox._messages")
+            .unwrap();
+        let after = small_drains(&cluster, &sim, backlog, "_after_large");
+        let mut all: Vec<f64> = small.iter().chain(after.iter()).copied().collect();
+        all.sort_by(f64::total_cmp);
+        let median = (all[2] + all[3]) / 2.0;
+        println!(
+            "ratio_backlog_{large}_to_{backlog} {:.2} (to the median of the six small drains, {median:.0} msg/s; {:.2} to the first three alone)",
+            drain.rate / median,
+            drain.rate / small[1]
+        );
+    } else {
+        print_sizes(&cluster);
+    }
+}
+
+/// Three drains, each of a fresh backlog on a channel of its own: one drain of 10,000 lasts
+/// about a second, and single runs differ by up to a fifth on this machine. Prints their
+/// median and returns the three rates, sorted.
+fn small_drains(cluster: &Cluster, sim: &Simulator, backlog: usize, label: &str) -> Vec<f64> {
+    let mut drains: Vec<f64> = (0..3)
+        .map(|_| throughput(cluster, sim, backlog).rate)
+        .collect();
+    let shown = drains
+        .iter()
+        .map(|r| format!("{r:.0}"))
+        .collect::<Vec<_>>()
+        .join(" / ");
+    drains.sort_by(f64::total_cmp);
+    println!(
+        "deliveries_per_s_backlog_{backlog}{label} {:.0} msg/s (median of 3 drains: {shown})",
+        drains[1]
+    );
+    drains
+}
+
+/// The largest tables and indexes of the extension.
+fn print_sizes(cluster: &Cluster) {
+    for row in cluster
+        .connect()
+        .query(
+            "SELECT c.relname::text, pg_size_pretty(pg_relation_size(c.oid))
+               FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname = 'outbox' AND c.relkind IN ('r', 'i')
+              ORDER BY pg_relation_size(c.oid) DESC LIMIT 8",
+            &[],
+        )
+        .unwrap()
+    {
+        println!("size {} {}", row.get::<_, String>(0), row.get::<_, String>(1));
     }
 }
