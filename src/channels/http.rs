@@ -181,12 +181,15 @@ impl Transport {
         self.allowed.clone()
     }
 
-    /// The client for a channel; `version` identifies its current options.
+    /// The client for a channel; `version` identifies its current options. Its pool keeps
+    /// at most `batch_size` idle connections (no batch sends more at once), however large
+    /// `max_in_flight`: idle sockets count against the descriptors of the worker process.
     pub fn client(
         &mut self,
         channel_id: i32,
         version: &str,
         options: &ChannelOptions,
+        batch_size: usize,
     ) -> Result<reqwest::Client, String> {
         if let Some((v, c)) = self.clients.get(&channel_id) {
             if v == version {
@@ -197,7 +200,7 @@ impl Transport {
             self.allowed.clone(),
             Duration::from_millis(options.connect_timeout_ms),
         )
-        .pool_max_idle_per_host(options.max_in_flight as usize)
+        .pool_max_idle_per_host((options.max_in_flight as usize).min(batch_size))
         .pool_idle_timeout(Duration::from_secs(60))
         .tcp_nodelay(true)
         .build()
@@ -586,7 +589,7 @@ mod tests {
         assert!(t.allowed().entries().is_empty());
         assert_eq!(t.set_allowed_hosts("*"), Some(Ok(())));
         let o = ChannelOptions::default();
-        t.client(1, "v1", &o).unwrap();
+        t.client(1, "v1", &o, 200).unwrap();
         assert_eq!(t.clients.len(), 1);
         assert_eq!(t.set_allowed_hosts("*"), None);
         assert_eq!(t.clients.len(), 1);

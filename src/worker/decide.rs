@@ -342,6 +342,26 @@ mod tests {
     use crate::classify::Phase;
     use serde_json::json;
 
+    /// The budget count comes from the row (attempts - budget_base, in bigint): any value a
+    /// row changed by hand can hold is a valid attempt number.
+    #[test]
+    fn budget_attempt_from_any_row_is_an_attempt_number() {
+        for (budget_attempt, want) in [
+            (i64::MIN, 1),
+            (-2_147_483_648 - 2_147_483_647, 1),
+            (-1, 1),
+            (0, 1),
+            (1, 1),
+            (8, 8),
+            (i64::from(i32::MAX), i32::MAX as u32),
+            // attempts 2147483647, budget_base -2147483648
+            (i64::from(i32::MAX) - i64::from(i32::MIN), u32::MAX),
+            (i64::MAX, u32::MAX),
+        ] {
+            assert_eq!(AttemptContext::new(budget_attempt, 0, 0, 0).attempt, want, "{budget_attempt}");
+        }
+    }
+
     fn ctx(attempt: u32) -> AttemptContext {
         AttemptContext {
             attempt,

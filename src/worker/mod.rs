@@ -6,6 +6,7 @@ pub mod claim;
 pub mod claim_cursor;
 pub mod cycle;
 pub mod decide;
+pub mod descriptors;
 pub mod identity;
 pub mod planner;
 pub mod record;
@@ -206,6 +207,9 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
         );
     }
 
+    // Sockets to providers must not take the descriptors PostgreSQL counts on: a batch in
+    // flight, and as many idle connections kept for the next one.
+    descriptors::make_room_for_sockets(index, 2 * gucs::batch_size() as u64);
     let runtime = match runtime::build() {
         Ok(r) => r,
         Err(e) => {

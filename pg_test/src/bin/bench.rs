@@ -56,10 +56,12 @@ fn delivered(c: &mut Client, channel: &str) -> i64 {
     .unwrap_or(0)
 }
 
-/// One drain: its rate, and (seconds since the resume, messages delivered) every 20 ms.
+/// One drain: its rate, (seconds since the resume, messages delivered) every 20 ms, and
+/// about once a second the vacuums running (table:phase, or '-').
 struct Drain {
     rate: f64,
     progress: Vec<(f64, i64)>,
+    vacuums: Vec<(f64, String)>,
 }
 
 impl Drain {
@@ -69,6 +71,34 @@ impl Drain {
             .iter()
             .find(|(_, d)| *d >= k)
             .map(|(t, d)| *d as f64 / t)
+    }
+
+    /// Every `step` seconds: the rate in that window and the vacuums seen running in it.
+    fn timeline(&self, step: f64) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut from = (0.0, 0i64);
+        let mut next = step;
+        for &(t, d) in &self.progress {
+            if t < next {
+                continue;
+            }
+            let mut seen: Vec<&str> = self
+                .vacuums
+                .iter()
+                .filter(|(at, v)| *at >= from.0 && *at <= t && v != "-")
+                .map(|(_, v)| v.as_str())
+                .collect();
+            seen.dedup();
+            out.push(format!(
+                "{:>5.0} s {:>6.0} msg/s {}",
+                t,
+                (d - from.1) as f64 / (t - from.0),
+                if seen.is_empty() { "-".to_string() } else { seen.join(",") }
+            ));
+            from = (t, d);
+            next = t + step;
+        }
+        out
     }
 
     /// The rate in each tenth of the drain's messages.
@@ -148,9 +178,13 @@ fn throughput(cluster: &Cluster, sim: &Simulator, n: usize) -> Drain {
     c.execute("SELECT outbox.resume_channel($1)", &[&ch])
         .unwrap();
     let mut progress = Vec::new();
+    let mut vacuums = Vec::new();
     let ok = wait_until(Duration::from_secs(900), || {
         let done = delivered(&mut c, &ch);
         progress.push((start.elapsed().as_secs_f64(), done));
+        if progress.len() % 50 == 1 {
+            vacuums.push((start.elapsed().as_secs_f64(), vacuums_running(&mut c)));
+        }
         // Every half second at least, in case a message ends other than delivered.
         (done >= n as i64 || progress.len() % 25 == 0) && !pending(&mut c, &ch)
     });
@@ -161,7 +195,19 @@ fn throughput(cluster: &Cluster, sim: &Simulator, n: usize) -> Drain {
     Drain {
         rate: n as f64 / secs,
         progress,
+        vacuums,
     }
+}
+
+/// The vacuums running now, as table:phase, or '-'.
+fn vacuums_running(c: &mut Client) -> String {
+    c.query_one(
+        "SELECT coalesce(string_agg(relid::regclass::text || ':' || replace(phase, ' ', '_'), ','), '-')
+           FROM pg_stat_progress_vacuum",
+        &[],
+    )
+    .map(|r| r.get(0))
+    .unwrap_or_else(|_| "?".into())
 }
 
 /// Sets a setting server-wide (ALTER SYSTEM must be its own statement) and reloads.
@@ -396,6 +442,9 @@ fn main() {
             .collect::<Vec<_>>()
             .join(" / ");
         println!("deliveries_per_s_backlog_{large}_by_tenth {tenths} msg/s");
+        for line in drain.timeline(5.0) {
+            println!("deliveries_timeline_backlog_{large} {line}");
+        }
         print_sizes(&cluster);
 
         // The small backlog again, on tables emptied as they were before it: the large
@@ -403,7 +452,11 @@ fn main() {
         // by a fifth over minutes. Its ratio is to the median of all six small drains.
         cluster
             .connect()
-            .batch_execute("TRUNCATE outbox._messages, outbox._attempts, outbox._ledger; VACUUM ANALYZE outbox._messages")
+            .batch_execute("TRUNCATE outbox._messages, outbox._attempts, outbox._ledger")
+            .unwrap();
+        cluster
+            .connect()
+            .batch_execute("VACUUM ANALYZE outbox._messages")
             .unwrap();
         let after = small_drains(&cluster, &sim, backlog, "_after_large");
         let mut all: Vec<f64> = small.iter().chain(after.iter()).copied().collect();
