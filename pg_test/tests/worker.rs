@@ -216,16 +216,21 @@ fn states_of(c: &mut Client, channel: &str) -> HashMap<String, i64> {
 fn pause_and_settle(cluster: &Cluster, c: &mut Client, channel: &str) {
     c.execute("SELECT outbox.pause_channel($1, 'test over')", &[&channel])
         .unwrap();
-    let settled = poll(cluster, SETTLE, |c| {
-        let n: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'sending'",
-                &[&channel],
-            )?
-            .get(0);
+    assert!(
+        no_message_left(cluster, channel, "state = 'sending'"),
+        "the sends of {channel} did not settle"
+    );
+}
+
+/// Waits (up to `SETTLE`) until no message of `channel` meets `condition` (on
+/// `outbox.messages`); false if some still do.
+fn no_message_left(cluster: &Cluster, channel: &str, condition: &str) -> bool {
+    let sql = format!("SELECT count(*) FROM outbox.messages WHERE channel = $1 AND {condition}");
+    poll(cluster, SETTLE, |c| {
+        let n: i64 = c.query_one(sql.as_str(), &[&channel])?.get(0);
         Ok((n == 0).then_some(()))
-    });
-    assert!(settled.is_some(), "the sends of {channel} did not settle");
+    })
+    .is_some()
 }
 
 /// A new channel whose every request the simulator answers after `delay`, with room for
@@ -1522,16 +1527,11 @@ fn idle_connections_of_many_channels_leave_postgres_its_file_descriptors() {
         // 20 ms per answer: the requests of a batch overlap, each on a connection of its own.
         let ch = slow_channel(&mut c, &sim, "w_fds", Duration::from_millis(20), 1000);
         enqueue_backlog(&mut c, &ch, PER_CHANNEL);
-        let drained = poll(&cluster, SETTLE, |c| {
-            let n: i64 = c
-                .query_one(
-                    "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state <> 'delivered'",
-                    &[&ch],
-                )?
-                .get(0);
-            Ok((n == 0).then_some(()))
-        });
-        assert!(drained.is_some(), "{ch} was not delivered: {:?}", states_of(&mut c, &ch));
+        assert!(
+            no_message_left(&cluster, &ch, "state <> 'delivered'"),
+            "{ch} was not delivered: {:?}",
+            states_of(&mut c, &ch)
+        );
         channels.push(ch);
     }
     let retried: i64 = c
