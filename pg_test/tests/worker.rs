@@ -1440,19 +1440,29 @@ fn bad_rows_never_stop_the_worker() {
         (at_max, base_min, no_lease, hdr_array, bad_opts)
     };
     let m = wait_state(&cluster, at_max, "delivered");
-    assert_eq!(m.attempts, i32::MAX, "the counter stays at its limit: {m:?}");
+    assert_eq!(
+        m.attempts,
+        i32::MAX,
+        "the counter stays at its limit: {m:?}"
+    );
     wait_state(&cluster, base_min, "delivered");
     // In flight with no end to its lease: taken back as an interrupted attempt, not resent.
     let m = wait_state(&cluster, no_lease, "uncertain");
     assert_eq!(m.last_error_class.as_deref(), Some("ambiguous"), "{m:?}");
     let m = wait_state(&cluster, hdr_array, "failed");
     assert!(
-        m.last_error.as_deref().unwrap_or("").contains("must be a JSON object"),
+        m.last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("must be a JSON object"),
         "{m:?}"
     );
     let m = wait_state(&cluster, bad_opts, "failed");
     assert!(
-        m.last_error.as_deref().unwrap_or("").contains("max_in_flight"),
+        m.last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("max_in_flight"),
         "the channel's bad option is named: {m:?}"
     );
     assert_eq!(
@@ -1462,12 +1472,18 @@ fn bad_rows_never_stop_the_worker() {
     );
     // The views read the bad option as unknown instead of failing.
     let max_attempts: Option<i32> = c
-        .query_one("SELECT max_attempts FROM outbox.messages WHERE id = $1", &[&bad_opts])
+        .query_one(
+            "SELECT max_attempts FROM outbox.messages WHERE id = $1",
+            &[&bad_opts],
+        )
         .expect("outbox.messages with a channel's option changed by hand")
         .get(0);
     assert_eq!(max_attempts, Some(8));
-    c.execute("SELECT outbox.pause_channel($1::text, 'end of test')", &[&dns_ch])
-        .unwrap();
+    c.execute(
+        "SELECT outbox.pause_channel($1::text, 'end of test')",
+        &[&dns_ch],
+    )
+    .unwrap();
     c.execute("SELECT outbox.cancel($1, 'end of test')", &[&no_lease])
         .unwrap();
 
@@ -1519,7 +1535,10 @@ fn idle_connections_of_many_channels_leave_postgres_its_file_descriptors() {
     let mut c = cluster.connect();
     for pid in cluster.worker_pids(&mut c) {
         let (soft, hard) = open_files_limits(pid);
-        assert_eq!(soft, hard, "worker {pid}: the soft open-files limit is raised to the hard one");
+        assert_eq!(
+            soft, hard,
+            "worker {pid}: the soft open-files limit is raised to the hard one"
+        );
     }
     let mark = cluster.log_mark();
     let mut channels = Vec::new();
@@ -1548,7 +1567,10 @@ fn idle_connections_of_many_channels_leave_postgres_its_file_descriptors() {
         .filter(|l| l.contains("Too many open files"))
         .take(3)
         .collect();
-    assert!(starved.is_empty(), "the server ran out of file descriptors: {starved:?}");
+    assert!(
+        starved.is_empty(),
+        "the server ran out of file descriptors: {starved:?}"
+    );
     assert_eq!(cluster.worker_pids(&mut c), pids, "no worker restarted");
 }
 

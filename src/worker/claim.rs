@@ -21,6 +21,8 @@ const LOAD_CHANNELS: &str = "\
 const CLAIM_DUE: &str = "
 WITH ch AS (
     SELECT c.id,
+           -- An option changed by hand into no number counts as the default (64); the
+           -- worker then fails that channel's messages readably.
            greatest(0, coalesce(outbox._option_int(c.options, '{max_in_flight}'), 64)
                        - (SELECT count(*) FROM outbox._messages s
                            WHERE s.channel_id = c.id AND s.state = 'sending'))::int AS room,

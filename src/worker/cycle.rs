@@ -379,8 +379,12 @@ impl Worker {
             };
             let result = match (
                 lookup::fill(&config.url, &job.subject),
-                self.transport
-                    .client(job.channel_id, &channel.version, options, gucs::batch_size()),
+                self.transport.client(
+                    job.channel_id,
+                    &channel.version,
+                    options,
+                    gucs::batch_size(),
+                ),
             ) {
                 (Ok(url), Ok(client)) => {
                     runs.push((
@@ -455,9 +459,12 @@ impl Worker {
         channel: &Channel,
     ) -> Result<(reqwest::Client, Outgoing), String> {
         let options = channel.options.as_ref().map_err(Clone::clone)?;
-        let client = self
-            .transport
-            .client(job.channel_id, &channel.version, options, gucs::batch_size())?;
+        let client = self.transport.client(
+            job.channel_id,
+            &channel.version,
+            options,
+            gucs::batch_size(),
+        )?;
         let mut headers: Vec<(String, String)> = Vec::new();
         if let Some(raw) = &job.headers {
             let parsed: serde_json::Value = serde_json::from_str(raw)

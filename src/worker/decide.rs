@@ -358,7 +358,11 @@ mod tests {
             (i64::from(i32::MAX) - i64::from(i32::MIN), u32::MAX),
             (i64::MAX, u32::MAX),
         ] {
-            assert_eq!(AttemptContext::new(budget_attempt, 0, 0, 0).attempt, want, "{budget_attempt}");
+            assert_eq!(
+                AttemptContext::new(budget_attempt, 0, 0, 0).attempt,
+                want,
+                "{budget_attempt}"
+            );
         }
     }
 

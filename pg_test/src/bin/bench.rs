@@ -93,7 +93,11 @@ impl Drain {
                 "{:>5.0} s {:>6.0} msg/s {}",
                 t,
                 (d - from.1) as f64 / (t - from.0),
-                if seen.is_empty() { "-".to_string() } else { seen.join(",") }
+                if seen.is_empty() {
+                    "-".to_string()
+                } else {
+                    seen.join(",")
+                }
             ));
             from = (t, d);
             next = t + step;
@@ -505,6 +509,10 @@ fn print_sizes(cluster: &Cluster) {
         )
         .unwrap()
     {
-        println!("size {} {}", row.get::<_, String>(0), row.get::<_, String>(1));
+        println!(
+            "size {} {}",
+            row.get::<_, String>(0),
+            row.get::<_, String>(1)
+        );
     }
 }
