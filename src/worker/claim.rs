@@ -2,13 +2,16 @@
 //! lease, counts the attempt and writes its attempt row before anything is sent.
 
 use super::claim_cursor::{ClaimCursors, Floors, Position};
+use super::prepared::{self, Statement};
 use crate::channels::options::ChannelOptions;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::collections::HashMap;
 
 /// Every channel; a handful of rows, read once per batch.
-const LOAD_CHANNELS: &str = "\
-    SELECT id, name, endpoint, options::text, paused, updated_at::text FROM outbox._channels";
+static LOAD_CHANNELS: Statement = Statement::planned_once(
+    "\
+    SELECT id, name, endpoint, options::text, paused, updated_at::text FROM outbox._channels",
+);
 
 /// Due messages, per unpaused channel up to its free `max_in_flight`, oldest due first; a
 /// message with an ordering key waits while an earlier one with that key is pending.
@@ -18,7 +21,7 @@ const LOAD_CHANNELS: &str = "\
 /// A channel named in `$5` is read from the position (`$6` µs since the epoch, `$7` id)
 /// on, not from the head of its due index (`claim_cursor`).
 /// The ledger lookup at the end is the barrier: such a message is not sent again.
-const CLAIM_DUE: &str = "
+static CLAIM_DUE: Statement = Statement::planned_once("
 WITH ch AS (
     SELECT c.id,
            -- An option changed by hand into no number counts as the default (64); the
@@ -96,12 +99,13 @@ SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.key_sent, c.payload::te
   -- join): a join lets the planner hash the whole ledger, which grows with every delivery.
   LEFT JOIN LATERAL (SELECT l.message_id, l.external_id FROM outbox._ledger l
                       WHERE l.tenant = c.tenant AND l.effect_key = c.effect_key OFFSET 0) l ON true
- ORDER BY c.id";
+ ORDER BY c.id");
 
 /// When the earliest queued message of an unpaused channel is due (unix ms): a day ahead
 /// when none is queued or the earliest waits longer (until 'infinity', say); now when it
 /// is already due, also at '-infinity', a time with no number.
-const NEXT_DUE: &str = "
+static NEXT_DUE: Statement = Statement::planned_once(
+    "
 SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infinity'), now()),
                                  now() + interval '1 day')) * 1000)::int8
   FROM outbox._channels c
@@ -109,7 +113,8 @@ SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infi
        SELECT m.next_attempt_at FROM outbox._messages m
         WHERE m.channel_id = c.id AND m.state = 'queued'
         ORDER BY m.next_attempt_at LIMIT 1) n
- WHERE NOT c.paused";
+ WHERE NOT c.paused",
+);
 
 /// A channel as the worker sees it; options that fail to parse are kept as the error text
 /// so that its messages fail readably instead of stopping the worker.
@@ -129,7 +134,7 @@ pub struct Channels {
 impl Channels {
     pub fn load(client: &SpiClient<'_>) -> SpiResult<Channels> {
         let mut by_id = HashMap::new();
-        for row in client.select(LOAD_CHANNELS, None, &[])? {
+        for row in prepared::run(client, &LOAD_CHANNELS, None, &[])? {
             let Some(id) = row.get::<i32>(1)? else {
                 continue;
             };
@@ -248,8 +253,9 @@ fn claim_from(
     pid: i32,
     floors: Floors,
 ) -> SpiResult<Vec<Job>> {
-    let rows = client.update(
-        CLAIM_DUE,
+    let rows = prepared::run(
+        client,
+        &CLAIM_DUE,
         None,
         &[
             batch_size.into(),
@@ -293,8 +299,7 @@ fn claim_from(
 }
 
 pub fn next_due_ms(client: &SpiClient<'_>) -> SpiResult<Option<i64>> {
-    client
-        .select(NEXT_DUE, Some(1), &[])?
+    prepared::run(client, &NEXT_DUE, Some(1), &[])?
         .first()
         .get_one::<i64>()
 }
@@ -302,7 +307,7 @@ pub fn next_due_ms(client: &SpiClient<'_>) -> SpiResult<Option<i64>> {
 /// Due `uncertain` messages on channels that can reconcile: their next read-only lookup.
 /// The lookup is leased by pushing `next_attempt_at` past the lease, so that no other worker
 /// looks the same message up meanwhile.
-const CLAIM_LOOKUPS: &str = "
+static CLAIM_LOOKUPS: Statement = Statement::planned_each_run("
 WITH due AS (
     SELECT m.id
       FROM outbox._messages m
@@ -320,7 +325,7 @@ UPDATE outbox._messages m
   FROM due
  WHERE m.id = due.id
 RETURNING m.id, m.channel_id, outbox._provider_key(m.tenant, m.effect_key), m.external_id, m.payload::text,
-          (outbox._epoch_ms(m.created_at) / 1000.0)::int8, m.reconcile_attempts";
+          (outbox._epoch_ms(m.created_at) / 1000.0)::int8, m.reconcile_attempts");
 
 /// A message due for a reconcile lookup.
 #[derive(Debug, Clone)]
@@ -336,8 +341,9 @@ pub fn claim_lookups(
     limit: i32,
     lease_ms: i64,
 ) -> SpiResult<Vec<LookupJob>> {
-    let rows = client.update(
-        CLAIM_LOOKUPS,
+    let rows = prepared::run(
+        client,
+        &CLAIM_LOOKUPS,
         None,
         &[limit.into(), (lease_ms as f64).into()],
     )?;

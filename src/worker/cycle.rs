@@ -5,7 +5,8 @@ use super::claim::{self, Channel, Channels, Job, LookupJob};
 use super::claim_cursor::ClaimCursors;
 use super::decide::{self, Verdict};
 use super::record::{self, Outcomes, Tally};
-use super::{identity, planner, recovery, retention, slots};
+use super::sweep::SweepClock;
+use super::{identity, recovery, retention, slots};
 use crate::channels::http::{self, Outgoing, Transport};
 use crate::channels::options::{ChannelOptions, Kind};
 use crate::channels::sql;
@@ -52,6 +53,8 @@ pub struct Worker {
     longest_retry_horizon_ms: u64,
     /// Where the next claim of each channel starts, measured on the clock of `started`.
     cursors: ClaimCursors,
+    /// When lost leases and due lookups were last looked for, on the clock of `started`.
+    sweeps: SweepClock,
     started: Instant,
     /// The role every transaction of the worker runs as (`outbox.role`).
     pub role: pgrx::pg_sys::Oid,
@@ -95,6 +98,7 @@ impl Worker {
             first_cycle: true,
             longest_retry_horizon_ms: 0,
             cursors: ClaimCursors::default(),
+            sweeps: SweepClock::default(),
             started: Instant::now(),
             role,
         }
@@ -116,13 +120,19 @@ impl Worker {
         let jitter = &mut self.jitter;
         let cursors = &mut self.cursors;
         let started = self.started;
+        let sweeps = &mut self.sweeps;
+        let sweep_at = started.elapsed().as_millis() as i64;
+        let sweep = sweeps.due(sweep_at);
         let (channels, lookups, jobs, next_due_ms) = identity::transaction(
             self.role,
             AssertUnwindSafe(|| {
                 Spi::connect_mut(|client| -> pgrx::spi::SpiResult<_> {
-                planner::prefer_indexes(client)?;
                 let channels = Channels::load(client)?;
-                let lost = recovery::find_lost_leases(client, include_own_slot, index as i32, RECOVER_PER_CYCLE)?;
+                let lost = if sweep {
+                    recovery::find_lost_leases(client, include_own_slot, index as i32, RECOVER_PER_CYCLE)?
+                } else {
+                    Vec::new()
+                };
                 if !lost.is_empty() {
                     let mut outcomes = Outcomes::default();
                     for l in &lost {
@@ -142,7 +152,17 @@ impl Worker {
                     record::record_recovery_rows(client, &outcomes.settled, pid)?;
                     log!("outbox_delivery worker {index}: recovered {} message(s) whose attempt was interrupted", lost.len());
                 }
-                let lookups = claim::claim_lookups(client, LOOKUPS_PER_CYCLE, lease_ms)?;
+                let lookups = if sweep {
+                    claim::claim_lookups(client, LOOKUPS_PER_CYCLE, lease_ms)?
+                } else {
+                    Vec::new()
+                };
+                if sweep {
+                    sweeps.swept(
+                        sweep_at,
+                        lost.len() as i64 >= RECOVER_PER_CYCLE || lookups.len() as i32 >= LOOKUPS_PER_CYCLE,
+                    );
+                }
                 let jobs = claim::claim_due(
                     client,
                     batch_size as i32,
@@ -152,7 +172,8 @@ impl Worker {
                     cursors,
                     started.elapsed().as_millis() as i64,
                 )?;
-                let next_due = if jobs.len() < batch_size { claim::next_due_ms(client)? } else { None };
+                // Only an idle worker sleeps until the next due time; one that claimed claims again.
+                let next_due = if jobs.is_empty() { claim::next_due_ms(client)? } else { None };
                 Ok((channels, lookups, jobs, next_due))
             })
             .unwrap_or_else(|e| panic!("outbox_delivery worker: claim failed: {e}"))
@@ -321,7 +342,6 @@ impl Worker {
                             verdict,
                         );
                     }
-                    planner::prefer_indexes(client)?;
                     record::record(client, &outcomes)
                 })
                 .unwrap_or_else(|e| panic!("outbox_delivery worker: record failed: {e}"));

@@ -8,12 +8,13 @@ pub mod cycle;
 pub mod decide;
 pub mod descriptors;
 pub mod identity;
-pub mod planner;
+pub mod prepared;
 pub mod record;
 pub mod recovery;
 pub mod retention;
 pub mod runtime;
 pub mod slots;
+pub mod sweep;
 
 use crate::gucs;
 use pgrx::bgworkers::{

@@ -2,6 +2,7 @@
 //! the message delivered and closes its attempt, atomically; any other outcome moves the
 //! message to its next state and closes the attempt with its classified facts.
 
+use super::prepared::{self, Statement};
 use crate::classify::Class;
 use crate::outbox::state::State;
 use crate::worker::decide::Verdict;
@@ -12,7 +13,7 @@ use pgrx::spi::{SpiClient, SpiResult};
 /// The `a.id = ANY(...)` condition beside the join lets the planner reach the batch's
 /// attempt rows through the primary key: without it, it may hash-join the batch against a
 /// sequential scan of the whole attempt table, a cost that grows with every delivery.
-const RECORD_DELIVERED: &str = "
+static RECORD_DELIVERED: Statement = Statement::planned_once("
 WITH d AS (
     SELECT * FROM unnest($1::int8[], $2::int8[], $3::text[], $4::int4[], $5::text[])
         AS d(message_id, attempt_id, external_id, http_status, outcome)
@@ -36,11 +37,12 @@ WITH d AS (
 UPDATE outbox._attempts a
    SET finished_at = now(), outcome = d.outcome, http_status = d.http_status, external_id = d.external_id
   FROM d
- WHERE a.id = d.attempt_id AND a.id = ANY ($2::int8[])";
+ WHERE a.id = d.attempt_id AND a.id = ANY ($2::int8[])");
 
 /// Every other outcome. Applies only while the message is still in the attempt that
 /// produced it (`sending`, same attempt number): a late answer never overrides a newer state.
-const RECORD_SETTLED: &str = "
+static RECORD_SETTLED: Statement = Statement::planned_once(
+    "
 WITH o AS (
     SELECT * FROM unnest($1::int8[], $2::int8[], $3::int4[], $4::text[], $5::int8[], $6::text[],
                          $7::text[], $8::int4[], $9::int8[], $10::text[])
@@ -69,16 +71,17 @@ UPDATE outbox._attempts a
        error = o.error,
        retry_after_ms = o.retry_after_ms
   FROM o
- WHERE a.id = o.attempt_id AND a.id = ANY ($2::int8[]) AND a.finished_at IS NULL";
+ WHERE a.id = o.attempt_id AND a.id = ANY ($2::int8[]) AND a.finished_at IS NULL",
+);
 
 /// The recovery decision for an attempt interrupted by a stopped worker, as its own row.
-const RECORD_RECOVERY_ROWS: &str = "
+static RECORD_RECOVERY_ROWS: Statement = Statement::planned_once("
 INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, finished_at, outcome, error_class, error,
                               effect_key_sent, worker_pid)
 SELECT o.message_id, m.tenant, o.attempt, 'recovery', now(), o.outcome, 'ambiguous', o.error,
        outbox._provider_key(m.tenant, m.effect_key), $5
   FROM unnest($1::int8[], $2::int4[], $3::text[], $4::text[]) AS o(message_id, attempt, outcome, error)
-  JOIN outbox._messages m ON m.id = o.message_id";
+  JOIN outbox._messages m ON m.id = o.message_id");
 
 /// One confirmed delivery.
 #[derive(Debug, Clone)]
@@ -155,8 +158,9 @@ impl Outcomes {
 pub fn record(client: &mut SpiClient<'_>, outcomes: &Outcomes) -> SpiResult<()> {
     if !outcomes.delivered.is_empty() {
         let d = &outcomes.delivered;
-        client.update(
-            RECORD_DELIVERED,
+        prepared::run(
+            client,
+            &RECORD_DELIVERED,
             None,
             &[
                 d.iter().map(|x| x.message_id).collect::<Vec<_>>().into(),
@@ -175,8 +179,9 @@ pub fn record(client: &mut SpiClient<'_>, outcomes: &Outcomes) -> SpiResult<()> 
     }
     if !outcomes.settled.is_empty() {
         let s = &outcomes.settled;
-        client.update(
-            RECORD_SETTLED,
+        prepared::run(
+            client,
+            &RECORD_SETTLED,
             None,
             &[
                 s.iter().map(|x| x.message_id).collect::<Vec<_>>().into(),
@@ -236,8 +241,9 @@ pub fn record_recovery_rows(
     if recovered.is_empty() {
         return Ok(());
     }
-    client.update(
-        RECORD_RECOVERY_ROWS,
+    prepared::run(
+        client,
+        &RECORD_RECOVERY_ROWS,
         None,
         &[
             recovered
@@ -267,7 +273,7 @@ pub fn record_recovery_rows(
 }
 
 /// Per-channel counters of one batch, folded into `_channel_stats` and `_channel_minutes`.
-const RECORD_STATS: &str = "
+static RECORD_STATS: Statement = Statement::planned_once("
 WITH s AS (
     SELECT * FROM unnest($1::int4[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $6::int8[])
         AS s(channel_id, delivered, attempts_failed, exhausted, failed, uncertain)
@@ -298,7 +304,7 @@ SELECT s.channel_id, s.delivered, s.attempts_failed, s.exhausted, s.failed, s.un
                                  WHEN cs.error_streak = 0 AND excluded.attempts_failed_total > 0 THEN now()
                                  ELSE cs.error_streak_since END,
        last_success_at = coalesce(excluded.last_success_at, cs.last_success_at),
-       last_failure_at = coalesce(excluded.last_failure_at, cs.last_failure_at)";
+       last_failure_at = coalesce(excluded.last_failure_at, cs.last_failure_at)");
 
 /// What one batch did on one channel.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -339,8 +345,9 @@ pub fn record_stats(
     let mut ids: Vec<i32> = tallies.keys().copied().collect();
     ids.sort_unstable(); // a fixed order: concurrent workers lock the rows the same way
     let col = |f: fn(&Tally) -> i64| ids.iter().map(|id| f(&tallies[id])).collect::<Vec<i64>>();
-    client.update(
-        RECORD_STATS,
+    prepared::run(
+        client,
+        &RECORD_STATS,
         None,
         &[
             ids.clone().into(),

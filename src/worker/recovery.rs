@@ -2,9 +2,11 @@
 //! restarted mid-attempt) is an ambiguous attempt, never a blind resend. At start a worker
 //! also takes back the messages its slot had leased, since their worker is gone.
 
+use super::prepared::{self, Statement};
 use pgrx::spi::{SpiClient, SpiResult};
 
-const FIND_LOST_LEASES: &str = "
+static FIND_LOST_LEASES: Statement = Statement::planned_each_run(
+    "
 SELECT m.id, m.channel_id, m.attempts,
        outbox._epoch_ms(coalesce(m.budget_started_at, m.created_at)),
        outbox._epoch_ms(coalesce(m.first_attempt_at, m.created_at)),
@@ -16,7 +18,8 @@ SELECT m.id, m.channel_id, m.attempts,
    AND (coalesce(m.lease_until, '-infinity') < now() OR ($1 AND m.lease_owner = $2))
  ORDER BY m.id
  LIMIT $3
-   FOR UPDATE OF m SKIP LOCKED";
+   FOR UPDATE OF m SKIP LOCKED",
+);
 
 /// A message whose attempt was interrupted.
 #[derive(Debug, Clone)]
@@ -49,8 +52,9 @@ pub fn find_lost_leases(
     worker_index: i32,
     limit: i64,
 ) -> SpiResult<Vec<LostLease>> {
-    let rows = client.update(
-        FIND_LOST_LEASES,
+    let rows = prepared::run(
+        client,
+        &FIND_LOST_LEASES,
         None,
         &[include_own_slot.into(), worker_index.into(), limit.into()],
     )?;

@@ -1,0 +1,132 @@
+//! The worker's statements: parsed and analysed once per worker process, and planned once
+//! where one plan serves every run.
+//!
+//! Parsing and analysing the claim statement took about 0.6 ms and planning it 1.1 ms, of
+//! an idle worker's claim transaction of about 2.5 ms, and its text never changes. Each
+//! statement of the worker's cycle is therefore prepared at its first run and kept for the
+//! life of the process (`SPI_keepplan`). PostgreSQL's plan cache revalidates a kept
+//! statement when something it depends on changes (an extension update, an index added or
+//! dropped, new statistics from ANALYZE), so a kept statement never runs against stale
+//! objects, and a plan made once is made again when the tables' statistics change.
+//!
+//! Each statement says how it is planned ([`Plan`]). A statement that reaches its rows
+//! through the primary key, a TID or an index in its own order has one good plan whatever
+//! the values; one whose plan depends on how many rows its values select is planned for
+//! them at every run. The choice of each statement was checked with `EXPLAIN` of its
+//! generic plan on an empty table and on one of 200,000 messages.
+//!
+//! Every kept statement is planned with sequential scans disabled: each reaches its rows
+//! through an index, a batch at a time, and with statistics that lag a fast-growing table
+//! the planner may prefer a sequential scan of the whole attempt table to 200 index probes,
+//! a cost that grows with every delivery (a table without a usable index is still
+//! scanned). Both settings hold for the run of the statement only; statements of other code
+//! in the worker (the functions of `sql` effects) plan with the server's settings.
+
+use pgrx::datum::DatumWithOid;
+use pgrx::pg_sys::{self, PgOid};
+use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiResult, SpiTupleTable};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::CStr;
+
+/// How a kept statement is planned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plan {
+    /// Once, for any values (a generic plan), and again when the plan cache invalidates it.
+    Once,
+    /// At every run, for its values (a custom plan).
+    EachRun,
+}
+
+impl Plan {
+    fn plan_cache_mode(self) -> &'static CStr {
+        match self {
+            Plan::Once => c"force_generic_plan",
+            Plan::EachRun => c"force_custom_plan",
+        }
+    }
+}
+
+/// One statement of the worker.
+#[derive(Debug)]
+pub struct Statement {
+    pub sql: &'static str,
+    pub plan: Plan,
+}
+
+impl Statement {
+    pub const fn planned_once(sql: &'static str) -> Statement {
+        Statement {
+            sql,
+            plan: Plan::Once,
+        }
+    }
+
+    pub const fn planned_each_run(sql: &'static str) -> Statement {
+        Statement {
+            sql,
+            plan: Plan::EachRun,
+        }
+    }
+}
+
+thread_local! {
+    /// Kept statements by the address of their text (each statement is a `static`). A kept
+    /// statement lives as long as the worker process.
+    static KEPT: RefCell<HashMap<usize, &'static OwnedPreparedStatement>> =
+        RefCell::new(HashMap::new());
+}
+
+/// Runs `statement` with `args`, preparing it at its first run in this process. The
+/// parameter types are those of the arguments of that first run; every call site of a
+/// statement passes arguments of the same types.
+pub fn run<'conn>(
+    client: &SpiClient<'conn>,
+    statement: &'static Statement,
+    limit: Option<i64>,
+    args: &[DatumWithOid<'_>],
+) -> SpiResult<SpiTupleTable<'conn>> {
+    let kept = kept(client, statement, args)?;
+    // SAFETY: the GUC nest level opened here is closed here; an error in between aborts
+    // the transaction, and the abort closes every nest level the transaction opened.
+    unsafe {
+        let nest = pg_sys::NewGUCNestLevel();
+        set(c"plan_cache_mode", statement.plan.plan_cache_mode());
+        set(c"enable_seqscan", c"off");
+        // Kept statements are prepared as mutating: each runs with a fresh snapshot that
+        // sees the transaction's earlier writes, whether it reads or writes.
+        let rows = client.select(kept, limit, args);
+        pg_sys::AtEOXact_GUC(true, nest);
+        rows
+    }
+}
+
+/// Sets a planner setting until the current GUC nest level is closed.
+unsafe fn set(name: &CStr, value: &CStr) {
+    pg_sys::set_config_option(
+        name.as_ptr(),
+        value.as_ptr(),
+        pg_sys::GucContext::PGC_USERSET,
+        pg_sys::GucSource::PGC_S_SESSION,
+        pg_sys::GucAction::GUC_ACTION_SAVE,
+        true,
+        0,
+        false,
+    );
+}
+
+fn kept(
+    client: &SpiClient<'_>,
+    statement: &'static Statement,
+    args: &[DatumWithOid<'_>],
+) -> SpiResult<&'static OwnedPreparedStatement> {
+    let key = statement as *const Statement as usize;
+    if let Some(kept) = KEPT.with(|k| k.borrow().get(&key).copied()) {
+        return Ok(kept);
+    }
+    let types: Vec<PgOid> = args.iter().map(|a| PgOid::from(a.oid())).collect();
+    let kept: &'static OwnedPreparedStatement =
+        Box::leak(Box::new(client.prepare_mut(statement.sql, &types)?.keep()));
+    KEPT.with(|k| k.borrow_mut().insert(key, kept));
+    Ok(kept)
+}
