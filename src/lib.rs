@@ -66,6 +66,7 @@ mod tests {
     include!("tests/operator.rs");
     include!("tests/observability.rs");
     include!("tests/tenancy.rs");
+    include!("tests/plans.rs");
 }
 
 /// Required by `cargo pgrx test`.

@@ -21,7 +21,7 @@ static LOAD_CHANNELS: Statement = Statement::planned_once(
 /// A channel named in `$5` is read from the position (`$6` µs since the epoch, `$7` id)
 /// on, not from the head of its due index (`claim_cursor`).
 /// The ledger lookup at the end is the barrier: such a message is not sent again.
-static CLAIM_DUE: Statement = Statement::planned_once("
+pub(crate) static CLAIM_DUE: Statement = Statement::planned_once("
 WITH ch AS (
     SELECT c.id,
            -- An option changed by hand into no number counts as the default (64); the
@@ -72,11 +72,12 @@ WITH ch AS (
            lease_owner = $3,
            first_attempt_at = coalesce(m.first_attempt_at, now()),
            updated_at = now()
-      FROM due
-     -- The version just locked, by its address: no second descent of the primary key. A
-     -- version newer than this statement's snapshot is not found, and that message waits
-     -- for the next claim.
-     WHERE m.ctid = due.ctid AND m.id = due.id
+     -- The versions just locked, by their addresses: no second descent of the primary key,
+     -- and no join, whose plan (planned once, for any batch size) could read the whole
+     -- primary key to meet a batch it expects to be large. A version newer than this
+     -- statement's snapshot is not found, and that message waits for the next claim.
+     WHERE m.ctid = ANY (ARRAY(SELECT due.ctid FROM due))
+       AND m.id = ANY (ARRAY(SELECT due.id FROM due))
  RETURNING m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers, m.attempts,
            outbox._provider_key(m.tenant, m.effect_key) AS key_sent,
            coalesce(m.budget_started_at, m.created_at) AS budget_started_at, m.first_attempt_at,
@@ -104,7 +105,7 @@ SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.key_sent, c.payload::te
 /// When the earliest queued message of an unpaused channel is due (unix ms): a day ahead
 /// when none is queued or the earliest waits longer (until 'infinity', say); now when it
 /// is already due, also at '-infinity', a time with no number.
-static NEXT_DUE: Statement = Statement::planned_once(
+pub(crate) static NEXT_DUE: Statement = Statement::planned_once(
     "
 SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infinity'), now()),
                                  now() + interval '1 day')) * 1000)::int8

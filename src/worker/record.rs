@@ -13,7 +13,7 @@ use pgrx::spi::{SpiClient, SpiResult};
 /// The `a.id = ANY(...)` condition beside the join lets the planner reach the batch's
 /// attempt rows through the primary key: without it, it may hash-join the batch against a
 /// sequential scan of the whole attempt table, a cost that grows with every delivery.
-static RECORD_DELIVERED: Statement = Statement::planned_once("
+pub(crate) static RECORD_DELIVERED: Statement = Statement::planned_once("
 WITH d AS (
     SELECT * FROM unnest($1::int8[], $2::int8[], $3::text[], $4::int4[], $5::text[])
         AS d(message_id, attempt_id, external_id, http_status, outcome)
@@ -41,7 +41,7 @@ UPDATE outbox._attempts a
 
 /// Every other outcome. Applies only while the message is still in the attempt that
 /// produced it (`sending`, same attempt number): a late answer never overrides a newer state.
-static RECORD_SETTLED: Statement = Statement::planned_once(
+pub(crate) static RECORD_SETTLED: Statement = Statement::planned_once(
     "
 WITH o AS (
     SELECT * FROM unnest($1::int8[], $2::int8[], $3::int4[], $4::text[], $5::int8[], $6::text[],
