@@ -79,16 +79,21 @@ for spec in "1 simple" "8 simple" "8 prepared"; do
   awk -v l="$label" -v e="$e" -v p="$p" -v es="$es" -v ps="$ps" 'BEGIN { printf "enqueue_%s %d tps (rounds:%s) | plain_insert_%s %d tps (rounds:%s) | plain/enqueue %.2fx\n", l, e, es, l, p, ps, p / e }'
 done
 # The same 8 clients as an application connects: a login role in outbox_writer bound to a
-# tenant (the superuser above skips the tenant bindings), against the INSERT figures above.
+# tenant (the superuser above skips the tenant bindings and every privilege check),
+# alternated with a plain INSERT by the same role (granted INSERT on the plain table), and
+# also read against the superuser's INSERT figures above.
+psql -c "GRANT INSERT ON public.plain_outbox TO bench_writer" -c "GRANT USAGE ON SEQUENCE public.plain_outbox_seq TO bench_writer" >/dev/null
 for mode in simple prepared; do
   label=8c; [ "$mode" = prepared ] && label=8c_prepared
-  ws=""
+  ws=""; wps=""
   for round in 1 2 3; do
     psql -c "CHECKPOINT" >/dev/null
     ws="$ws $(pgb -M "$mode" -U bench_writer -c 8 -j 8 -T "$DURATION" -f "$WORK/enqueue.sql" | tps)"
+    psql -c "CHECKPOINT" >/dev/null
+    wps="$wps $(pgb -M "$mode" -U bench_writer -c 8 -j 8 -T "$DURATION" -f "$WORK/insert.sql" | tps)"
   done
-  w=$(echo $ws | tr ' ' '\n' | median)
-  awk -v l="$label" -v w="$w" -v p="${insert_tps[$label]}" -v ws="$ws" 'BEGIN { printf "enqueue_%s_as_writer %d tps (rounds:%s) | plain_insert_%s %d tps (above) | plain/enqueue %.2fx\n", l, w, ws, l, p, p / w }'
+  w=$(echo $ws | tr ' ' '\n' | median); wp=$(echo $wps | tr ' ' '\n' | median)
+  awk -v l="$label" -v w="$w" -v wp="$wp" -v p="${insert_tps[$label]}" -v ws="$ws" -v wps="$wps" 'BEGIN { printf "enqueue_%s_as_writer %d tps (rounds:%s) | plain_insert_%s_as_writer %d tps (rounds:%s) | plain/enqueue %.2fx (%.2fx to the superuser'"'"'s INSERT above)\n", l, w, ws, l, wp, wps, wp / w, p / w }'
 done
 
 # The enqueue rounds leave their messages queued on the paused channel, as many as the
