@@ -1,5 +1,6 @@
-//! One worker cycle: recover lost leases and claim (one transaction), check the barrier,
-//! send (no transaction open), decide, record (one transaction).
+//! One worker cycle: sweep for lost leases and due lookups (at most every 250 ms, see
+//! `sweep`) and claim (one transaction), check the barrier, send (no transaction open),
+//! decide, record (one transaction).
 
 use super::claim::{self, Channel, Channels, Job, LookupJob};
 use super::claim_cursor::ClaimCursors;
@@ -19,10 +20,10 @@ use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
-/// Lost leases recovered per cycle at most.
-const RECOVER_PER_CYCLE: i64 = 500;
-/// Reconcile lookups per cycle at most.
-const LOOKUPS_PER_CYCLE: i32 = 50;
+/// Lost leases recovered per sweep at most.
+const RECOVER_PER_SWEEP: i64 = 500;
+/// Reconcile lookups per sweep at most.
+const LOOKUPS_PER_SWEEP: i32 = 50;
 /// Retention statements per retention run at most.
 const RETENTION_ROUNDS: usize = 20;
 
@@ -129,7 +130,7 @@ impl Worker {
                 Spi::connect_mut(|client| -> pgrx::spi::SpiResult<_> {
                 let channels = Channels::load(client)?;
                 let lost = if sweep {
-                    recovery::find_lost_leases(client, include_own_slot, index as i32, RECOVER_PER_CYCLE)?
+                    recovery::find_lost_leases(client, include_own_slot, index as i32, RECOVER_PER_SWEEP)?
                 } else {
                     Vec::new()
                 };
@@ -153,14 +154,14 @@ impl Worker {
                     log!("outbox_delivery worker {index}: recovered {} message(s) whose attempt was interrupted", lost.len());
                 }
                 let lookups = if sweep {
-                    claim::claim_lookups(client, LOOKUPS_PER_CYCLE, lease_ms)?
+                    claim::claim_lookups(client, LOOKUPS_PER_SWEEP, lease_ms)?
                 } else {
                     Vec::new()
                 };
                 if sweep {
                     sweeps.swept(
                         sweep_at,
-                        lost.len() as i64 >= RECOVER_PER_CYCLE || lookups.len() as i32 >= LOOKUPS_PER_CYCLE,
+                        lost.len() as i64 >= RECOVER_PER_SWEEP || lookups.len() as i32 >= LOOKUPS_PER_SWEEP,
                     );
                 }
                 let jobs = claim::claim_due(
