@@ -12,8 +12,12 @@
 //! Each statement says how it is planned ([`Plan`]). A statement that reaches its rows
 //! through the primary key, a TID or an index in its own order has one good plan whatever
 //! the values; one whose plan depends on how many rows its values select is planned for
-//! them at every run. The choice of each statement was checked with `EXPLAIN` of its
-//! generic plan on an empty table and on one of 200,000 messages.
+//! them at every run. A plan made once cannot know a batch's size, so such a statement must
+//! not join its batch to the message table: the planner may expect thousands of rows and
+//! read the whole table to meet them (the claim did, until it took its batch as an array
+//! of addresses). The `#[pg_test]` in `src/tests/plans.rs` plans the statements planned
+//! once as the worker does, at a backlog, and fails on a scan of the message table that no
+//! condition bounds.
 //!
 //! Every kept statement is planned with sequential scans disabled: each reaches its rows
 //! through an index, a batch at a time, and with statistics that lag a fast-growing table
