@@ -43,10 +43,7 @@ fn unbounded_message_scans(plan: &serde_json::Value, found: &mut Vec<String>) {
 /// EXPLAIN of `statement` as the worker plans it, for the arguments `args` (SQL text, of
 /// the parameter types `types`; both empty for a statement without parameters).
 fn worker_plan(statement: &crate::worker::prepared::Statement, types: &str, args: &str) -> serde_json::Value {
-    let mode = match statement.plan {
-        crate::worker::prepared::Plan::Once => "force_generic_plan",
-        crate::worker::prepared::Plan::EachRun => "force_custom_plan",
-    };
+    let mode = statement.plan.plan_cache_mode().to_str().unwrap();
     let parenthesized = |s: &str| if s.is_empty() { String::new() } else { format!("({s})") };
     Spi::run(&format!("SET LOCAL plan_cache_mode = {mode}")).unwrap();
     Spi::run("SET LOCAL enable_seqscan = off").unwrap();

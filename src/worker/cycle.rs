@@ -123,42 +123,34 @@ impl Worker {
         let started = self.started;
         let sweeps = &mut self.sweeps;
         let sweep_at = started.elapsed().as_millis() as i64;
-        let sweep = sweeps.due(sweep_at);
         let (channels, lookups, jobs, next_due_ms) = identity::transaction(
             self.role,
             AssertUnwindSafe(|| {
                 Spi::connect_mut(|client| -> pgrx::spi::SpiResult<_> {
                 let channels = Channels::load(client)?;
-                let lost = if sweep {
-                    recovery::find_lost_leases(client, include_own_slot, index as i32, RECOVER_PER_SWEEP)?
-                } else {
-                    Vec::new()
-                };
-                if !lost.is_empty() {
-                    let mut outcomes = Outcomes::default();
-                    for l in &lost {
-                        let ctx = l.context(now_ms());
-                        let verdict = match channels.by_id.get(&l.channel_id).map(|c| &c.options) {
-                            Some(Ok(options)) => decide::after_lost_lease(options, ctx, &mut || jitter.next()),
-                            Some(Err(e)) => unusable_channel(Class::Ambiguous, State::Uncertain, e.clone()),
-                            None => unusable_channel(
-                                Class::Ambiguous,
-                                State::Uncertain,
-                                format!("channel {} no longer exists", l.channel_id),
-                            ),
-                        };
-                        outcomes.push_for(l.channel_id, true, l.message_id, l.attempt_id.unwrap_or(0), l.attempt, verdict);
+                let mut lookups = Vec::new();
+                if sweeps.due(sweep_at) {
+                    let lost = recovery::find_lost_leases(client, include_own_slot, index as i32, RECOVER_PER_SWEEP)?;
+                    if !lost.is_empty() {
+                        let mut outcomes = Outcomes::default();
+                        for l in &lost {
+                            let ctx = l.context(now_ms());
+                            let verdict = match channels.by_id.get(&l.channel_id).map(|c| &c.options) {
+                                Some(Ok(options)) => decide::after_lost_lease(options, ctx, &mut || jitter.next()),
+                                Some(Err(e)) => unusable_channel(Class::Ambiguous, State::Uncertain, e.clone()),
+                                None => unusable_channel(
+                                    Class::Ambiguous,
+                                    State::Uncertain,
+                                    format!("channel {} no longer exists", l.channel_id),
+                                ),
+                            };
+                            outcomes.push_for(l.channel_id, true, l.message_id, l.attempt_id.unwrap_or(0), l.attempt, verdict);
+                        }
+                        record::record(client, &outcomes)?;
+                        record::record_recovery_rows(client, &outcomes.settled, pid)?;
+                        log!("outbox_delivery worker {index}: recovered {} message(s) whose attempt was interrupted", lost.len());
                     }
-                    record::record(client, &outcomes)?;
-                    record::record_recovery_rows(client, &outcomes.settled, pid)?;
-                    log!("outbox_delivery worker {index}: recovered {} message(s) whose attempt was interrupted", lost.len());
-                }
-                let lookups = if sweep {
-                    claim::claim_lookups(client, LOOKUPS_PER_SWEEP, lease_ms)?
-                } else {
-                    Vec::new()
-                };
-                if sweep {
+                    lookups = claim::claim_lookups(client, LOOKUPS_PER_SWEEP, lease_ms)?;
                     sweeps.swept(
                         sweep_at,
                         lost.len() as i64 >= RECOVER_PER_SWEEP || lookups.len() as i32 >= LOOKUPS_PER_SWEEP,

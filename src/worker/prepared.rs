@@ -43,7 +43,8 @@ pub enum Plan {
 }
 
 impl Plan {
-    fn plan_cache_mode(self) -> &'static CStr {
+    /// The `plan_cache_mode` a statement of this plan runs under.
+    pub(crate) fn plan_cache_mode(self) -> &'static CStr {
         match self {
             Plan::Once => c"force_generic_plan",
             Plan::EachRun => c"force_custom_plan",
