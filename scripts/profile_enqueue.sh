@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Where the CPU of an enqueue goes, counted in instructions rather than timed: a
-# single-user backend runs under callgrind (valgrind) a procedure that calls one statement
-# and commits, SMALL and then LARGE times; the difference of the two counts, divided by
-# LARGE - SMALL, is the cost of one committed call without the backend's start-up. The
-# counts hardly move from run to run, unlike the pgbench ratios, which move by 0.15 here.
+# single-user backend runs under callgrind (valgrind) one prepared statement, executed
+# SMALL and then LARGE times, each execution a transaction of its own (as pgbench -M
+# prepared sends it, without the client and the socket); the difference of the two counts,
+# divided by LARGE - SMALL, is the cost of one committed call without the backend's
+# start-up. The counts hardly move from run to run, unlike the pgbench ratios, which move
+# by 0.15 here.
 #
 # Statements, each into a table of PREFILL rows:
 #   insert              the benchmark's baseline: a plain INSERT of the row into a table
@@ -61,35 +63,29 @@ ALTER TABLE public.plain_outbox_c ALTER COLUMN id SET DEFAULT nextval('public.pl
 VACUUM ANALYZE;
 SQL
 
-# One procedure per statement: call it n times, committing after each call.
-procedure() { # name, statement
-  psql >/dev/null <<SQL
-CREATE PROCEDURE public.calls_$1(n int) LANGUAGE plpgsql AS \$fn\$
-BEGIN
-  FOR i IN 1..n LOOP
-    $2;
-    COMMIT;
-  END LOOP;
-END \$fn\$;
-GRANT EXECUTE ON PROCEDURE public.calls_$1(int) TO bench_writer;
-SQL
-}
-procedure insert "INSERT INTO public.plain_outbox ($COLUMNS) VALUES ($ROW)"
-procedure insert_on_conflict "INSERT INTO public.plain_outbox ($COLUMNS) VALUES ($ROW) ON CONFLICT (tenant, effect_key) DO NOTHING"
-procedure insert_c "INSERT INTO public.plain_outbox_c ($COLUMNS) VALUES ($ROW)"
-procedure insert_on_conflict_c "INSERT INTO public.plain_outbox_c ($COLUMNS) VALUES ($ROW) ON CONFLICT (tenant, effect_key) DO NOTHING"
-procedure enqueue "PERFORM outbox.enqueue('bench_enqueue', '{\"to\": \"user-1\", \"text\": \"benchmark message\"}'::jsonb, md5(random()::text || clock_timestamp()::text))"
+declare -A statement=(
+  [insert]="INSERT INTO public.plain_outbox ($COLUMNS) VALUES ($ROW)"
+  [insert_on_conflict]="INSERT INTO public.plain_outbox ($COLUMNS) VALUES ($ROW) ON CONFLICT (tenant, effect_key) DO NOTHING"
+  [insert_c]="INSERT INTO public.plain_outbox_c ($COLUMNS) VALUES ($ROW)"
+  [insert_on_conflict_c]="INSERT INTO public.plain_outbox_c ($COLUMNS) VALUES ($ROW) ON CONFLICT (tenant, effect_key) DO NOTHING"
+  [enqueue]="SELECT outbox.enqueue('bench_enqueue', '{\"to\": \"user-1\", \"text\": \"benchmark message\"}'::jsonb, md5(random()::text || clock_timestamp()::text))"
+)
+statement[enqueue_as_writer]=${statement[enqueue]}
 bash scripts/cluster.sh stop >/dev/null
 
 OUT=$(mktemp -d)
 chmod 777 "$OUT"
-# callgrind of a single-user backend calling `procedure` n times (as `role` if given).
-profile() { # label, procedure, n, role
-  local role=${4:+"SET ROLE $4"}
-  printf 'SET synchronous_commit = off\n%s\nCALL public.calls_%s(%d)\n' "${role:-SELECT 1}" "$2" "$3" |
-    runuser -u postgres -- valgrind --tool=callgrind --callgrind-out-file="$OUT/$1.$3" \
-      /usr/lib/postgresql/15/bin/postgres --single -D "$PGDATA" outbox >"$OUT/$1.$3.stdout" 2>"$OUT/$1.$3.err"
-  if grep -q ERROR "$OUT/$1.$3.stdout"; then cat "$OUT/$1.$3.stdout" >&2; exit 1; fi
+# callgrind of a single-user backend executing `label`'s statement n times (as `role` if
+# given); every line it reads is a transaction of its own.
+profile() { # label, n, role
+  {
+    echo "SET synchronous_commit = off"
+    [ -n "${3:-}" ] && echo "SET ROLE $3"
+    echo "PREPARE measured AS ${statement[$1]}"
+    for _ in $(seq "$2"); do echo "EXECUTE measured"; done
+  } | runuser -u postgres -- valgrind --tool=callgrind --callgrind-out-file="$OUT/$1.$2" \
+      /usr/lib/postgresql/15/bin/postgres --single -D "$PGDATA" outbox >"$OUT/$1.$2.stdout" 2>"$OUT/$1.$2.err"
+  if grep -q ERROR "$OUT/$1.$2.stdout"; then cat "$OUT/$1.$2.stdout" >&2; exit 1; fi
 }
 # Instructions per call under each function (inclusive), or in all: "count<TAB>function".
 per_call() { # label
@@ -104,11 +100,10 @@ per_call() { # label
 
 echo "instructions per committed call (callgrind; $LARGE calls minus $SMALL), $PREFILL rows in each table, synchronous_commit off"
 declare -A total
-for spec in "insert insert" "insert_on_conflict insert_on_conflict" "enqueue enqueue" \
-  "enqueue_as_writer enqueue bench_writer" "insert_c insert_c" "insert_on_conflict_c insert_on_conflict_c"; do
+for spec in insert insert_on_conflict enqueue "enqueue_as_writer bench_writer" insert_c insert_on_conflict_c; do
   set -- $spec
-  profile "$1" "$2" "$SMALL" "${3:-}"
-  profile "$1" "$2" "$LARGE" "${3:-}"
+  profile "$1" "$SMALL" "${2:-}"
+  profile "$1" "$LARGE" "${2:-}"
   per_call "$1" >"$OUT/$1.per_call"
   total[$1]=$(awk -F'\t' '$2 == "PROGRAM TOTALS" { print $1 }' "$OUT/$1.per_call")
   base=${total[insert]}; [[ $1 == *_c ]] && base=${total[insert_c]:-${total[$1]}}
@@ -117,9 +112,9 @@ done
 
 echo "where they go (instructions per call under each function, inclusive)"
 printf '  %-34s %10s %20s %10s\n' function insert insert_on_conflict enqueue
-for fn in ExecutorStart ExecutorRun ExecInsertIndexTuples ExecCheckIndexConstraints \
+for fn in PortalStart ExecutorStart ExecutorRun ExecInsertIndexTuples ExecCheckIndexConstraints \
   SpeculativeInsertionLockAcquire heap_finish_speculative bttextcmp XLogInsert \
-  CommitTransactionCommand outbox_enqueue SPI_execute_plan; do
+  CommitTransactionCommand PortalDrop outbox_enqueue SPI_execute_plan; do
   printf '  %-34s' "$fn"
   for l in insert insert_on_conflict enqueue; do
     v=$(awk -F'\t' -v f="$fn" '$2 == f { print $1 }' "$OUT/$l.per_call")
@@ -127,5 +122,6 @@ for fn in ExecutorStart ExecutorRun ExecInsertIndexTuples ExecCheckIndexConstrai
   done
   echo
 done
-echo "  (outbox_enqueue is the C function; SPI_execute_plan, inside it, is its INSERT … ON CONFLICT)"
+echo "  (a SELECT starts its executor in PortalStart and ends it in PortalDrop, an INSERT in PortalRun;"
+echo "   outbox_enqueue is the C function; SPI_execute_plan, inside it, is its INSERT … ON CONFLICT)"
 rm -rf "$OUT"
