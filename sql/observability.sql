@@ -106,15 +106,23 @@ SELECT 'terminal_failures', c.name, 'critical', count(*)::numeric, 0::numeric, m
  GROUP BY c.name
 UNION ALL
 SELECT 'uncertain', c.name, 'critical', count(*)::numeric,
-       outbox._setting('outbox.alert_uncertain_age_s', 300)::numeric, min(m.updated_at)
+       outbox._setting('outbox.alert_uncertain_age_s', 300)::numeric, min(u.since)
   FROM outbox._messages m
   JOIN outbox._channels c ON c.id = m.channel_id
+  -- Uncertain since the send (or the recovery of a lost lease) that left it so: the
+  -- inconclusive lookups that follow change the row, not how long nobody has known.
+  CROSS JOIN LATERAL (
+      SELECT coalesce((SELECT coalesce(a.finished_at, a.started_at)
+                         FROM outbox._attempts a
+                        WHERE a.message_id = m.id AND a.kind IN ('send', 'recovery')
+                        ORDER BY a.id DESC LIMIT 1),
+                      m.updated_at) AS since) u
  WHERE m.state = 'uncertain'
    AND (jsonb_typeof(c.options -> 'reconcile') IS DISTINCT FROM 'object'
-        OR m.updated_at < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_uncertain_age_s', 300)))
+        OR u.since < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_uncertain_age_s', 300)))
  GROUP BY c.name;
 COMMENT ON VIEW outbox.alerts IS
-    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s where it can). since = when it began.';
+    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can). since = when it began.';
 
 CREATE FUNCTION outbox._prom_label(v text) RETURNS text
 LANGUAGE sql IMMUTABLE

@@ -1647,3 +1647,118 @@ fn fast_shutdown_under_load_stops_promptly_and_leaves_no_attempt_open() {
         "sends vs delivered messages: {states:?}"
     );
 }
+
+/// A request allowed to take longer than `outbox.lease_ms` (the channel's `timeout_ms`)
+/// keeps its message leased until it is answered: the other worker, idle and sweeping for
+/// lost leases meanwhile, does not take it back and send it again.
+#[test]
+fn a_request_slower_than_the_lease_but_within_its_timeout_keeps_its_lease() {
+    let cluster = Cluster::from_env();
+    // The other worker is the one that would take the message back.
+    assert!(
+        wait_for_workers(&cluster, &[]).len() >= 2,
+        "needs two workers"
+    );
+    let sim = Simulator::start();
+    let mut c = cluster.connect();
+    let ch = unique("slow_lease");
+    sim.set_dedupe(&ch, "Idempotency-Key");
+    sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(3000)));
+    create_channel(
+        &mut c,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"idempotency_header": "Idempotency-Key", "timeout_ms": 6000}"#,
+    );
+    let _lease = SettingGuard::new(&cluster, "outbox.lease_ms");
+    set_setting(&mut c, "outbox.lease_ms", "1000");
+    std::thread::sleep(Duration::from_millis(700));
+
+    let id = enqueue(&mut c, &ch, r#"{"to": "slow"}"#, &unique("k"));
+    let m = wait_msg(&cluster, id, SETTLE, "delivered", |m| {
+        m.state == "delivered"
+    });
+    // Two seconds past the setting's lease, the answer came; a message taken back would
+    // have been sent again with the same key (this channel dedupes), or stopped uncertain.
+    let kinds: Vec<String> = attempts(&mut c, id).into_iter().map(|a| a.kind).collect();
+    assert_eq!((m.attempts, kinds), (1, vec!["send".to_string()]));
+    assert_eq!(sim.send_count(&ch), 1, "requests at the provider");
+}
+
+/// The effects of a `sql` channel run one after another in the record transaction, which
+/// can outlast any lease. Their messages are locked while it runs: the other worker does
+/// not take them back as interrupted (which for a `sql` channel would run each effect a
+/// second time), and each effect happens once.
+#[test]
+fn sql_effects_longer_than_the_lease_are_not_taken_back_and_run_once() {
+    let cluster = Cluster::from_env();
+    assert!(
+        wait_for_workers(&cluster, &[]).len() >= 2,
+        "needs two workers"
+    );
+    let mut c = cluster.connect();
+    let s = unique("slow_fx");
+    let role = format!("{s}_effects");
+    c.batch_execute(&format!(
+        r#"
+        CREATE SCHEMA {s};
+        CREATE TABLE {s}.done (effect_key text NOT NULL);
+        CREATE ROLE {role} NOLOGIN;
+        GRANT USAGE ON SCHEMA {s} TO {role};
+        GRANT INSERT ON {s}.done TO {role};
+        CREATE FUNCTION {s}.slow(payload jsonb, effect_key text) RETURNS text LANGUAGE plpgsql AS $$
+        BEGIN
+            PERFORM pg_sleep(0.4);
+            INSERT INTO {s}.done VALUES (effect_key);
+            RETURN 'done';
+        END $$;
+        GRANT EXECUTE ON FUNCTION {s}.slow(jsonb, text) TO {role};
+        "#
+    ))
+    .expect("effect schema");
+    let ch = unique("slow_fx");
+    // A lease of 1000 ms becomes 6000 (timeout 1000 + 5000); 40 effects of 0.4 s take 16 s,
+    // and at least 8 s in one transaction however the two workers share the batch.
+    create_channel(
+        &mut c,
+        &ch,
+        "sql",
+        &format!(
+            r#"{{"kind": "sql", "function": "{s}.slow", "run_as": "{role}", "timeout_ms": 1000, "connect_timeout_ms": 500}}"#
+        ),
+    );
+    let _lease = SettingGuard::new(&cluster, "outbox.lease_ms");
+    set_setting(&mut c, "outbox.lease_ms", "1000");
+    std::thread::sleep(Duration::from_millis(700));
+
+    // Held while enqueued, so that they are claimed together.
+    c.execute("SELECT outbox.pause_channel($1, 'enqueue a batch')", &[&ch])
+        .unwrap();
+    enqueue_backlog(&mut c, &ch, 40);
+    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
+        .unwrap();
+    assert!(
+        no_message_left(&cluster, &ch, "state <> 'delivered'"),
+        "not all delivered: {:?}",
+        states_of(&mut c, &ch)
+    );
+    let (runs, keys): (i64, i64) = {
+        let r = c
+            .query_one(
+                &format!("SELECT count(*), count(DISTINCT effect_key) FROM {s}.done"),
+                &[],
+            )
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!((runs, keys), (40, 40), "effects run, distinct effects");
+    let recovered: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.attempts a JOIN outbox.messages m ON m.id = a.message_id
+              WHERE m.channel = $1 AND a.kind = 'recovery'",
+            &[&ch],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(recovered, 0, "messages taken back while their effects ran");
+}

@@ -67,6 +67,27 @@ fn each_alert_is_raised_and_cleared() {
     assert_eq!(alerts("uncertain", "al_rc"), 1);
     Spi::run(&format!("SELECT outbox.resolve({u}, 'failed', 'provider confirmed it never arrived')")).unwrap();
     assert_eq!(alerts("uncertain", "al"), 0);
+    Spi::run(&format!("SELECT outbox.resolve({r}, 'failed', 'provider confirmed it never arrived')")).unwrap();
+    assert_eq!(alerts("uncertain", "al_rc"), 0);
+    // With reconcile, the age counts from the send that left the message uncertain: the
+    // inconclusive lookups since change the row, not how long nobody has known.
+    let s = obs_enqueue("al_rc", "al-s");
+    Spi::run(&format!("UPDATE outbox._messages SET state = 'uncertain' WHERE id = {s}")).unwrap();
+    Spi::run(&format!(
+        "INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, started_at, finished_at, outcome)
+         VALUES ({s}, 'default', 1, 'send', now() - interval '1 minute', now() - interval '1 minute', 'ambiguous'),
+                ({s}, 'default', 1, 'reconcile', now(), now(), 'unavailable')"
+    ))
+    .unwrap();
+    assert_eq!(alerts("uncertain", "al_rc"), 0);
+    Spi::run(&format!(
+        "UPDATE outbox._attempts SET started_at = now() - interval '1 hour', finished_at = now() - interval '1 hour'
+          WHERE message_id = {s} AND kind = 'send'"
+    ))
+    .unwrap();
+    assert_eq!(alerts("uncertain", "al_rc"), 1);
+    let since = Spi::get_one::<bool>("SELECT since < now() - interval '59 minutes' FROM outbox.alerts WHERE alert = 'uncertain' AND channel = 'al_rc'").unwrap();
+    assert_eq!(since, Some(true));
 }
 
 #[pg_test]

@@ -76,6 +76,7 @@ fn the_worker_plans_bounded_scans_of_the_message_table_at_a_backlog() {
             "int8[], int8[], text[], int4[], text[]",
             "'{1,2}', '{1,2}', '{NULL,NULL}', '{200,200}', '{delivered,delivered}'",
         ),
+        (&crate::worker::record::LOCK_EFFECT_MESSAGES, "int8[]", "'{1,2,3}'"),
         (
             &crate::worker::record::RECORD_SETTLED,
             "int8[], int8[], int4[], text[], int8[], text[], text[], int4[], int8[], text[]",

@@ -163,6 +163,17 @@ impl Channels {
         Ok(Channels { by_id })
     }
 
+    /// The longest request any channel allows (its `timeout_ms`), in ms: a lease must
+    /// outlast it (`lease`).
+    pub fn longest_attempt_ms(&self) -> u64 {
+        self.by_id
+            .values()
+            .filter_map(|c| c.options.as_ref().ok())
+            .map(|o| o.timeout_ms)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The longest retry horizon of any channel, in ms: the ledger must outlive it.
     pub fn longest_retry_horizon_ms(&self) -> u64 {
         self.by_id

@@ -7,7 +7,7 @@ use super::claim_cursor::ClaimCursors;
 use super::decide::{self, Verdict};
 use super::record::{self, Outcomes, Tally};
 use super::sweep::SweepClock;
-use super::{identity, recovery, retention, slots};
+use super::{identity, lease, recovery, retention, slots};
 use crate::channels::http::{self, Outgoing, Transport};
 use crate::channels::options::{ChannelOptions, Kind};
 use crate::channels::sql;
@@ -128,6 +128,7 @@ impl Worker {
             AssertUnwindSafe(|| {
                 Spi::connect_mut(|client| -> pgrx::spi::SpiResult<_> {
                 let channels = Channels::load(client)?;
+                let lease_ms = lease::lease_ms(lease_ms, channels.longest_attempt_ms());
                 let mut lookups = Vec::new();
                 if sweeps.due(sweep_at) {
                     let lost = recovery::find_lost_leases(client, include_own_slot, index as i32, RECOVER_PER_SWEEP)?;
@@ -304,9 +305,26 @@ impl Worker {
             AssertUnwindSafe(|| {
                 Spi::connect_mut(|client| {
                     // Effects inside this database run here, each in its own subtransaction, so
-                    // that they commit together with their ledger entry or not at all.
+                    // that they commit together with their ledger entry or not at all. Their
+                    // messages are locked first: none is taken back by another worker while
+                    // this transaction runs, however long the effects take.
+                    let ours = if effects.is_empty() {
+                        Default::default()
+                    } else {
+                        let attempts: Vec<(i64, i32)> =
+                            effects.iter().map(|&i| (jobs[i].message_id, jobs[i].attempt)).collect();
+                        record::lock_effect_messages(client, &attempts)?
+                    };
                     for &i in &effects {
                         let job = &jobs[i];
+                        if !ours.contains(&job.message_id) {
+                            log!(
+                                "outbox_delivery: message {} was taken back from attempt {} before its effect ran; the effect is not run here",
+                                job.message_id,
+                                job.attempt
+                            );
+                            continue;
+                        }
                         let Some(Ok(options)) =
                             channels.by_id.get(&job.channel_id).map(|c| &c.options)
                         else {

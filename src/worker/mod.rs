@@ -8,6 +8,7 @@ pub mod cycle;
 pub mod decide;
 pub mod descriptors;
 pub mod identity;
+pub mod lease;
 pub mod prepared;
 pub mod record;
 pub mod recovery;

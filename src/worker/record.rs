@@ -74,6 +74,19 @@ UPDATE outbox._attempts a
  WHERE a.id = o.attempt_id AND a.id = ANY ($2::int8[]) AND a.finished_at IS NULL",
 );
 
+/// Locks the messages whose effects run in this transaction, in id order, while they are
+/// still in an attempt (`sending`): with their attempt numbers. A worker looking for lost
+/// leases skips locked rows, so however long the effects take, none of them is taken back
+/// while the transaction that runs it is open.
+pub(crate) static LOCK_EFFECT_MESSAGES: Statement = Statement::planned_once(
+    "
+SELECT m.id, m.attempts
+  FROM outbox._messages m
+ WHERE m.id = ANY ($1::int8[]) AND m.state = 'sending'
+ ORDER BY m.id
+   FOR UPDATE OF m",
+);
+
 /// The recovery decision for an attempt interrupted by a stopped worker, as its own row.
 static RECORD_RECOVERY_ROWS: Statement = Statement::planned_once("
 INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, finished_at, outcome, error_class, error,
@@ -155,6 +168,27 @@ impl Outcomes {
 }
 
 /// Records deliveries, other outcomes and the counters, in the caller's transaction.
+/// Locks the messages of `attempts` (message id, attempt number) for the effects about to
+/// run; returns the ids still in that attempt. An effect whose message is not among them
+/// was taken back by another worker and must not run here.
+pub fn lock_effect_messages(
+    client: &mut SpiClient<'_>,
+    attempts: &[(i64, i32)],
+) -> SpiResult<std::collections::HashSet<i64>> {
+    let ids: Vec<i64> = attempts.iter().map(|(id, _)| *id).collect();
+    let mut current = std::collections::HashMap::new();
+    for row in prepared::run(client, &LOCK_EFFECT_MESSAGES, None, &[ids.into()])? {
+        if let (Some(id), Some(attempt)) = (row.get::<i64>(1)?, row.get::<i32>(2)?) {
+            current.insert(id, attempt);
+        }
+    }
+    Ok(attempts
+        .iter()
+        .filter(|(id, attempt)| current.get(id) == Some(attempt))
+        .map(|(id, _)| *id)
+        .collect())
+}
+
 pub fn record(client: &mut SpiClient<'_>, outcomes: &Outcomes) -> SpiResult<()> {
     if !outcomes.delivered.is_empty() {
         let d = &outcomes.delivered;
