@@ -1762,3 +1762,164 @@ fn sql_effects_longer_than_the_lease_are_not_taken_back_and_run_once() {
         .get(0);
     assert_eq!(recovered, 0, "messages taken back while their effects ran");
 }
+
+/// A message whose earlier sibling on the same ordering key is `uncertain` waits: the
+/// provider may hold the earlier one, and the later one must not overtake it. It goes once
+/// an operator has decided the earlier one.
+#[test]
+fn an_ordering_key_waits_while_an_earlier_message_is_uncertain() {
+    let cluster = Cluster::from_env();
+    cluster.wait_for_worker();
+    let sim = Simulator::start();
+    let ch = unique("w_order_u");
+    // The first send is read and stored, and its answer lost: no key, no lookup, so the
+    // message stops in uncertain.
+    sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
+    let mut c = cluster.connect();
+    create_channel(&mut c, &ch, &sim.send_url(&ch), r#"{}"#);
+    let okey = unique("conversation");
+    let (first, second) = {
+        let mut tx = c.transaction().unwrap();
+        let first = enqueue_with(
+            &mut tx,
+            &ch,
+            r#"{"seq": 1}"#,
+            &unique("u1"),
+            Some(&okey),
+            None,
+        );
+        let second = enqueue_with(
+            &mut tx,
+            &ch,
+            r#"{"seq": 2}"#,
+            &unique("u2"),
+            Some(&okey),
+            None,
+        );
+        tx.commit().unwrap();
+        (first, second)
+    };
+    wait_state(&cluster, first, "uncertain");
+    std::thread::sleep(QUIET);
+    let waiting = message(&mut c, second).unwrap().unwrap();
+    assert_eq!(
+        (
+            waiting.state.as_str(),
+            waiting.attempts,
+            sim.send_count(&ch)
+        ),
+        ("queued", 0, 1),
+        "the later message was tried while the earlier one was uncertain"
+    );
+
+    c.execute(
+        "SELECT outbox.resolve($1, 'delivered', 'the provider shows it')",
+        &[&first],
+    )
+    .unwrap();
+    wait_state(&cluster, second, "delivered");
+    let seqs: Vec<i64> = sim
+        .stored(&ch)
+        .iter()
+        .map(|s| {
+            serde_json::from_slice::<serde_json::Value>(&s.body)
+                .map_or(-1, |b| b["seq"].as_i64().unwrap_or(-1))
+        })
+        .collect();
+    assert_eq!(seqs, vec![1, 2], "order at the provider");
+}
+
+/// `not_before` holds a message until its time: nothing is sent earlier, and it is sent
+/// after.
+#[test]
+fn not_before_holds_a_message_until_its_time() {
+    let cluster = Cluster::from_env();
+    cluster.wait_for_worker();
+    let sim = Simulator::start();
+    let ch = unique("w_later");
+    let mut c = cluster.connect();
+    create_channel(&mut c, &ch, &sim.send_url(&ch), r#"{}"#);
+    let id: i64 = c
+        .query_one(
+            "SELECT outbox.enqueue($1, '{\"to\": \"later\"}'::jsonb, $2, NULL, clock_timestamp() + interval '2 seconds')",
+            &[&ch, &unique("later")],
+        )
+        .unwrap()
+        .get(0);
+    std::thread::sleep(Duration::from_millis(1200));
+    assert_eq!(sim.send_count(&ch), 0, "sent before not_before");
+    assert_eq!(message(&mut c, id).unwrap().unwrap().state, "queued");
+    wait_state(&cluster, id, "delivered");
+    let on_time: bool = c
+        .query_one(
+            "SELECT a.started_at >= m.not_before FROM outbox._messages m
+               JOIN outbox._attempts a ON a.message_id = m.id WHERE m.id = $1",
+            &[&id],
+        )
+        .unwrap()
+        .get(0);
+    assert!(on_time, "the attempt started before not_before");
+    assert_eq!(sim.send_count(&ch), 1);
+}
+
+/// The same effect key with another payload is never a second message: enqueue returns
+/// the first message's id and warns, naming both payloads' hashes; the same payload again
+/// returns the id without a warning.
+#[test]
+fn an_effect_key_reused_with_another_payload_warns_and_returns_the_first_message() {
+    use std::sync::{Arc, Mutex};
+    let cluster = Cluster::from_env();
+    let warnings: Arc<Mutex<Vec<(String, String, String)>>> = Arc::default();
+    let seen = warnings.clone();
+    let mut config: postgres::Config = cluster.conninfo().parse().unwrap();
+    config.notice_callback(move |n| {
+        seen.lock().unwrap().push((
+            n.severity().to_string(),
+            n.message().to_string(),
+            n.detail().unwrap_or_default().to_string(),
+        ))
+    });
+    let mut c = config.connect(NoTls).unwrap();
+    let ch = unique("w_reuse");
+    create_channel(&mut c, &ch, "http://127.0.0.1:9/reuse", r#"{}"#);
+    c.execute("SELECT outbox.pause_channel($1, 'nothing is sent')", &[&ch])
+        .unwrap();
+    let key = unique("reuse");
+    let first = enqueue(&mut c, &ch, r#"{"amount": 10}"#, &key);
+    assert_eq!(enqueue(&mut c, &ch, r#"{"amount": 10}"#, &key), first);
+    assert!(
+        warnings.lock().unwrap().is_empty(),
+        "{:?}",
+        warnings.lock().unwrap()
+    );
+
+    assert_eq!(enqueue(&mut c, &ch, r#"{"amount": 20}"#, &key), first);
+    let got = warnings.lock().unwrap().clone();
+    assert_eq!(got.len(), 1, "{got:?}");
+    let (severity, text, detail) = &got[0];
+    assert_eq!(severity, "WARNING");
+    assert!(
+        text.contains(&format!("already belongs to message {first}")),
+        "{text}"
+    );
+    let mut sha = |payload: &str| -> String {
+        c.query_one(
+            "SELECT encode(sha256(convert_to($1::text::jsonb::text, 'UTF8')), 'hex')",
+            &[&payload],
+        )
+        .unwrap()
+        .get(0)
+    };
+    for payload in [r#"{"amount": 10}"#, r#"{"amount": 20}"#] {
+        let hash = sha(payload);
+        assert!(detail.contains(&hash), "{detail} lacks {hash}");
+    }
+    let n: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox._messages WHERE effect_key = $1",
+            &[&key],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1, "messages with the key");
+}
