@@ -1923,3 +1923,38 @@ fn an_effect_key_reused_with_another_payload_warns_and_returns_the_first_message
         .get(0);
     assert_eq!(n, 1, "messages with the key");
 }
+
+/// `max_in_flight` bounds the attempts open at once on a channel, across both workers and
+/// across claims: read from the attempts' own start and end times.
+#[test]
+fn max_in_flight_bounds_the_attempts_open_at_once() {
+    let cluster = Cluster::from_env();
+    assert!(
+        wait_for_workers(&cluster, &[]).len() >= 2,
+        "needs two workers"
+    );
+    let sim = Simulator::start();
+    let mut c = cluster.connect();
+    let ch = slow_channel(&mut c, &sim, "w_inflight", Duration::from_millis(400), 3);
+    enqueue_backlog(&mut c, &ch, 15);
+    assert!(
+        no_message_left(&cluster, &ch, "state <> 'delivered'"),
+        "not all delivered: {:?}",
+        states_of(&mut c, &ch)
+    );
+    // For each attempt's start, how many attempts of the channel were open at that moment.
+    let peak: i64 = c
+        .query_one(
+            "SELECT max(n) FROM (
+                 SELECT (SELECT count(*) FROM outbox.attempts b JOIN outbox.messages mb ON mb.id = b.message_id
+                          WHERE mb.channel = $1 AND b.kind = 'send'
+                            AND b.started_at <= a.started_at AND b.finished_at > a.started_at) AS n
+                   FROM outbox.attempts a JOIN outbox.messages m ON m.id = a.message_id
+                  WHERE m.channel = $1 AND a.kind = 'send') s",
+            &[&ch],
+        )
+        .unwrap()
+        .get(0);
+    assert!((1..=3).contains(&peak), "attempts open at once: {peak}");
+    assert_eq!(sim.send_count(&ch), 15);
+}
