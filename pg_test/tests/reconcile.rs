@@ -389,3 +389,77 @@ fn reconcile_all_counts_and_cancel_is_logged() {
         .unwrap();
     assert_eq!(log_rows(&mut c, a, "assign").len(), 1);
 }
+
+/// `outbox.reconcile(id)` for one message answers what the provider says and never sends:
+/// `unavailable` while the lookup fails, `not_found` while the provider does not have it
+/// (the message stays `uncertain` until its last attempt has settled), `delivered` once it
+/// has it.
+#[test]
+fn reconcile_of_one_message_answers_unavailable_not_found_or_delivered_and_never_sends() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let sim = Simulator::start();
+    let ch = unique("rc_one");
+    let options = format!(
+        r#"{{"reference_header": "X-Effect-Key", "reconcile": {{"url": "{}", "found": "/found", "external_id": "/id", "settle_ms": 60000}},
+            "retry": {{"base_ms": 60000}}}}"#,
+        sim.lookup_url_by_key(&ch)
+    );
+    create_channel(&mut c, &ch, &sim.send_url(&ch), &options);
+    let reconcile = |c: &mut Client, id: i64| -> String {
+        c.query_one("SELECT outbox.reconcile($1)", &[&id])
+            .unwrap()
+            .get(0)
+    };
+    // An uncertain message; the worker's own lookup is a minute away (`base_ms`), so the
+    // operator's calls below are the only lookups.
+    let uncertain = |c: &mut Client, store: bool| -> i64 {
+        sim.set_plan(&ch, vec![Action::DropAfterRead { store }]);
+        sim.set_lookup_plan(&ch, vec![LookupAction::Status(503); 50]);
+        let id = enqueue(c, &ch, &unique("key"));
+        assert!(wait_for_state(&cluster, id, "uncertain", T));
+        id
+    };
+
+    // The provider never stored this one.
+    let lost = uncertain(&mut c, false);
+    assert_eq!(reconcile(&mut c, lost), "unavailable");
+    sim.set_lookup_plan(&ch, vec![]);
+    assert_eq!(reconcile(&mut c, lost), "not_found");
+    let state: String = c
+        .query_one("SELECT outbox.status($1)::text", &[&lost])
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        state, "uncertain",
+        "not found before the attempt settled: nothing resent yet"
+    );
+
+    // The provider stored this one; only its answer was lost.
+    let kept = uncertain(&mut c, true);
+    sim.set_lookup_plan(&ch, vec![]);
+    assert_eq!(reconcile(&mut c, kept), "delivered");
+    let (state, ledger): (String, i64) = {
+        let r = c
+            .query_one(
+                "SELECT outbox.status($1)::text, (SELECT count(*) FROM outbox.ledger WHERE message_id = $1)",
+                &[&kept],
+            )
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!((state.as_str(), ledger), ("delivered", 1));
+    assert_eq!(
+        sim.send_count(&ch),
+        2,
+        "each message was sent once, by the worker"
+    );
+    assert_eq!(
+        (
+            attempts_of(&mut c, lost, "reconcile"),
+            attempts_of(&mut c, kept, "reconcile")
+        ),
+        (2, 1),
+        "one recorded lookup per call"
+    );
+}
