@@ -199,6 +199,33 @@ fn set_fault(cluster: &Cluster, point: &str) {
     std::thread::sleep(Duration::from_millis(700));
 }
 
+/// Sets `outbox.lease_ms` to its least (1 s) until the guard is dropped, and waits until
+/// the workers have reloaded.
+fn short_lease<'a>(cluster: &'a Cluster, c: &mut Client) -> SettingGuard<'a> {
+    let guard = SettingGuard::new(cluster, "outbox.lease_ms");
+    set_setting(c, "outbox.lease_ms", "1000");
+    std::thread::sleep(Duration::from_millis(700));
+    guard
+}
+
+/// The cluster, once at least two workers run: tests of what one worker does while the
+/// other works need both.
+fn with_two_workers() -> Cluster {
+    let cluster = Cluster::from_env();
+    assert!(
+        wait_for_workers(&cluster, &[]).len() >= 2,
+        "needs two workers (OUTBOX_WORKERS=2, as scripts/test.sh sets)"
+    );
+    cluster
+}
+
+/// The single number a counting query returns.
+fn count(c: &mut Client, sql: &str, params: &[&(dyn postgres::types::ToSql + Sync)]) -> i64 {
+    c.query_one(sql, params)
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .get(0)
+}
+
 /// How many messages of `channel` are in each state.
 fn states_of(c: &mut Client, channel: &str) -> HashMap<String, i64> {
     c.query(
@@ -1653,12 +1680,8 @@ fn fast_shutdown_under_load_stops_promptly_and_leaves_no_attempt_open() {
 /// lost leases meanwhile, does not take it back and send it again.
 #[test]
 fn a_request_slower_than_the_lease_but_within_its_timeout_keeps_its_lease() {
-    let cluster = Cluster::from_env();
     // The other worker is the one that would take the message back.
-    assert!(
-        wait_for_workers(&cluster, &[]).len() >= 2,
-        "needs two workers"
-    );
+    let cluster = with_two_workers();
     let sim = Simulator::start();
     let mut c = cluster.connect();
     let ch = unique("slow_lease");
@@ -1670,9 +1693,7 @@ fn a_request_slower_than_the_lease_but_within_its_timeout_keeps_its_lease() {
         &sim.send_url(&ch),
         r#"{"idempotency_header": "Idempotency-Key", "timeout_ms": 6000}"#,
     );
-    let _lease = SettingGuard::new(&cluster, "outbox.lease_ms");
-    set_setting(&mut c, "outbox.lease_ms", "1000");
-    std::thread::sleep(Duration::from_millis(700));
+    let _lease = short_lease(&cluster, &mut c);
 
     let id = enqueue(&mut c, &ch, r#"{"to": "slow"}"#, &unique("k"));
     let m = wait_msg(&cluster, id, SETTLE, "delivered", |m| {
@@ -1691,11 +1712,7 @@ fn a_request_slower_than_the_lease_but_within_its_timeout_keeps_its_lease() {
 /// second time), and each effect happens once.
 #[test]
 fn sql_effects_longer_than_the_lease_are_not_taken_back_and_run_once() {
-    let cluster = Cluster::from_env();
-    assert!(
-        wait_for_workers(&cluster, &[]).len() >= 2,
-        "needs two workers"
-    );
+    let cluster = with_two_workers();
     let mut c = cluster.connect();
     let s = unique("slow_fx");
     let role = format!("{s}_effects");
@@ -1727,9 +1744,7 @@ fn sql_effects_longer_than_the_lease_are_not_taken_back_and_run_once() {
             r#"{{"kind": "sql", "function": "{s}.slow", "run_as": "{role}", "timeout_ms": 1000, "connect_timeout_ms": 500}}"#
         ),
     );
-    let _lease = SettingGuard::new(&cluster, "outbox.lease_ms");
-    set_setting(&mut c, "outbox.lease_ms", "1000");
-    std::thread::sleep(Duration::from_millis(700));
+    let _lease = short_lease(&cluster, &mut c);
 
     // Held while enqueued, so that they are claimed together.
     c.execute("SELECT outbox.pause_channel($1, 'enqueue a batch')", &[&ch])
@@ -1752,14 +1767,12 @@ fn sql_effects_longer_than_the_lease_are_not_taken_back_and_run_once() {
         (r.get(0), r.get(1))
     };
     assert_eq!((runs, keys), (40, 40), "effects run, distinct effects");
-    let recovered: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.attempts a JOIN outbox.messages m ON m.id = a.message_id
-              WHERE m.channel = $1 AND a.kind = 'recovery'",
-            &[&ch],
-        )
-        .unwrap()
-        .get(0);
+    let recovered = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.attempts a JOIN outbox.messages m ON m.id = a.message_id
+          WHERE m.channel = $1 AND a.kind = 'recovery'",
+        &[&ch],
+    );
     assert_eq!(recovered, 0, "messages taken back while their effects ran");
 }
 
@@ -1914,13 +1927,11 @@ fn an_effect_key_reused_with_another_payload_warns_and_returns_the_first_message
         let hash = sha(payload);
         assert!(detail.contains(&hash), "{detail} lacks {hash}");
     }
-    let n: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox._messages WHERE effect_key = $1",
-            &[&key],
-        )
-        .unwrap()
-        .get(0);
+    let n = count(
+        &mut c,
+        "SELECT count(*) FROM outbox._messages WHERE effect_key = $1",
+        &[&key],
+    );
     assert_eq!(n, 1, "messages with the key");
 }
 
@@ -1928,11 +1939,7 @@ fn an_effect_key_reused_with_another_payload_warns_and_returns_the_first_message
 /// across claims: read from the attempts' own start and end times.
 #[test]
 fn max_in_flight_bounds_the_attempts_open_at_once() {
-    let cluster = Cluster::from_env();
-    assert!(
-        wait_for_workers(&cluster, &[]).len() >= 2,
-        "needs two workers"
-    );
+    let cluster = with_two_workers();
     let sim = Simulator::start();
     let mut c = cluster.connect();
     let ch = slow_channel(&mut c, &sim, "w_inflight", Duration::from_millis(400), 3);
