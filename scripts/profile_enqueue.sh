@@ -106,7 +106,7 @@ for spec in insert insert_on_conflict enqueue "enqueue_as_writer bench_writer" i
   profile "$1" "$LARGE" "${2:-}"
   per_call "$1" >"$OUT/$1.per_call"
   total[$1]=$(awk -F'\t' '$2 == "PROGRAM TOTALS" { print $1 }' "$OUT/$1.per_call")
-  base=${total[insert]}; [[ $1 == *_c ]] && base=${total[insert_c]:-${total[$1]}}
+  base=${total[insert]}; [[ $1 == *_c ]] && base=${total[insert_c]}
   awk -v l="$1" -v t="${total[$1]}" -v b="$base" 'BEGIN { printf "  %-22s %8d  (%.2fx %s)\n", l, t, t / b, (l ~ /_c$/ ? "insert_c" : "insert") }'
 done
 

@@ -221,20 +221,20 @@ impl Job {
     }
 }
 
-/// Claims up to `batch_size` due messages, reading each channel from its cursor when the
-/// worker has one; a claim under cursors that comes back short claims the rest from the
-/// heads of the due indexes, in the same transaction.
 /// The advisory lock (two-key form) that serializes the workers' claims, held to the end
 /// of the claim transaction. A claim counts a channel's `sending` messages to leave room
 /// for `max_in_flight`; two claims at once would each count without the other's and
 /// together overfill it. Behind the lock, the claim statement's snapshot is taken after the
 /// previous claim committed. Visible in `pg_locks` as an advisory lock on these keys.
-pub const CLAIM_LOCK: (i32, i32) = (0x6f62_6f78, 1); // "obox", 1
+const CLAIM_LOCK: (i32, i32) = (0x6f62_6f78, 1); // "obox", 1
 
 /// Waits for the claim lock (`CLAIM_LOCK`).
 static LOCK_CLAIMS: Statement =
     Statement::planned_once("SELECT pg_catalog.pg_advisory_xact_lock($1, $2)");
 
+/// Claims up to `batch_size` due messages, reading each channel from its cursor when the
+/// worker has one; a claim under cursors that comes back short claims the rest from the
+/// heads of the due indexes, in the same transaction.
 pub fn claim_due(
     client: &mut SpiClient<'_>,
     batch_size: i32,

@@ -167,7 +167,6 @@ impl Outcomes {
     }
 }
 
-/// Records deliveries, other outcomes and the counters, in the caller's transaction.
 /// Locks the messages of `attempts` (message id, attempt number) for the effects about to
 /// run; returns the ids still in that attempt. An effect whose message is not among them
 /// was taken back by another worker and must not run here.
@@ -189,6 +188,7 @@ pub fn lock_effect_messages(
         .collect())
 }
 
+/// Records deliveries, other outcomes and the counters, in the caller's transaction.
 pub fn record(client: &mut SpiClient<'_>, outcomes: &Outcomes) -> SpiResult<()> {
     if !outcomes.delivered.is_empty() {
         let d = &outcomes.delivered;
