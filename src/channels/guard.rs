@@ -19,6 +19,14 @@
 //! IP or CIDR entry allows one of them, and a CIDR only when it is no wider than the refused
 //! range the address lies in: `169.254.169.254` or `169.254.0.0/16` allow the metadata
 //! address, `0.0.0.0/0` does not.
+//!
+//! An IPv6 address that embeds an IPv4 address is that IPv4 address, everywhere: when it is
+//! checked and when an entry names it (see [`canonical`]). Those are the IPv4-mapped
+//! `::ffff:a.b.c.d`, the NAT64 well-known prefix `64:ff9b::a.b.c.d` and the IPv4-compatible
+//! `::a.b.c.d` (but `::` and `::1` are the IPv6 unspecified and loopback addresses). So
+//! `[64:ff9b::a9fe:a9fe]` is refused as 169.254.169.254 is, the entry `169.254.169.254`
+//! allows it and its other forms, and the entry `64:ff9b::a9fe:a9fe` is 169.254.169.254.
+//! An IPv6 block wider than /96 (`::/0`, `64:ff9b::/64`) holds none of them.
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -35,8 +43,9 @@ pub struct SensitiveRange {
     pub what: &'static str,
 }
 
-/// Addresses refused unless listed by IP or CIDR. IPv4-mapped IPv6 addresses
-/// (`::ffff:169.254.169.254`) are checked as the IPv4 address they map.
+/// Addresses refused unless listed by IP or CIDR. IPv6 addresses that embed an IPv4 address
+/// (`::ffff:169.254.169.254`, `64:ff9b::169.254.169.254`, `::169.254.169.254`) are checked
+/// as the IPv4 address they embed (see [`canonical`]).
 pub const SENSITIVE: &[SensitiveRange] = &[
     SensitiveRange {
         network: Network::v4(Ipv4Addr::new(169, 254, 0, 0), 16),
@@ -45,6 +54,10 @@ pub const SENSITIVE: &[SensitiveRange] = &[
     SensitiveRange {
         network: Network::v4(Ipv4Addr::new(100, 100, 100, 200), 32),
         what: "the Alibaba Cloud metadata address",
+    },
+    SensitiveRange {
+        network: Network::v4(Ipv4Addr::new(168, 63, 129, 16), 32),
+        what: "the Azure platform address (WireServer), which serves the VM's goal state and certificates",
     },
     SensitiveRange {
         network: Network::v4(Ipv4Addr::new(0, 0, 0, 0), 8),
@@ -98,9 +111,13 @@ impl Network {
                 "has host bits set; the network is {masked}/{prefix}"
             ));
         }
-        // An IPv4-mapped IPv6 block inside ::ffff:0:0/96 is the IPv4 block it maps.
+        // A block inside ::ffff:0:0/96, 64:ff9b::/96 or ::/96 is the IPv4 block its addresses
+        // embed: `::ffff:169.254.0.0/112` and `64:ff9b::a9fe:0/112` are 169.254.0.0/16. A
+        // block based at `::` (`::/96` to `::/128`) holds `::` (and `::1`), which embed
+        // nothing: it stays an IPv6 block and so lists only those two, the IPv4-compatible
+        // addresses in it being IPv4 addresses (list them as 0.0.0.0/N).
         if let (IpAddr::V6(v6), true) = (addr, prefix >= 96) {
-            if let Some(v4) = v6.to_ipv4_mapped() {
+            if let Some(v4) = embedded_ipv4(v6) {
                 return Ok(Network::v4(v4, prefix - 96));
             }
         }
@@ -160,10 +177,43 @@ fn mask(ip: IpAddr, prefix: u8) -> IpAddr {
     }
 }
 
-/// An IPv4-mapped IPv6 address as the IPv4 address it maps; anything else unchanged.
+/// The high 96 bits of the NAT64 well-known prefix `64:ff9b::/96` (RFC 6052).
+const NAT64_WELL_KNOWN: u128 = 0x0064_ff9b_0000_0000_0000_0000;
+
+/// The IPv4 address an IPv6 address stands for, if it embeds one in its low 32 bits:
+/// - IPv4-mapped, `::ffff:a.b.c.d` (`::ffff:0:0/96`): the IPv4 address itself, as the
+///   socket layer of a dual-stack host sends it;
+/// - NAT64 well-known prefix, `64:ff9b::a.b.c.d` (`64:ff9b::/96`, RFC 6052): a NAT64
+///   translator on the path sends it to a.b.c.d;
+/// - IPv4-compatible, `::a.b.c.d` (`::/96`, deprecated by RFC 4291): a.b.c.d, except `::`
+///   (unspecified) and `::1` (loopback), which keep their IPv6 meaning.
+///
+/// Not the local-use NAT64 prefix `64:ff9b:1::/48` (RFC 8215), nor any other
+/// network-specific prefix: there the operator chooses the prefix length (32 to 96, RFC 6052
+/// section 2.2), which places the IPv4 address at different bits, skipping bits 64 to 71. The
+/// low 32 bits are that address only under a /96; under a /48 or /56 they are always zero, so
+/// reading them would refuse every address of such a translator as 0.0.0.0, and let an entry
+/// `10.0.0.0/8` allow addresses that reach elsewhere. Which prefix a network translates, and
+/// how, is known only to its operator, who must keep it from reaching sensitive addresses.
+fn embedded_ipv4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
+    if let Some(v4) = v6.to_ipv4_mapped() {
+        return Some(v4);
+    }
+    let bits = u128::from(v6);
+    let low = Ipv4Addr::from(bits as u32);
+    match bits >> 32 {
+        NAT64_WELL_KNOWN => Some(low),
+        0 if bits > 1 => Some(low),
+        _ => None,
+    }
+}
+
+/// An IPv6 address that embeds an IPv4 address (IPv4-mapped, NAT64 well-known prefix,
+/// IPv4-compatible: see [`embedded_ipv4`]) as that IPv4 address; anything else unchanged.
+/// Every check and every IP entry goes through it, so each form means the same.
 pub fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+        IpAddr::V6(v6) => embedded_ipv4(v6).map(IpAddr::V4).unwrap_or(ip),
         v4 => v4,
     }
 }
@@ -183,7 +233,8 @@ pub enum Entry {
     Host(String),
     /// `*.example.com`, stored as `example.com`
     Subdomains(String),
-    /// `127.0.0.1`, `::1` (canonical: an IPv4-mapped address is stored as IPv4)
+    /// `127.0.0.1`, `::1` (canonical: an IPv6 address that embeds an IPv4 address, such
+    /// as `::ffff:a.b.c.d` or `64:ff9b::a.b.c.d`, is stored as that IPv4 address)
     Address(IpAddr),
     /// `10.0.0.0/8`
     Network(Network),
@@ -553,6 +604,20 @@ mod tests {
                 "::ffff:169.254.169.254",
                 Entry::Address(ip("169.254.169.254")),
             ),
+            ("64:ff9b::a9fe:a9fe", Entry::Address(ip("169.254.169.254"))),
+            (
+                "[64:ff9b::169.254.169.254]",
+                Entry::Address(ip("169.254.169.254")),
+            ),
+            ("::169.254.169.254", Entry::Address(ip("169.254.169.254"))),
+            ("::", Entry::Address(ip("::"))),
+            ("[::0.0.0.1]", Entry::Address(ip("::1"))),
+            ("::2", Entry::Address(ip("0.0.0.2"))),
+            // The local-use NAT64 prefix embeds nothing the guard can read.
+            (
+                "64:ff9b:1::a9fe:a9fe",
+                Entry::Address(ip("64:ff9b:1::a9fe:a9fe")),
+            ),
             // WHATWG IPv4 forms mean what they mean in a URL.
             ("0x7f.1", Entry::Address(ip("127.0.0.1"))),
             ("2130706433", Entry::Address(ip("127.0.0.1"))),
@@ -576,6 +641,30 @@ mod tests {
             (
                 "::ffff:169.254.0.0/112",
                 Entry::Network(Network::v4(Ipv4Addr::new(169, 254, 0, 0), 16)),
+            ),
+            (
+                "64:ff9b::a9fe:0/112",
+                Entry::Network(Network::v4(Ipv4Addr::new(169, 254, 0, 0), 16)),
+            ),
+            (
+                "64:ff9b::/96",
+                Entry::Network(Network::v4(Ipv4Addr::UNSPECIFIED, 0)),
+            ),
+            (
+                "::a9fe:0/112",
+                Entry::Network(Network::v4(Ipv4Addr::new(169, 254, 0, 0), 16)),
+            ),
+            // Based at ::, it holds :: and ::1: an IPv6 block.
+            (
+                "::/96",
+                Entry::Network(Network::v6(Ipv6Addr::UNSPECIFIED, 96)),
+            ),
+            (
+                "64:ff9b::/64",
+                Entry::Network(Network::v6(
+                    Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0, 0),
+                    64,
+                )),
             ),
             (
                 "169.254.169.254/32",
@@ -684,6 +773,31 @@ mod tests {
             ("10.0.0.0/8", "10.1.2.3", true),
             ("10.0.0.0/8", "11.0.0.1", false),
             ("10.0.0.0/8", "[::ffff:10.0.0.1]", true),
+            // NAT64 (64:ff9b::/96) and IPv4-compatible forms are the IPv4 address they embed.
+            ("127.0.0.1", "[64:ff9b::7f00:1]", true),
+            ("127.0.0.1", "[64:ff9b::127.0.0.1]", true),
+            ("127.0.0.1", "[::127.0.0.1]", true),
+            ("10.0.0.0/8", "[64:ff9b::a00:1]", true),
+            ("10.0.0.0/8", "[::10.0.0.1]", true),
+            ("10.0.0.0/8", "[64:ff9b::b00:1]", false),
+            ("64:ff9b::a00:0/104", "10.0.0.1", true),
+            ("64:ff9b::a00:0/104", "[::ffff:10.0.0.1]", true),
+            ("::10.0.0.1", "[64:ff9b::10.0.0.1]", true),
+            ("0.0.0.0/0", "[64:ff9b::808:808]", true),
+            ("::/0", "[64:ff9b::808:808]", false),
+            ("::/0", "[::8.8.8.8]", false),
+            ("64:ff9b::/64", "[64:ff9b::808:808]", false),
+            ("64:ff9b::/96", "[64:ff9b::808:808]", true),
+            ("64:ff9b::/96", "8.8.8.8", true),
+            // The local-use prefix 64:ff9b:1::/48 is ordinary IPv6.
+            ("8.8.8.8", "[64:ff9b:1::808:808]", false),
+            ("64:ff9b:1::/48", "[64:ff9b:1::808:808]", true),
+            // ... and :: and ::1 keep their IPv6 meaning.
+            ("0.0.0.1", "[::1]", false),
+            ("::1", "[64:ff9b::1]", false),
+            ("0.0.0.0", "[::]", false),
+            ("::/96", "[::1]", true),
+            ("::/96", "[::10.0.0.1]", false),
             ("10.0.0.0/8", "[fd00::1]", false),
             ("fd00::/8", "[fd12:3456::1]", true),
             ("fd00::/8", "[fe80::1]", false),
@@ -723,6 +837,9 @@ mod tests {
             ("http://0251.0376.0251.0376/", "169.254.169.254"),
             ("http://%31%36%39.254.169.254/", "169.254.169.254"),
             ("http://[::ffff:169.254.169.254]/", "[::ffff:a9fe:a9fe]"),
+            ("http://[64:ff9b::169.254.169.254]/", "[64:ff9b::a9fe:a9fe]"),
+            ("http://[::169.254.169.254]/", "[::a9fe:a9fe]"),
+            ("http://[0:0::A9FE:A9FE]/", "[::a9fe:a9fe]"),
             ("http://[FD00:EC2::254]/", "[fd00:ec2::254]"),
             ("http://0/", "0.0.0.0"),
             ("http://API.Example.COM./x", "api.example.com."),
@@ -746,6 +863,17 @@ mod tests {
             "http://0/",
             "http://0.0.0.0:5432/",
             "http://100.100.100.200/",
+            "http://168.63.129.16/",
+            "http://[::ffff:168.63.129.16]/",
+            "http://[64:ff9b::a9fe:a9fe]/latest/meta-data",
+            "http://[64:ff9b::169.254.169.254]/",
+            "http://[64:FF9B:0:0:0:0:A9FE:A9FE]/",
+            "http://[::169.254.169.254]/",
+            "http://[::a9fe:a9fe]/",
+            "http://[64:ff9b::]/",
+            "http://[::0.0.0.2]/",
+            "http://[64:ff9b::a83f:8110]/",
+            "http://[::168.63.129.16]/",
         ];
         for u in refused_by_star {
             let url = url::Url::parse(u).unwrap();
@@ -766,6 +894,13 @@ mod tests {
             "http://100.100.100.201/",
             "http://169.253.255.255/",
             "http://[fd00:ec2::253]/",
+            "http://[64:ff9b::808:808]/",
+            "http://[64:ff9b::7f00:1]/",
+            "http://[::8.8.8.8]/",
+            "http://[::127.0.0.1]/",
+            "http://168.63.129.17/",
+            "http://[64:ff9b:1::a9fe:a9fe]/",
+            "http://[64:ff9b::1:a9fe:a9fe]/",
         ] {
             assert_eq!(
                 check_url(&star, &url::Url::parse(u).unwrap()),
@@ -801,6 +936,14 @@ mod tests {
             "::ffff:169.254.169.254",
             "::ffff:100.100.100.200",
             "::ffff:0.0.0.0",
+            "168.63.129.16",
+            "::ffff:168.63.129.16",
+            "64:ff9b::a83f:8110",
+            "::168.63.129.16",
+            "64:ff9b::a9fe:a9fe",
+            "::a9fe:a9fe",
+            "64:ff9b::",
+            "::2",
         ];
         for s in sensitive {
             assert!(sensitive_range(ip(s)).is_some(), "{s}");
@@ -822,6 +965,16 @@ mod tests {
             "::1",
             "::ffff:127.0.0.1",
             "2001:db8::1",
+            "168.63.129.15",
+            "168.63.129.17",
+            "64:ff9b::808:808",
+            "64:ff9b::7f00:1",
+            "::8.8.8.8",
+            "::127.0.0.1",
+            "64:ff9b:1::a9fe:a9fe",
+            "64:ff9b::1:a9fe:a9fe",
+            "64:ff9a::a9fe:a9fe",
+            "::1:a9fe:a9fe",
         ];
         for s in ordinary {
             assert!(sensitive_range(ip(s)).is_none(), "{s}");
@@ -843,6 +996,13 @@ mod tests {
             ("*", "::", false),
             ("*", "::ffff:169.254.169.254", false),
             ("*", "::ffff:0.0.0.0", false),
+            ("*", "168.63.129.16", false),
+            ("*", "64:ff9b::a9fe:a9fe", false),
+            ("*", "::a9fe:a9fe", false),
+            ("*", "64:ff9b::808:808", true),
+            ("*", "::8.8.8.8", true),
+            ("*", "::1", true),
+            ("*", "64:ff9b:1::a9fe:a9fe", true),
             // Host names never unlock a sensitive address, not even one that names it.
             ("metadata.google.internal", "169.254.169.254", false),
             ("*.internal", "169.254.169.254", false),
@@ -855,6 +1015,19 @@ mod tests {
             ("169.254.169.254", "169.254.169.253", false),
             ("169.254.169.254", "::ffff:169.254.169.254", true),
             ("::ffff:169.254.169.254", "169.254.169.254", true),
+            // ... in any of its forms, written in any of them.
+            ("169.254.169.254", "64:ff9b::a9fe:a9fe", true),
+            ("169.254.169.254", "::a9fe:a9fe", true),
+            ("64:ff9b::a9fe:a9fe", "169.254.169.254", true),
+            ("::169.254.169.254", "::ffff:169.254.169.254", true),
+            ("169.254.0.0/16", "64:ff9b::a9fe:102", true),
+            ("64:ff9b::a9fe:0/112", "::169.254.1.2", true),
+            ("168.63.129.16", "168.63.129.16", true),
+            ("168.63.129.16/32", "64:ff9b::a83f:8110", true),
+            ("::/0", "::", false),
+            ("::", "64:ff9b::", false),
+            ("0.0.0.0", "64:ff9b::", true),
+            ("0.0.0.0/8", "::2", true),
             ("169.254.0.0/16", "169.254.1.2", true),
             ("169.254.169.0/24", "169.254.169.254", true),
             ("169.254.169.0/24", "169.254.170.1", false),
@@ -876,6 +1049,10 @@ mod tests {
             ("fd00::/8", "fd00:ec2::254", false),
             ("fe80::/9", "fe80::1", false),
             ("::/0", "::", false),
+            ("168.63.0.0/16", "168.63.129.16", false),
+            ("64:ff9b::/96", "64:ff9b::a9fe:a9fe", false),
+            ("::/0", "64:ff9b::a9fe:a9fe", false),
+            ("64:ff9b::/64", "64:ff9b::a9fe:a9fe", false),
             ("*, 10.0.0.0/8", "169.254.169.254", false),
         ];
         for (l, a, allowed) in cases {
@@ -1006,5 +1183,279 @@ mod tests {
             Network::new(ip("::ffff:10.0.0.0"), 104).unwrap(),
             Network::new(ip("10.0.0.0"), 8).unwrap()
         );
+        assert_eq!(
+            Network::new(ip("64:ff9b::a00:0"), 104).unwrap(),
+            Network::new(ip("10.0.0.0"), 8).unwrap()
+        );
+        assert_eq!(
+            Network::new(ip("::a00:0"), 104).unwrap(),
+            Network::new(ip("10.0.0.0"), 8).unwrap()
+        );
+        assert_eq!(
+            Network::new(ip("::2"), 127).unwrap(),
+            Network::new(ip("0.0.0.2"), 31).unwrap()
+        );
+        for p in [96, 104, 127, 128] {
+            let n = Network::new(ip("::"), p).unwrap();
+            assert_eq!(n.addr(), ip("::"), "::/{p}");
+            assert!(n.contains(ip("::")), "::/{p}");
+        }
+        assert!(Network::new(ip("::"), 127).unwrap().contains(ip("::1")));
+        assert_eq!(Network::new(ip("::1"), 128).unwrap().addr(), ip("::1"));
+        let local_use = Network::new(ip("64:ff9b:1::"), 96).unwrap();
+        assert_eq!(local_use.to_string(), "64:ff9b:1::/96");
+    }
+
+    #[test]
+    fn embedded_ipv4_addresses_are_canonical() {
+        // (address, canonical)
+        let cases: &[(&str, &str)] = &[
+            ("::ffff:169.254.169.254", "169.254.169.254"),
+            ("64:ff9b::a9fe:a9fe", "169.254.169.254"),
+            ("64:ff9b::169.254.169.254", "169.254.169.254"),
+            ("64:ff9b::7f00:1", "127.0.0.1"),
+            ("64:ff9b::808:808", "8.8.8.8"),
+            ("64:ff9b::", "0.0.0.0"),
+            ("64:ff9b::ffff:ffff", "255.255.255.255"),
+            ("::a9fe:a9fe", "169.254.169.254"),
+            ("::169.254.169.254", "169.254.169.254"),
+            ("::8.8.8.8", "8.8.8.8"),
+            ("::2", "0.0.0.2"),
+            ("::ffff:ffff", "255.255.255.255"),
+            // Not embedded: the unspecified and loopback addresses ...
+            ("::", "::"),
+            ("::1", "::1"),
+            ("::0.0.0.1", "::1"),
+            // ... outside the /96 prefixes ...
+            ("64:ff9b::1:a9fe:a9fe", "64:ff9b::1:a9fe:a9fe"),
+            ("64:ff9b:0:0:1::a9fe:a9fe", "64:ff9b:0:0:1:0:a9fe:a9fe"),
+            ("64:ff9a::a9fe:a9fe", "64:ff9a::a9fe:a9fe"),
+            ("::1:a9fe:a9fe", "::1:a9fe:a9fe"),
+            ("::fffe:a9fe:a9fe", "::fffe:a9fe:a9fe"),
+            // ... and the local-use NAT64 prefix (see embedded_ipv4).
+            ("64:ff9b:1::a9fe:a9fe", "64:ff9b:1::a9fe:a9fe"),
+            ("64:ff9b:1:ffff::a9fe:a9fe", "64:ff9b:1:ffff::a9fe:a9fe"),
+            ("169.254.169.254", "169.254.169.254"),
+            ("fe80::1", "fe80::1"),
+        ];
+        for (a, c) in cases {
+            assert_eq!(canonical(ip(a)), ip(c), "{a}");
+        }
+    }
+
+    /// The NAT64 (64:ff9b::/96) and IPv4-compatible (::/96) forms of an IPv4 address.
+    fn embedded_forms(v4: Ipv4Addr) -> [(&'static str, Ipv6Addr); 2] {
+        let low = u128::from(u32::from(v4));
+        [
+            ("NAT64", Ipv6Addr::from((NAT64_WELL_KNOWN << 32) | low)),
+            ("IPv4-compatible", Ipv6Addr::from(low)),
+        ]
+    }
+
+    #[test]
+    fn every_refused_ipv4_range_is_refused_in_every_form() {
+        let v4_ranges: Vec<(&SensitiveRange, Ipv4Addr, u8)> = SENSITIVE
+            .iter()
+            .filter_map(|r| match r.network.addr() {
+                IpAddr::V4(a) => Some((r, a, r.network.prefix())),
+                IpAddr::V6(_) => None,
+            })
+            .collect();
+        assert!(
+            v4_ranges
+                .iter()
+                .any(|(_, a, p)| *a == Ipv4Addr::new(168, 63, 129, 16) && *p == 32),
+            "Azure's address is a refused range"
+        );
+        assert!(v4_ranges.len() >= 4, "{v4_ranges:?}");
+        let star = list("*");
+        let by_name = list("*.example.com");
+        for (range, base, prefix) in v4_ranges {
+            let first = u32::from(base);
+            let last = first | (u32::MAX.checked_shr(u32::from(prefix)).unwrap_or(0));
+            let samples = [first, first + (last - first) / 2, last];
+            for v4 in samples.map(Ipv4Addr::from) {
+                let unlocked_by_address = list(&v4.to_string());
+                let unlocked_by_range = list(&range.network.to_string());
+                for (form, v6) in embedded_forms(v4) {
+                    let a = IpAddr::V6(v6);
+                    let case = format!("{v4} in {} as {form} {v6}", range.network);
+                    if u128::from(v6) <= 1 {
+                        // ::0.0.0.0 and ::0.0.0.1 are :: and ::1, checked as such below.
+                        continue;
+                    }
+                    assert_eq!(canonical(a), IpAddr::V4(v4), "{case}");
+                    assert_eq!(sensitive_range(a), Some(range), "{case}");
+                    assert!(!address_allowed(&star, a), "{case}");
+                    // A literal host: refused, named as written, with its range.
+                    let host = format!("[{v6}]");
+                    let url = url::Url::parse(&format!("http://{host}/")).unwrap();
+                    let r = check_url(&star, &url).expect_err(&case);
+                    assert_eq!(r.host, host, "{case}");
+                    assert_eq!(
+                        r.reason,
+                        Reason::Sensitive {
+                            address: IpAddr::V4(v4),
+                            what: range.what
+                        },
+                        "{case}"
+                    );
+                    assert_eq!(
+                        r.to_string(),
+                        format!(
+                            "destination refused by outbox.allowed_hosts: host {host} is {}",
+                            range.what
+                        ),
+                        "{case}"
+                    );
+                    // A resolved address: dropped, and reported as the IPv4 address.
+                    let sa = SocketAddr::new(a, 443);
+                    let r = filter_resolved(&by_name, "x.example.com", [sa]).expect_err(&case);
+                    assert_eq!(
+                        r.reason,
+                        Reason::OnlySensitiveAddresses {
+                            addresses: vec![IpAddr::V4(v4)]
+                        },
+                        "{case}"
+                    );
+                    // An entry naming the IPv4 address or its range unlocks every form.
+                    assert!(address_allowed(&unlocked_by_address, a), "{case}");
+                    assert!(address_allowed(&unlocked_by_range, a), "{case}");
+                    assert_eq!(check_url(&unlocked_by_address, &url), Ok(()), "{case}");
+                    let mapped = IpAddr::V6(v4.to_ipv6_mapped());
+                    assert!(address_allowed(&list(&v6.to_string()), mapped), "{case}");
+                    assert!(
+                        address_allowed(&list(&v6.to_string()), IpAddr::V4(v4)),
+                        "{case}"
+                    );
+                }
+            }
+            // Just outside the range, each form means what the IPv4 address means.
+            for v4 in [first.checked_sub(1), last.checked_add(1)]
+                .into_iter()
+                .flatten()
+                .map(Ipv4Addr::from)
+            {
+                for (form, v6) in embedded_forms(v4) {
+                    assert_eq!(
+                        sensitive_range(IpAddr::V6(v6)),
+                        sensitive_range(IpAddr::V4(v4)),
+                        "{v4} next to {} as {form} {v6}",
+                        range.network
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn azure_platform_address_is_refused_in_every_form() {
+        let star = list("*");
+        for (u, host) in [
+            (
+                "http://168.63.129.16/machine?comp=goalstate",
+                "168.63.129.16",
+            ),
+            ("http://[::ffff:168.63.129.16]/", "[::ffff:168.63.129.16]"),
+            ("http://[::ffff:a83f:8110]/", "[::ffff:168.63.129.16]"),
+            ("http://[64:ff9b::168.63.129.16]/", "[64:ff9b::a83f:8110]"),
+            ("http://[::168.63.129.16]/", "[::a83f:8110]"),
+        ] {
+            let r = check_url(&star, &url::Url::parse(u).unwrap()).expect_err(u);
+            assert_eq!(r.host, host, "{u}");
+            assert_eq!(
+                r.to_string(),
+                format!(
+                    "destination refused by outbox.allowed_hosts: host {host} is the Azure platform address (WireServer), which serves the VM's goal state and certificates"
+                ),
+                "{u}"
+            );
+            assert!(r
+                .explanation()
+                .starts_with("168.63.129.16 is the Azure platform address"));
+            assert_eq!(
+                check_url(&list("*, 168.63.129.16"), &url::Url::parse(u).unwrap()),
+                Ok(()),
+                "{u}"
+            );
+        }
+        let r = filter_resolved(
+            &star,
+            "wire.example.com",
+            [
+                SocketAddr::new(ip("168.63.129.16"), 80),
+                SocketAddr::new(ip("::ffff:168.63.129.16"), 80),
+                SocketAddr::new(ip("64:ff9b::a83f:8110"), 80),
+                SocketAddr::new(ip("::a83f:8110"), 80),
+            ],
+        )
+        .unwrap_err();
+        assert_eq!(
+            r.reason,
+            Reason::OnlySensitiveAddresses {
+                addresses: vec![ip("168.63.129.16")]
+            }
+        );
+    }
+
+    #[test]
+    fn embedded_forms_of_ordinary_addresses_stay_allowed() {
+        let star = list("*");
+        let sa = |s: &str| SocketAddr::new(ip(s), 443);
+        // Kept in the form resolved: the guard does not rewrite what is connected to.
+        let resolved = [
+            sa("64:ff9b::808:808"),
+            sa("::8.8.8.8"),
+            sa("64:ff9b::7f00:1"),
+            sa("::1"),
+            sa("64:ff9b:1::a9fe:a9fe"),
+            sa("64:ff9b::a9fe:a9fe"),
+        ];
+        assert_eq!(
+            filter_resolved(&star, "api.example.com", resolved),
+            Ok(resolved[..5].to_vec())
+        );
+        // 64:ff9b::7f00:1 is 127.0.0.1: allowed where 127.0.0.1 is, not where ::1 is.
+        assert_eq!(
+            check_url(
+                &list("127.0.0.1"),
+                &url::Url::parse("http://[64:ff9b::7f00:1]/").unwrap()
+            ),
+            Ok(())
+        );
+        let r = check_url(
+            &list("::1"),
+            &url::Url::parse("http://[64:ff9b::7f00:1]/").unwrap(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            (r.host.as_str(), &r.reason),
+            ("[64:ff9b::7f00:1]", &Reason::NotListed)
+        );
+        // ::1 is the IPv6 loopback, unchanged: not sensitive, listed by ::1 only.
+        assert_eq!(canonical(ip("::1")), ip("::1"));
+        assert_eq!(sensitive_range(ip("::1")), None);
+        let loopback = url::Url::parse("http://[::1]:8080/").unwrap();
+        assert_eq!(check_url(&star, &loopback), Ok(()));
+        assert_eq!(check_url(&list("::1"), &loopback), Ok(()));
+        assert_eq!(
+            check_url(&list("127.0.0.1, 0.0.0.1"), &loopback)
+                .unwrap_err()
+                .reason,
+            Reason::NotListed
+        );
+        // :: is the IPv6 unspecified address, refused as such, not as 0.0.0.0.
+        assert_eq!(canonical(ip("::")), ip("::"));
+        let r = check_url(&star, &url::Url::parse("http://[::]/").unwrap()).unwrap_err();
+        assert_eq!(r.host, "[::]");
+        assert_eq!(
+            r.reason,
+            Reason::Sensitive {
+                address: ip("::"),
+                what: "the IPv6 unspecified address, which reaches the local host"
+            }
+        );
+        assert!(address_allowed(&list("::"), ip("::")));
+        assert!(!address_allowed(&list("0.0.0.0"), ip("::")));
     }
 }
