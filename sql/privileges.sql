@@ -6,6 +6,14 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox._visible_tenants() TO PUBLIC;
+-- What outbox.channels calls as its reader (functions a view calls are checked against the
+-- reader): masking, and whether the reader may see a channel (it answers about the reader
+-- alone). Granted to the roles that read the view.
+GRANT EXECUTE ON FUNCTION
+    outbox._masked_url(text),
+    outbox._masked_options(jsonb),
+    outbox._channel_visible(jsonb)
+    TO outbox_writer, outbox_operator, outbox_admin;
 
 GRANT USAGE ON SCHEMA outbox TO outbox_writer, outbox_operator, outbox_admin, outbox_worker, pg_monitor;
 

@@ -1,38 +1,90 @@
 -- outbox_delivery: roles, tenants and row-level security (docs/security.md).
 --
 -- The role that acts is the session's role (`session_user`, or the role named by SET ROLE),
--- read by outbox._caller_oid() even inside SECURITY DEFINER functions. A role acts for
--- the tenants it is bound to, directly or through membership; a superuser for any.
+-- read by outbox._caller_oid() even inside SECURITY DEFINER functions; inside a sql effect
+-- it is the effect's run_as role, acting for its message's tenant alone
+-- (outbox._effect_tenant()). A role acts for the tenants it is bound to, directly or
+-- through membership; a superuser for any.
 
 -- Roles are cluster-wide: a second database (or a second CREATE EXTENSION) reuses them.
 -- The worker's role bypasses row-level security: it alone works across tenants, and
 -- PostgreSQL cannot use an index for a non-leakproof condition (such as a state = 'queued'
 -- on an enum) under a policy, even one that lets every row through.
+--
+-- A role of these names that outbox_delivery did not create (its comment says who did) is
+-- adopted only while it is as bare as the one it would create: no members, no memberships
+-- and no attributes. Otherwise whoever made it would be handed the rights the extension
+-- gives it (outbox_worker reads every tenant's rows). Any of the roles, ours included, that
+-- has gained an attribute the extension never gives (LOGIN, SUPERUSER, CREATEROLE, ...) is
+-- refused too.
 DO $roles$
 DECLARE
-    r text;
+    v_marker constant text := 'Created by outbox_delivery; see docs/security.md.';
+    r        text;
+    v_role   record;
+    v_extra  text[];
 BEGIN
-    FOREACH r IN ARRAY ARRAY['outbox_writer', 'outbox_operator', 'outbox_admin'] LOOP
-        IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = r) THEN
-            EXECUTE pg_catalog.format('CREATE ROLE %I NOLOGIN', r);
+    FOREACH r IN ARRAY ARRAY['outbox_writer', 'outbox_operator', 'outbox_admin', 'outbox_worker'] LOOP
+        SELECT a.oid, a.rolsuper, a.rolcreaterole, a.rolcreatedb, a.rolcanlogin,
+               a.rolreplication, a.rolbypassrls,
+               pg_catalog.shobj_description(a.oid, 'pg_authid') IS NOT DISTINCT FROM v_marker AS ours,
+               EXISTS (SELECT FROM pg_catalog.pg_auth_members m WHERE m.roleid = a.oid) AS has_members,
+               EXISTS (SELECT FROM pg_catalog.pg_auth_members m WHERE m.member = a.oid) AS is_member
+          INTO v_role
+          FROM pg_catalog.pg_roles a WHERE a.rolname = r;
+        IF NOT FOUND THEN
+            IF r = 'outbox_worker' THEN
+                CREATE ROLE outbox_worker NOLOGIN BYPASSRLS;
+            ELSE
+                EXECUTE pg_catalog.format('CREATE ROLE %I NOLOGIN', r);
+            END IF;
+            EXECUTE pg_catalog.format('COMMENT ON ROLE %I IS %L', r, v_marker);
+            CONTINUE;
+        END IF;
+        v_extra := array_remove(ARRAY[
+            CASE WHEN v_role.rolsuper THEN 'SUPERUSER' END,
+            CASE WHEN v_role.rolcreaterole THEN 'CREATEROLE' END,
+            CASE WHEN v_role.rolcreatedb THEN 'CREATEDB' END,
+            CASE WHEN v_role.rolcanlogin THEN 'LOGIN' END,
+            CASE WHEN v_role.rolreplication THEN 'REPLICATION' END,
+            CASE WHEN v_role.rolbypassrls AND r <> 'outbox_worker' THEN 'BYPASSRLS' END,
+            CASE WHEN NOT v_role.ours AND v_role.has_members THEN 'members' END,
+            CASE WHEN NOT v_role.ours AND v_role.is_member THEN 'memberships' END
+        ], NULL);
+        IF cardinality(v_extra) > 0 THEN
+            RAISE EXCEPTION 'role % already exists with % that outbox_delivery does not give it',
+                            r, array_to_string(v_extra, ', ')
+                USING ERRCODE = '42710',
+                      DETAIL = CASE WHEN v_role.ours THEN 'The role was created by outbox_delivery and changed since.'
+                                    ELSE 'The role was not created by outbox_delivery.' END,
+                      HINT = pg_catalog.format('Drop or rename role %I, or remove what is listed (ALTER ROLE %I NOLOGIN ..., REVOKE ...), then create the extension again.', r, r);
+        END IF;
+        IF NOT v_role.ours THEN
+            -- A bare role of our name: adopted, and marked as ours from now on.
+            IF r = 'outbox_worker' AND NOT v_role.rolbypassrls THEN
+                ALTER ROLE outbox_worker BYPASSRLS;
+            END IF;
+            EXECUTE pg_catalog.format('COMMENT ON ROLE %I IS %L', r, v_marker);
+        ELSIF r = 'outbox_worker' AND NOT v_role.rolbypassrls THEN
+            ALTER ROLE outbox_worker BYPASSRLS;
         END IF;
     END LOOP;
-    IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'outbox_worker') THEN
-        CREATE ROLE outbox_worker NOLOGIN BYPASSRLS;
-    ELSIF NOT (SELECT rolbypassrls FROM pg_catalog.pg_roles WHERE rolname = 'outbox_worker') THEN
-        ALTER ROLE outbox_worker BYPASSRLS;
-    END IF;
 END
 $roles$;
 
 -- Which tenants a role acts for. '*' means any tenant, one at a time, named by
 -- SET outbox.tenant.
+-- A binding holds the role itself (regrole: its oid), not its name: a role dropped and
+-- created again under the same name is another role and inherits none of its bindings.
+-- (pg_dump writes a regrole as the role's name, so a restore binds the roles of that name
+-- in the target cluster.) role_name is the name it had when bound, for messages.
 CREATE TABLE outbox._tenant_bindings (
     role_name  text        NOT NULL,
+    role       regrole     NOT NULL,
     tenant     text        NOT NULL,
     bound_at   timestamptz NOT NULL DEFAULT pg_catalog.now(),
     bound_by   text        NOT NULL DEFAULT session_user,
-    PRIMARY KEY (role_name, tenant)
+    PRIMARY KEY (role, tenant)
 );
 COMMENT ON TABLE outbox._tenant_bindings IS
     'Which tenants each role acts for (private; change with outbox.bind_tenant / unbind_tenant).';
@@ -96,7 +148,7 @@ AS $fn$
 BEGIN
     RETURN (SELECT coalesce(array_agg(DISTINCT b.tenant), '{}')
               FROM outbox._tenant_bindings b
-              JOIN pg_catalog.pg_roles r ON r.rolname = b.role_name
+              JOIN pg_catalog.pg_roles r ON r.oid = b.role
              WHERE pg_catalog.pg_has_role(outbox._caller_oid(), r.oid, 'USAGE'));
 END
 $fn$;
@@ -110,8 +162,13 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     v_named  text := nullif(current_setting('outbox.tenant', true), '');
+    v_effect text := outbox._effect_tenant();
     v_bound  text[];
 BEGIN
+    -- A sql effect sees its message's tenant alone, whatever its role is bound to.
+    IF v_effect IS NOT NULL THEN
+        RETURN CASE WHEN v_named IS NULL OR v_named = v_effect THEN ARRAY[v_effect] ELSE '{}' END;
+    END IF;
     v_bound := outbox._caller_bindings();
     IF v_named IS NOT NULL THEN
         IF v_named = ANY (v_bound) OR ('*' = ANY (v_bound) AND v_named <> '*') THEN
@@ -161,8 +218,8 @@ BEGIN
         RAISE EXCEPTION 'role "%" does not exist', bind_tenant.role
             USING ERRCODE = '42704', HINT = 'Create the role first; bindings name existing roles.';
     END IF;
-    INSERT INTO outbox._tenant_bindings (role_name, tenant)
-    VALUES (bind_tenant.role, bind_tenant.tenant)
+    INSERT INTO outbox._tenant_bindings (role_name, role, tenant)
+    VALUES (bind_tenant.role, pg_catalog.quote_ident(bind_tenant.role)::regrole, bind_tenant.tenant)
     ON CONFLICT DO NOTHING;
     IF FOUND THEN
         INSERT INTO outbox._operator_log (action, tenant, detail)
@@ -180,8 +237,12 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
     PERFORM outbox._check_binding(unbind_tenant.role, unbind_tenant.tenant);
+    -- The role of that name now, or a binding left behind by a dropped role of that name.
     DELETE FROM outbox._tenant_bindings b
-     WHERE b.role_name = unbind_tenant.role AND b.tenant = unbind_tenant.tenant;
+     WHERE b.tenant = unbind_tenant.tenant
+       AND (b.role = (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = unbind_tenant.role)
+            OR (b.role_name = unbind_tenant.role
+                AND NOT EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.oid = b.role)));
     IF FOUND THEN
         INSERT INTO outbox._operator_log (action, tenant, detail)
         VALUES ('unbind_tenant', unbind_tenant.tenant, jsonb_build_object('role', unbind_tenant.role::text));

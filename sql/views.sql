@@ -1,22 +1,36 @@
 -- outbox_delivery: what operators and applications read.
 
+-- A channel is shown to the roles that may use it: admins see every channel, writers and
+-- operators those whose option tenants lists one of their tenants (or '*'). Secrets are
+-- masked for everyone (src/channels/secrets.rs); admins read outbox._channels for them.
+CREATE FUNCTION outbox._channel_visible(tenants jsonb) RETURNS boolean
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT outbox._caller_is_superuser()
+        OR pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_admin', 'USAGE')
+        OR tenants IS NULL
+        OR tenants ? '*'
+        OR tenants ?| outbox._visible_tenants()
+$fn$;
+COMMENT ON FUNCTION outbox._channel_visible(jsonb) IS
+    'May the calling role see a channel that serves these tenants? Admins see every channel.';
+
 CREATE VIEW outbox.channels AS
 SELECT c.id,
        c.name,
-       c.endpoint,
-       c.options - 'headers'
-           || jsonb_build_object('headers',
-                  (SELECT coalesce(jsonb_object_agg(h.key, '********'), '{}'::jsonb)
-                     FROM jsonb_each(CASE WHEN jsonb_typeof(c.options -> 'headers') = 'object'
-                                          THEN c.options -> 'headers' END) AS h)) AS options,
+       outbox._masked_url(c.endpoint) AS endpoint,
+       outbox._masked_options(c.options) AS options,
        c.paused,
        c.paused_reason,
        c.paused_at,
        c.created_at,
        c.updated_at
-  FROM outbox._channels c;
+  FROM outbox._channels c
+ WHERE outbox._channel_visible(c.options -> 'tenants');
 COMMENT ON VIEW outbox.channels IS
-    'Delivery channels with their effective options; static header values are masked.';
+    'Delivery channels with their effective options, as far as the reader may use them; static header values and URL userinfo, query values and fragments are masked.';
 
 CREATE VIEW outbox.messages AS
 SELECT m.id,

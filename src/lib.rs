@@ -27,10 +27,15 @@ extension_sql_file!(
         _caller_oid,
         _caller_name,
         _caller_is_superuser,
+        _effect_tenant,
         _check_tenant_name
     ]
 );
-extension_sql_file!("../sql/views.sql", name = "views", requires = ["tenancy"]);
+extension_sql_file!(
+    "../sql/views.sql",
+    name = "views",
+    requires = ["tenancy", _masked_url, _masked_options]
+);
 extension_sql_file!(
     "../sql/operator.sql",
     name = "operator",

@@ -4,6 +4,12 @@
 //! tenant functions of sql/tenancy.sql ask for the *outer* user instead: `session_user`, or
 //! the role named by `SET ROLE`. Row-level security and the definer functions therefore
 //! agree on one identity.
+//!
+//! Inside a `sql` effect the worker is the session, and its outer user is the bootstrap
+//! superuser it connected as. While an effect runs, the caller is therefore the effect's
+//! [`EffectScope`] instead: its `run_as` role, acting for its message's tenant alone. Row-level
+//! security, `enqueue` and every function that asks who is calling see that role and that
+//! tenant, never the worker's or a superuser's.
 
 use crate::config_cache::SessionCache;
 use crate::pinned_statement::{self, PinnedStatement};
@@ -11,19 +17,66 @@ use pgrx::pg_sys;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
+use std::cell::RefCell;
 use std::ffi::CStr;
 
-/// The oid of the session's role (`session_user`, or the role of `SET ROLE`).
-#[pg_extern(stable, parallel_safe)]
-fn _caller_oid() -> pg_sys::Oid {
-    unsafe { pg_sys::GetOuterUserId() }
+/// Who a `sql` effect acts as while it runs: its channel's `run_as` role, for its message's
+/// tenant alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EffectScope {
+    pub role: pg_sys::Oid,
+    pub tenant: String,
 }
 
-/// The name of the session's role, for messages.
+thread_local! {
+    /// The effect running now in this process, if any (only the worker runs effects).
+    static EFFECT: RefCell<Option<EffectScope>> = const { RefCell::new(None) };
+}
+
+/// Clears the effect scope when dropped: after the effect returns, and also when its error
+/// unwinds through the caller.
+struct ScopeGuard(Option<EffectScope>);
+
+impl Drop for ScopeGuard {
+    fn drop(&mut self) {
+        let previous = self.0.take();
+        EFFECT.with(|e| *e.borrow_mut() = previous);
+    }
+}
+
+/// Runs `body` (an effect's call) as `scope`: every check of the caller inside it sees the
+/// scope's role and tenant.
+pub fn within_effect<R>(scope: EffectScope, body: impl FnOnce() -> R) -> R {
+    let previous = EFFECT.with(|e| e.borrow_mut().replace(scope));
+    let _guard = ScopeGuard(previous);
+    body()
+}
+
+/// The effect running now, if any.
+pub fn current_effect() -> Option<EffectScope> {
+    EFFECT.with(|e| e.borrow().clone())
+}
+
+/// The calling role: the running effect's role, else the session's (`session_user`, or the
+/// role of `SET ROLE`).
+fn caller() -> pg_sys::Oid {
+    match current_effect() {
+        Some(scope) => scope.role,
+        None => unsafe { pg_sys::GetOuterUserId() },
+    }
+}
+
+/// The oid of the calling role (see [`caller`]).
+#[pg_extern(stable, parallel_safe)]
+fn _caller_oid() -> pg_sys::Oid {
+    caller()
+}
+
+/// The name of the calling role, for messages.
 #[pg_extern(stable, parallel_safe)]
 fn _caller_name() -> String {
     unsafe {
-        let name = pg_sys::GetUserNameFromId(pg_sys::GetOuterUserId(), true);
+        let name = pg_sys::GetUserNameFromId(caller(), true);
         if name.is_null() {
             return String::new();
         }
@@ -31,10 +84,18 @@ fn _caller_name() -> String {
     }
 }
 
-/// Is the session's role a superuser? (A superuser acts for any tenant.)
+/// Is the calling role a superuser? (A superuser acts for any tenant.) An effect never is:
+/// its `run_as` role is refused when it is one.
 #[pg_extern(stable, parallel_safe)]
 fn _caller_is_superuser() -> bool {
-    unsafe { pg_sys::superuser_arg(pg_sys::GetOuterUserId()) }
+    current_effect().is_none() && unsafe { pg_sys::superuser_arg(pg_sys::GetOuterUserId()) }
+}
+
+/// The tenant of the effect running now; NULL outside an effect. Row-level security shows
+/// an effect this tenant's rows alone (`outbox._visible_tenants`).
+#[pg_extern(stable, parallel_safe)]
+fn _effect_tenant() -> Option<String> {
+    current_effect().map(|scope| scope.tenant)
 }
 
 /// A tenant name is 1 to this many bytes long.
@@ -80,6 +141,25 @@ pub fn check_tenant_name(
             argument: argument.to_string(),
         }),
         Some(_) => Ok(()),
+    }
+}
+
+/// The tenant an effect acts for: its message's tenant, whatever it names. Naming another
+/// tenant in `outbox.tenant` is refused (42501), as for a role not bound to it.
+pub fn acting_tenant_of_effect(
+    named: Option<&str>,
+    scope_tenant: &str,
+) -> Result<String, TenantRefusal> {
+    match named {
+        None => Ok(scope_tenant.to_string()),
+        Some(tenant) if tenant == scope_tenant => Ok(tenant.to_string()),
+        Some(tenant) => {
+            check_tenant_name(named, "outbox.tenant", false)?;
+            Err(TenantRefusal::NotBound {
+                tenant: tenant.to_string(),
+                bound: vec![scope_tenant.to_string()],
+            })
+        }
     }
 }
 
@@ -228,11 +308,18 @@ fn bindings_of(role: pg_sys::Oid) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// The tenant the session's role writes for: `outbox.tenant` if it may act for it, else
-/// its one binding; a superuser acts for `outbox.tenant` or `default`. Raises 42501 (or
-/// 22023 for a bad `outbox.tenant`) when it cannot say.
+/// The tenant the calling role writes for: `outbox.tenant` if it may act for it, else
+/// its one binding; a superuser acts for `outbox.tenant` or `default`; an effect for its
+/// message's tenant alone. Raises 42501 (or 22023 for a bad `outbox.tenant`) when it cannot
+/// say.
 pub fn acting_tenant_of_caller() -> String {
     let named = crate::gucs::tenant();
+    if let Some(scope) = current_effect() {
+        return match acting_tenant_of_effect(named.as_deref(), &scope.tenant) {
+            Ok(tenant) => tenant,
+            Err(refusal) => refusal.raise(),
+        };
+    }
     let role = unsafe { pg_sys::GetOuterUserId() };
     let superuser = unsafe { pg_sys::superuser_arg(role) };
     match acting_tenant(named.as_deref(), superuser, || bindings_of(role)) {
@@ -292,6 +379,45 @@ mod tests {
                 argument: "outbox.tenant".into()
             })
         );
+    }
+
+    #[test]
+    fn an_effect_acts_for_its_message_tenant_alone() {
+        assert_eq!(acting_tenant_of_effect(None, "a"), Ok("a".into()));
+        assert_eq!(acting_tenant_of_effect(Some("a"), "a"), Ok("a".into()));
+        assert_eq!(
+            acting_tenant_of_effect(Some("b"), "a"),
+            Err(TenantRefusal::NotBound {
+                tenant: "b".into(),
+                bound: bound(&["a"])
+            })
+        );
+        assert!(matches!(
+            acting_tenant_of_effect(Some("*"), "a"),
+            Err(TenantRefusal::StarIsNotATenant { .. })
+        ));
+        assert!(matches!(
+            acting_tenant_of_effect(Some("a\nb"), "a"),
+            Err(TenantRefusal::BadName { .. })
+        ));
+    }
+
+    #[test]
+    fn an_effect_scope_ends_with_its_call_even_when_it_unwinds() {
+        let scope = EffectScope {
+            role: pg_sys::Oid::from(42u32),
+            tenant: "a".into(),
+        };
+        assert_eq!(current_effect(), None);
+        within_effect(scope.clone(), || {
+            assert_eq!(current_effect(), Some(scope.clone()))
+        });
+        assert_eq!(current_effect(), None);
+        let unwound = std::panic::catch_unwind(|| {
+            within_effect(scope.clone(), || panic!("the effect raised"))
+        });
+        assert!(unwound.is_err());
+        assert_eq!(current_effect(), None);
     }
 
     #[test]

@@ -52,12 +52,13 @@
 //! 1. Status actions (`Status`, `StatusWithHeaders`, and the 503/429 branches of
 //!    `Random`) are "failures before processing": they are answered as such, nothing is
 //!    stored and no dedupe check is made.
-//! 2. Storing actions (`Accept`, `AcceptAfter` after its wait, `Hang { store: true }`,
-//!    `DropAfterRead { store: true }`, the drop branch of `Random`) store the message —
-//!    unless the channel dedupes, the send carries the dedupe header, and a message with
-//!    that key is already stored on the channel. In that case nothing new is stored and the
-//!    already stored message's external id is used: `Accept`/`AcceptAfter` answer `200`
-//!    with that id (same body and `X-Message-Id` as an accept), outcome `"deduped"`;
+//! 2. Storing actions (`Accept`, `AcceptAfter` after its wait, `AcceptLarge`,
+//!    `Hang { store: true }`, `DropAfterRead { store: true }`, the drop branch of
+//!    `Random`) store the message — unless the channel dedupes, the send carries the
+//!    dedupe header, and a message with that key is already stored on the channel. In that
+//!    case nothing new is stored and the already stored message's external id is used:
+//!    `Accept`/`AcceptAfter`/`AcceptLarge` answer `200` with that id (same body and
+//!    `X-Message-Id` as an accept, padded for `AcceptLarge`), outcome `"deduped"`;
 //!    `Hang`/`DropAfterRead` still hang/drop (outcome `"hang"`/`"dropped"`, with
 //!    `external_id` set to the existing id).
 //! 3. `Hang { store: false }` and `DropAfterRead { store: false }` store nothing and make
@@ -86,7 +87,12 @@
 //! line or header, bad `Content-Length`, both `Content-Length` and `Transfer-Encoding`, an
 //! unsupported transfer coding, bad chunk framing) gets `400` and the connection is
 //! closed; a head over 64 KiB gets `431`, a body over 16 MiB gets `413`. Every response
-//! carries `Content-Length` and is written with one write call.
+//! carries `Content-Length` and is written with one write call, except the answer of
+//! [`Action::AcceptLarge`]: its head and the start of its body (up to the id and the
+//! opening of `pad`) in one call, then the padding in writes of up to 64 KiB, then the
+//! closing `"}`. A client that closes the connection before reading all of it (as a
+//! client that bounds how much of a body it reads does) ends that connection only; the
+//! send is already recorded as `"accepted"`/`"deduped"` and the message stored.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
@@ -111,6 +117,14 @@ pub enum Action {
     /// Wait, then as [`Action::Accept`]. The message is stored after the wait even if the
     /// client has given up in the meantime (as a slow provider would).
     AcceptAfter(Duration),
+    /// As [`Action::Accept`] (same storing, dedupe, outcome, external id and
+    /// `X-Message-Id`), but the answer's body is about this many bytes:
+    /// `{"id": "<external id>", "status": "accepted", "pad": "xxxx…"}`, the padding making
+    /// it exactly `N` bytes long (or the shortest such body, with an empty `pad`, when `N`
+    /// is smaller). The id comes first. The padding is written from a small static buffer,
+    /// never held in memory whole, so a test may ask for many answers of megabytes at
+    /// once; a client that closes before the end only ends its own connection.
+    AcceptLarge(usize),
     /// Answer this status with `{"error": "..."}`; store nothing.
     Status(u16),
     /// As [`Action::Status`], with extra response headers (e.g. `Retry-After`).
@@ -359,8 +373,9 @@ impl Channel {
         let popped = self.plan.pop_front();
         let action = popped.as_ref().unwrap_or(&self.default);
         match action {
-            Action::Accept => Step::Accept(None),
-            Action::AcceptAfter(d) => Step::Accept(Some(*d)),
+            Action::Accept => Step::Accept(None, 0),
+            Action::AcceptAfter(d) => Step::Accept(Some(*d), 0),
+            Action::AcceptLarge(n) => Step::Accept(None, *n),
             Action::Status(s) => Step::Status(*s, Vec::new()),
             Action::StatusWithHeaders(s, h) => Step::Status(*s, h.clone()),
             Action::Hang { store } => Step::Hang(*store),
@@ -381,7 +396,7 @@ impl Channel {
                         vec![("Retry-After".to_string(), f.retry_after_s.to_string())],
                     )
                 } else {
-                    Step::Accept(None)
+                    Step::Accept(None, 0)
                 }
             }
         }
@@ -443,7 +458,9 @@ impl Channel {
 }
 
 enum Step {
-    Accept(Option<Duration>),
+    /// Accept after an optional wait; the answer's body is padded to this many bytes (0:
+    /// the plain accept body).
+    Accept(Option<Duration>, usize),
     Status(u16, Vec<(String, String)>),
     Hang(bool),
     Drop(bool),
@@ -887,15 +904,34 @@ enum After {
 }
 
 /// Response under construction; both buffers are reused across requests.
+///
+/// The body is `body`, then `pad` bytes `x`, then `tail`; the last two are only used by
+/// [`Action::AcceptLarge`], whose padding is written from [`PAD`] rather than held here.
 struct Out {
     head: Vec<u8>,
     body: Vec<u8>,
+    pad: usize,
+    tail: &'static [u8],
 }
 
+/// What the padding of a large answer is written from, one slice at a time.
+static PAD: [u8; 64 * 1024] = [b'x'; 64 * 1024];
+
 impl Out {
+    fn new() -> Out {
+        Out {
+            head: Vec::with_capacity(512),
+            body: Vec::with_capacity(256),
+            pad: 0,
+            tail: b"",
+        }
+    }
+
     fn start(&mut self, status: u16) {
         self.head.clear();
         self.body.clear();
+        self.pad = 0;
+        self.tail = b"";
         let _ = write!(
             VecWriter(&mut self.head),
             "HTTP/1.1 {} {}\r\n",
@@ -914,12 +950,13 @@ impl Out {
     }
 
     /// Adds the framing headers and appends the body (not for a `HEAD` request): `head` is
-    /// then the whole response.
+    /// then the whole response, but for the padding and tail of a large answer
+    /// ([`Out::write`] writes those after it).
     fn finish(&mut self, keep_alive: bool, http10: bool, head_request: bool) {
         let _ = write!(
             VecWriter(&mut self.head),
             "Content-Length: {}\r\n",
-            self.body.len()
+            self.body.len() + self.pad + self.tail.len()
         );
         if !keep_alive {
             self.head.extend_from_slice(b"Connection: close\r\n");
@@ -927,9 +964,29 @@ impl Out {
             self.head.extend_from_slice(b"Connection: keep-alive\r\n");
         }
         self.head.extend_from_slice(b"\r\n");
-        if !head_request {
+        if head_request {
+            self.pad = 0;
+            self.tail = b"";
+        } else {
             self.head.extend_from_slice(&self.body);
         }
+    }
+
+    /// Writes a finished response: one write call, plus, for a large answer, its padding
+    /// in slices of [`PAD`] and its tail. An error (the client went away) ends only this
+    /// connection.
+    async fn write(&self, stream: &mut TcpStream) -> io::Result<()> {
+        stream.write_all(&self.head).await?;
+        let mut left = self.pad;
+        while left > 0 {
+            let n = left.min(PAD.len());
+            stream.write_all(&PAD[..n]).await?;
+            left -= n;
+        }
+        if !self.tail.is_empty() {
+            stream.write_all(self.tail).await?;
+        }
+        Ok(())
     }
 
     fn json_error(&mut self, status: u16, msg: &str) {
@@ -994,10 +1051,7 @@ async fn serve_connection(shared: Arc<Shared>, mut stream: TcpStream) {
     let mut buf: Vec<u8> = Vec::with_capacity(8192);
     let mut headers: Vec<(Span, Span)> = Vec::with_capacity(16);
     let mut chunk_body: Vec<u8> = Vec::new();
-    let mut out = Out {
-        head: Vec::with_capacity(512),
-        body: Vec::with_capacity(256),
-    };
+    let mut out = Out::new();
     loop {
         // 1. The head: up to the empty line. Empty lines before a request are skipped.
         let mut scanned = 0;
@@ -1142,7 +1196,7 @@ async fn serve_connection(shared: Arc<Shared>, mut stream: TcpStream) {
                     head.http10,
                     &buf[head.method.0..head.method.1] == b"HEAD",
                 );
-                if stream.write_all(&out.head).await.is_err() {
+                if out.write(&mut stream).await.is_err() {
                     return;
                 }
                 if !keep {
@@ -1182,7 +1236,7 @@ async fn reject(shared: &Shared, stream: &mut TcpStream, out: &mut Out, status: 
     bump(&shared.counters.bad_requests);
     out.json_error(status, msg);
     out.finish(false, false, false);
-    if stream.write_all(&out.head).await.is_ok() {
+    if out.write(stream).await.is_ok() {
         let _ = stream.shutdown().await;
         // Give the client a moment to read the answer before the socket goes away with
         // unread input still in it (which would make the kernel send a reset).
@@ -1723,7 +1777,7 @@ async fn handle_send(shared: &Shared, req: &Request<'_>, channel: &str, out: &mu
                 finish_record(shared, st, channel, rec, observer);
                 return if hang { After::Hang } else { After::Drop };
             }
-            Step::Accept(None) => {
+            Step::Accept(None, size) => {
                 let (id, deduped) = ch.store(key.as_deref(), from_dedupe, req.body, record_body);
                 let rec = draft.map(|mut r| {
                     r.outcome = if deduped { "deduped" } else { "accepted" }.to_string();
@@ -1733,10 +1787,10 @@ async fn handle_send(shared: &Shared, req: &Request<'_>, channel: &str, out: &mu
                 });
                 count_accept(shared, deduped);
                 finish_record(shared, st, channel, rec, observer);
-                accept_response(out, &id);
+                accept_response(out, &id, size);
                 return After::Respond;
             }
-            Step::Accept(Some(delay)) => {
+            Step::Accept(Some(delay), _) => {
                 // Recorded now as "delayed" (so waiters see the send), completed later.
                 if let Some(r) = draft.as_ref() {
                     let mut r = r.clone();
@@ -1773,7 +1827,7 @@ async fn handle_send(shared: &Shared, req: &Request<'_>, channel: &str, out: &mu
         r.external_id = Some(id.clone());
         obs(&r);
     }
-    accept_response(out, &id);
+    accept_response(out, &id, 0);
     After::Respond
 }
 
@@ -1786,13 +1840,22 @@ fn count_accept(shared: &Shared, deduped: bool) {
     }
 }
 
-fn accept_response(out: &mut Out, id: &str) {
+/// The answer of an accept; `size > 0`: padded to `size` bytes (see
+/// [`Action::AcceptLarge`]).
+fn accept_response(out: &mut Out, id: &str, size: usize) {
     out.start(200);
     out.header("Content-Type", "application/json");
     out.header("X-Message-Id", id);
     out.body.extend_from_slice(b"{\"id\":");
     json_str(&mut out.body, id);
-    out.body.extend_from_slice(b",\"status\":\"accepted\"}");
+    if size == 0 {
+        out.body.extend_from_slice(b",\"status\":\"accepted\"}");
+        return;
+    }
+    out.body
+        .extend_from_slice(b",\"status\":\"accepted\",\"pad\":\"");
+    out.tail = b"\"}";
+    out.pad = size.saturating_sub(out.body.len() + out.tail.len());
 }
 
 fn handle_lookup(
@@ -2430,6 +2493,71 @@ mod tests {
         assert_eq!(r.status, 200);
         assert_eq!(sim.sends("slow")[0].outcome, "accepted");
         assert_eq!(sim.stored("slow").len(), 1);
+    }
+
+    #[test]
+    fn accept_large_pads_the_answer_to_its_size() {
+        let sim = Simulator::start();
+        sim.set_dedupe("big", "Idempotency-Key");
+        sim.set_default("big", Action::AcceptLarge(10_000_000));
+        let mut c = Client::connect(sim.port());
+        let r = c.roundtrip(&post("big", "{}", &[("Idempotency-Key", "k1")]));
+        assert_eq!(r.status, 200);
+        assert_eq!(r.body.len(), 10_000_000);
+        assert!(r
+            .body
+            .starts_with(br#"{"id":"msg-big-1","status":"accepted","pad":"xx"#));
+        assert!(r.body.ends_with(br#"xx"}"#));
+        let v = r.json();
+        assert_eq!(
+            (v["id"].as_str(), v["status"].as_str()),
+            (Some("msg-big-1"), Some("accepted"))
+        );
+        assert_eq!(r.header("X-Message-Id"), Some("msg-big-1"));
+        // The connection stays usable, and a duplicate is deduped with the same padding.
+        let r = c.roundtrip(&post("big", "{}", &[("Idempotency-Key", "k1")]));
+        assert_eq!((r.status, r.body.len()), (200, 10_000_000));
+        assert_eq!(r.json()["id"], "msg-big-1");
+        let outcomes: Vec<_> = sim.sends("big").into_iter().map(|r| r.outcome).collect();
+        assert_eq!(outcomes, vec!["accepted", "deduped"]);
+        assert_eq!(sim.stored("big").len(), 1);
+        // Too small a size: the shortest body, with an empty pad.
+        sim.set_plan("big", vec![Action::AcceptLarge(1)]);
+        let r = c.roundtrip(&post("big", "{}", &[]));
+        assert_eq!(
+            r.body,
+            br#"{"id":"msg-big-2","status":"accepted","pad":""}"#
+        );
+    }
+
+    #[test]
+    fn accept_large_survives_clients_that_stop_reading() {
+        let sim = Arc::new(Simulator::start());
+        sim.set_default("cut", Action::AcceptLarge(10_000_000));
+        let threads: Vec<_> = (0..16)
+            .map(|_| {
+                let port = sim.port();
+                std::thread::spawn(move || {
+                    // Read the head and some 64 KiB of the body, then hang up.
+                    let mut c = Client::connect(port);
+                    c.write(&post("cut", "{}", &[]));
+                    while c.buf.len() < 64 * 1024 {
+                        c.fill().unwrap();
+                    }
+                    assert!(c.buf.starts_with(b"HTTP/1.1 200 OK\r\n"));
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(sim.stored("cut").len(), 16);
+        assert!(sim.sends("cut").iter().all(|r| r.outcome == "accepted"));
+        // Still serving, large answers included.
+        let r = send_once(&sim, "cut", "{}", &[]);
+        assert_eq!((r.status, r.body.len()), (200, 10_000_000));
+        sim.set_default("cut", Action::Accept);
+        assert_eq!(send_once(&sim, "cut", "{}", &[]).json()["id"], "msg-cut-18");
     }
 
     #[test]

@@ -1548,7 +1548,7 @@ struct Pools {
     unknown_base: i64,
 }
 
-const KNOWN_OPTION_KEYS: [&str; 16] = [
+const KNOWN_OPTION_KEYS: [&str; 18] = [
     "kind",
     "method",
     "headers",
@@ -1565,6 +1565,8 @@ const KNOWN_OPTION_KEYS: [&str; 16] = [
     "function",
     "run_as",
     "endpoint",
+    "tenants",
+    "max_response_bytes",
 ];
 
 const MALFORMED_JSON: [&str; 14] = [
@@ -1733,6 +1735,33 @@ impl Pools {
         })
     }
 
+    /// Message headers: names a message may set, framing, routing, signing and key headers
+    /// it may not, and hostile names.
+    fn message_headers(&mut self, rng: &mut Rng) -> String {
+        let mut m = Map::new();
+        for _ in 0..=rng.below(3) {
+            let name = match rng.below(3) {
+                0 => self.text(rng).unwrap_or_default().replace('\0', ""),
+                _ => rng
+                    .pick(&[
+                        "X-Request-Id",
+                        "Host",
+                        "content-length",
+                        "Transfer-Encoding",
+                        "X-Forwarded-For",
+                        "Proxy-Authorization",
+                        "Forwarded",
+                        "webhook-signature",
+                        "Idempotency-Key",
+                        "X-Effect-Key",
+                    ])
+                    .to_string(),
+            };
+            m.insert(name, json!(rng.pick(&["3", "", "v\r\nX-Injected: 1"])));
+        }
+        Value::Object(m).to_string()
+    }
+
     /// A value for a channel option `key`: the right type or deliberately the wrong one.
     fn option_value(&mut self, rng: &mut Rng, key: &str) -> Value {
         if rng.chance(30) {
@@ -1758,7 +1787,20 @@ impl Pools {
                 }
                 Value::Object(m)
             }
-            "timeout_ms" | "connect_timeout_ms" | "max_in_flight" | "idempotency_window_ms" => {
+            "tenants" => match rng.below(7) {
+                0 => json!(["*"]),
+                1 => json!(["default"]),
+                2 => json!([]),
+                3 => json!(["*", "default"]),
+                4 => json!("default"),
+                5 => json!([1, null]),
+                _ => json!([self.text(rng).unwrap_or_default()]),
+            },
+            "timeout_ms"
+            | "connect_timeout_ms"
+            | "max_in_flight"
+            | "idempotency_window_ms"
+            | "max_response_bytes" => {
                 if rng.chance(20) {
                     json!(rng.pick(&["100", "1.5", "-0"]))
                 } else {
@@ -2026,7 +2068,11 @@ impl Pools {
                     Text(self.effect_key(rng)),
                     Text(if rng.chance(60) { None } else { self.text(rng) }),
                     Text(self.timestamp(rng)),
-                    Text(if rng.chance(50) { None } else { self.json(rng) }),
+                    Text(match rng.below(4) {
+                        0 | 1 => None,
+                        2 => self.json(rng),
+                        _ => Some(self.message_headers(rng)),
+                    }),
                 ],
                 effect: Effect::Message,
             },

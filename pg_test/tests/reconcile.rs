@@ -243,7 +243,9 @@ fn manual_retry_reconciles_first_and_resends_with_the_same_key() {
     );
 
     // The lookup works again; the operator's retry asks first: not found → resent, same key.
+    // A not-found is believed once the send has settled (settle_ms 300 after it started).
     sim.set_lookup_plan(&ch, vec![]);
+    std::thread::sleep(Duration::from_millis(400));
     let lookups_before = sim
         .requests(&ch)
         .iter()

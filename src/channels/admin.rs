@@ -2,6 +2,7 @@
 
 use super::guard::{self, AllowList};
 use super::options::{validate_endpoint, ChannelOptions, Kind, OptionError};
+use super::secrets::mask_url;
 use super::sql;
 use crate::error::{spi_failure, OrRaise, OutboxError};
 use crate::gucs;
@@ -83,7 +84,10 @@ fn check_target(
     if endpoint != "sql" {
         option_error(OptionError {
             option: "endpoint".into(),
-            message: format!("must be 'sql' for a channel of kind sql, not \"{endpoint}\""),
+            message: format!(
+                "must be 'sql' for a channel of kind sql, not \"{}\"",
+                mask_url(endpoint)
+            ),
         })
         .raise();
     }
@@ -156,15 +160,9 @@ fn required<'a>(argument: &'static str, v: Option<&'a str>) -> &'a str {
     }
 }
 
-/// What the operator log keeps of a change: the options without secret header values.
+/// What the operator log keeps of a change: the options without their secrets.
 fn loggable(options: &Value) -> Value {
-    let mut v = options.clone();
-    if let Some(Value::Object(h)) = v.get_mut("headers") {
-        for value in h.values_mut() {
-            *value = Value::String("********".into());
-        }
-    }
-    v
+    super::secrets::mask_options(options)
 }
 
 /// Reads the options argument. It arrives as the text of a jsonb (see the SQL wrappers in
@@ -212,7 +210,8 @@ fn create_channel(name: Option<&str>, endpoint: Option<&str>, options: Option<&s
             }
             .raise();
         }
-        let detail = serde_json::json!({"endpoint": endpoint, "options": loggable(&normalized)});
+        let detail =
+            serde_json::json!({"endpoint": mask_url(endpoint), "options": loggable(&normalized)});
         client.update(
             LOG_CHANNEL_CHANGE,
             None,
@@ -261,7 +260,7 @@ fn alter_channel(name: Option<&str>, options: Option<&str>) {
                 .as_str()
                 .ok_or_else(|| OptionError {
                     option: "endpoint".into(),
-                    message: format!("must be a string, not {new_endpoint}"),
+                    message: "must be a string".to_string(),
                 })
                 .map_err(option_error)
                 .or_raise();
@@ -287,7 +286,7 @@ fn alter_channel(name: Option<&str>, options: Option<&str>) {
         )?;
         let detail = serde_json::json!({
             "changes": loggable(&changes),
-            "endpoint": endpoint,
+            "endpoint": mask_url(&endpoint),
             "options": loggable(&normalized),
         });
         client.update(

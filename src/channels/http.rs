@@ -9,6 +9,7 @@
 
 use super::guard::{self, AllowList, Refusal};
 use super::options::{ChannelOptions, ExternalIdSource};
+use super::secrets::mask_url_in;
 use crate::classify::Phase;
 use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, USER_AGENT};
@@ -16,8 +17,42 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Most of a response body the worker reads (to find the external id); the rest is dropped.
-const MAX_BODY_BYTES: usize = 1 << 20;
+/// Most bytes of response bodies one process holds at once, over all its requests: a
+/// request waits for room before it reads its body. Each body is bounded by its channel's
+/// `max_response_bytes` (64 KiB by default, so that a batch of 200 fits without waiting);
+/// this bounds the sum when channels allow more.
+pub const RESPONSE_MEMORY_BYTES: usize = 16 * 1024 * 1024;
+
+/// The room for response bodies (see [`RESPONSE_MEMORY_BYTES`]).
+static RESPONSE_MEMORY: tokio::sync::Semaphore =
+    tokio::sync::Semaphore::const_new(RESPONSE_MEMORY_BYTES);
+
+/// Reads at most `limit` bytes of `response`'s body, holding room for them in
+/// [`RESPONSE_MEMORY`] while it does. Returns the bytes read, whether the body went on past
+/// the limit (its rest is not read: the connection is closed rather than drained), and a
+/// read error.
+pub async fn read_body(
+    response: &mut reqwest::Response,
+    limit: usize,
+) -> (Vec<u8>, bool, Option<reqwest::Error>) {
+    let limit = limit.clamp(1, RESPONSE_MEMORY_BYTES);
+    let _room = RESPONSE_MEMORY.acquire_many(limit as u32).await;
+    let mut body = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                let room = limit - body.len();
+                if chunk.len() > room {
+                    body.extend_from_slice(&chunk[..room]);
+                    return (body, true, None);
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(None) => return (body, false, None),
+            Err(e) => return (body, false, Some(e)),
+        }
+    }
+}
 const AGENT: &str = concat!("outbox_delivery/", env!("CARGO_PKG_VERSION"));
 
 /// One request to send.
@@ -31,6 +66,8 @@ pub struct Outgoing {
     pub body: String,
     pub timeout: Duration,
     pub external_id: Option<ExternalIdSource>,
+    /// Most bytes of the answer's body to read (the channel's `max_response_bytes`).
+    pub max_response_bytes: usize,
 }
 
 /// What happened to one request.
@@ -236,7 +273,17 @@ fn build(client: &reqwest::Client, out: &Outgoing) -> Result<reqwest::Request, S
         .timeout(out.timeout)
         .body(out.body.clone())
         .build()
-        .map_err(|e| format!("request could not be built: {e}"))
+        .map_err(|e| format!("request could not be built: {}", describe(&e)))
+}
+
+/// A reqwest error as recorded: its chain of causes, with the URL it quotes masked
+/// (`secrets::mask_url`): an endpoint's query may hold an API key.
+pub fn describe(e: &reqwest::Error) -> String {
+    let text = error_chain(e);
+    match e.url() {
+        Some(url) => mask_url_in(&text, url.as_str()),
+        None => text,
+    }
 }
 
 /// Sends one request and reads its answer; `allowed` is the list the request is held to.
@@ -272,7 +319,7 @@ pub async fn transmit(
             return Transmission::Failed {
                 phase,
                 timed_out,
-                error: error_chain(&e),
+                error: describe(&e),
                 elapsed_ms: elapsed(started),
             };
         }
@@ -283,41 +330,36 @@ pub async fn transmit(
         Some(ExternalIdSource::Header(name)) => header(response.headers(), name),
         _ => None,
     };
-    let mut body = Vec::new();
-    let mut body_error = None;
-    loop {
-        match response.chunk().await {
-            Ok(Some(chunk)) => {
-                if body.len() < MAX_BODY_BYTES {
-                    let room = MAX_BODY_BYTES - body.len();
-                    body.extend_from_slice(&chunk[..chunk.len().min(room)]);
-                }
-            }
-            Ok(None) => break,
-            Err(e) => {
-                body_error = Some(format!(
-                    "{}: {}",
-                    if e.is_timeout() {
-                        "read timed out"
-                    } else {
-                        "read failed"
-                    },
-                    error_chain(&e)
-                ));
-                break;
-            }
-        }
-    }
+    let (body, over_limit, read_error) = read_body(&mut response, out.max_response_bytes).await;
+    drop(response);
     let external_id = match &out.external_id {
         Some(ExternalIdSource::Header(_)) => header_id,
         Some(ExternalIdSource::Body(pointer)) => body_pointer(&body, pointer),
         None => None,
     };
+    // A body longer than the channel reads is not a failure: the status line is the
+    // provider's answer. It is noted, since an external id past the limit is not found.
+    let body_error = match (&read_error, over_limit) {
+        (Some(e), _) => Some(format!(
+            "{}: {}",
+            if e.is_timeout() {
+                "read timed out"
+            } else {
+                "read failed"
+            },
+            describe(e)
+        )),
+        (None, true) => Some(format!(
+            "body longer than max_response_bytes ({}); the rest was not read",
+            out.max_response_bytes
+        )),
+        (None, false) => None,
+    };
     Transmission::Answered {
         status,
         retry_after,
         external_id,
-        body_complete: body_error.is_none(),
+        body_complete: read_error.is_none(),
         body_error,
         elapsed_ms: elapsed(started),
     }
@@ -330,14 +372,123 @@ fn header(headers: &HeaderMap, name: &str) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
-/// A string or number at `pointer` in a JSON body.
+/// A string, number or boolean at `pointer` in a JSON body. The body may be cut short
+/// (`max_response_bytes`): the document is walked from its start along the pointer and the
+/// walk stops at the value, so an id that comes before the cut is found.
 pub fn body_pointer(body: &[u8], pointer: &str) -> Option<String> {
-    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
-    match v.pointer(pointer)? {
-        serde_json::Value::String(s) => Some(s.clone()),
-        serde_json::Value::Number(n) => Some(n.to_string()),
+    let path: Vec<String> = match pointer {
+        "" => Vec::new(),
+        p => p
+            .strip_prefix('/')?
+            .split('/')
+            .map(|t| t.replace("~1", "/").replace("~0", "~"))
+            .collect(),
+    };
+    let found = std::cell::RefCell::new(None);
+    let mut reader = serde_json::Deserializer::from_slice(body);
+    // The walk ends with an error once it has the value (or at the cut); what it found
+    // before that is the answer.
+    let _ = serde::de::DeserializeSeed::deserialize(
+        pointer_walk::Walk {
+            path: &path,
+            found: &found,
+        },
+        &mut reader,
+    );
+    match found.into_inner()? {
+        serde_json::Value::String(s) => Some(s),
+        // A number at the cut may go on past it ("12" of "123"): it counts only in a body
+        // read whole. Strings and booleans end in themselves.
+        serde_json::Value::Number(n) => serde_json::from_slice::<serde::de::IgnoredAny>(body)
+            .is_ok()
+            .then(|| n.to_string()),
         serde_json::Value::Bool(b) => Some(b.to_string()),
         _ => None,
+    }
+}
+
+/// Follows a JSON pointer through a document as it is read, without reading past the value.
+mod pointer_walk {
+    use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    use std::cell::RefCell;
+    use std::fmt;
+
+    pub struct Walk<'a> {
+        pub path: &'a [String],
+        pub found: &'a RefCell<Option<serde_json::Value>>,
+    }
+
+    /// The error that ends the walk once the value is found.
+    const DONE: &str = "found";
+
+    impl<'de> DeserializeSeed<'de> for Walk<'_> {
+        type Value = ();
+
+        fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            if self.path.is_empty() {
+                let value = <serde_json::Value as de::Deserialize>::deserialize(d)?;
+                *self.found.borrow_mut() = Some(value);
+                return Err(de::Error::custom(DONE));
+            }
+            d.deserialize_any(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Walk<'_> {
+        type Value = ();
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a JSON document")
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while let Some(key) = map.next_key::<String>()? {
+                if key == self.path[0] {
+                    return map.next_value_seed(Walk {
+                        path: &self.path[1..],
+                        found: self.found,
+                    });
+                }
+                map.next_value::<IgnoredAny>()?;
+            }
+            Ok(())
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            let Ok(index) = self.path[0].parse::<usize>() else {
+                return Ok(());
+            };
+            for _ in 0..index {
+                if seq.next_element::<IgnoredAny>()?.is_none() {
+                    return Ok(());
+                }
+            }
+            seq.next_element_seed(Walk {
+                path: &self.path[1..],
+                found: self.found,
+            })
+            .map(|_| ())
+        }
+
+        // A scalar where the path goes on: nothing there.
+        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_str<E>(self, _: &str) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_unit<E>(self) -> Result<(), E> {
+            Ok(())
+        }
     }
 }
 
@@ -431,6 +582,7 @@ mod tests {
             body: "{}".into(),
             timeout: Duration::from_secs(2),
             external_id: None,
+            max_response_bytes: 65536,
         }
     }
 
@@ -621,5 +773,45 @@ mod tests {
         );
         assert_eq!(body_pointer(br#"{"id":null}"#, "/id"), None);
         assert_eq!(body_pointer(b"not json", "/id"), None);
+        assert_eq!(body_pointer(br#"{"ok":true}"#, "/ok"), Some("true".into()));
+        assert_eq!(
+            body_pointer(br#"{"a":[{"x":1},{"id":"second"}]}"#, "/a/1/id"),
+            Some("second".into())
+        );
+        assert_eq!(body_pointer(br#"{"a":[1]}"#, "/a/5"), None);
+        assert_eq!(
+            body_pointer(br#"{"a/b":{"~c":"esc"}}"#, "/a~1b/~0c"),
+            Some("esc".into())
+        );
+        assert_eq!(
+            body_pointer(br#"{"id":{"deep":1}}"#, "/id"),
+            None,
+            "not a scalar"
+        );
+        assert_eq!(
+            body_pointer(br#"{"pad":"x","id":"late"}"#, "/id"),
+            Some("late".into())
+        );
+        assert_eq!(body_pointer(br#""top""#, ""), Some("top".into()));
+        assert_eq!(
+            body_pointer(br#"{"id":"m-1"}"#, "id"),
+            None,
+            "not a pointer"
+        );
+    }
+
+    #[test]
+    fn pointers_reach_values_before_a_cut() {
+        let body = br#"{"id":"m-7","status":"accepted","pad":"xxxxxxxxxxxxxxxxxxxxxxxx"#;
+        assert_eq!(body_pointer(body, "/id"), Some("m-7".into()));
+        assert_eq!(body_pointer(body, "/status"), Some("accepted".into()));
+        assert_eq!(body_pointer(body, "/pad"), None, "cut inside the value");
+        assert_eq!(body_pointer(body, "/later"), None, "past the cut");
+        assert_eq!(body_pointer(br#"{"id":"m-"#, "/id"), None);
+        assert_eq!(
+            body_pointer(br#"{"n":12"#, "/n"),
+            None,
+            "a number cut short may be longer"
+        );
     }
 }

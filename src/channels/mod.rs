@@ -5,4 +5,5 @@ pub mod admin;
 pub mod guard;
 pub mod http;
 pub mod options;
+pub mod secrets;
 pub mod sql;

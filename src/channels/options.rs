@@ -47,7 +47,17 @@ pub struct ChannelOptions {
     pub retry: RetryPolicy,
     pub classify: Overrides,
     pub max_in_flight: u32,
+    /// The tenants that may enqueue on the channel; `["*"]` (the default): every tenant.
+    pub tenants: Vec<String>,
+    /// Most bytes of a response body the worker reads (for the external id); the rest of a
+    /// longer body is not read.
+    pub max_response_bytes: u64,
 }
+
+/// The default of `max_response_bytes`: enough for any provider's JSON acknowledgement.
+pub const DEFAULT_MAX_RESPONSE_BYTES: u64 = 64 * 1024;
+/// The largest `max_response_bytes` a channel may set.
+pub const MAX_RESPONSE_BYTES: u64 = 16 * 1024 * 1024;
 
 /// How a channel performs its effect.
 #[derive(Debug, Clone, PartialEq)]
@@ -63,6 +73,7 @@ pub enum Kind {
 /// Options that only mean something for an HTTP channel.
 const HTTP_ONLY: &[&str] = &[
     "method",
+    "max_response_bytes",
     "headers",
     "idempotency_header",
     "idempotency_window_ms",
@@ -104,6 +115,8 @@ const KNOWN_KEYS: &[&str] = &[
     "max_in_flight",
     "function",
     "run_as",
+    "tenants",
+    "max_response_bytes",
 ];
 
 const METHODS: &[&str] = &["POST", "PUT", "PATCH", "GET", "DELETE"];
@@ -124,6 +137,8 @@ impl Default for ChannelOptions {
             retry: RetryPolicy::default(),
             classify: Overrides::default(),
             max_in_flight: 64,
+            tenants: vec!["*".into()],
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
         }
     }
 }
@@ -154,7 +169,13 @@ pub const MAX_HEADERS_TOTAL_BYTES: usize = 16384;
 /// Checks that `endpoint` is an absolute http(s) URL with a host.
 pub fn validate_endpoint(option: &str, endpoint: &str) -> Result<(), OptionError> {
     let url = reqwest::Url::parse(endpoint).map_err(|e| {
-        OptionError::new(option, format!("\"{endpoint}\" is not a valid URL ({e})"))
+        OptionError::new(
+            option,
+            format!(
+                "\"{}\" is not a valid URL ({e})",
+                super::secrets::mask_url(endpoint)
+            ),
+        )
     })?;
     if url.scheme() != "http" && url.scheme() != "https" {
         return Err(OptionError::new(
@@ -290,6 +311,10 @@ impl ChannelOptions {
                         .map_err(|e| OptionError::new(e.field, e.message))?
                 }
                 "max_in_flight" => o.max_in_flight = positive_int(key, value, 10_000)? as u32,
+                "tenants" => o.tenants = parse_tenants(value)?,
+                "max_response_bytes" => {
+                    o.max_response_bytes = positive_int(key, value, MAX_RESPONSE_BYTES)?
+                }
                 _ => unreachable!("unknown keys were rejected above"),
             }
         }
@@ -335,6 +360,7 @@ impl ChannelOptions {
                 "connect_timeout_ms": self.connect_timeout_ms,
                 "retry": self.retry.to_json(),
                 "max_in_flight": self.max_in_flight,
+                "tenants": self.tenants,
             });
         }
         json!({
@@ -357,6 +383,8 @@ impl ChannelOptions {
             "retry": self.retry.to_json(),
             "classify": self.classify.to_json(),
             "max_in_flight": self.max_in_flight,
+            "tenants": self.tenants,
+            "max_response_bytes": self.max_response_bytes,
         })
     }
 
@@ -433,6 +461,53 @@ fn sql_kind(obj: &Map<String, Value>) -> Result<Kind, OptionError> {
         }
     };
     Ok(Kind::Sql { function, run_as })
+}
+
+/// Most tenants a channel may list.
+pub const MAX_TENANTS: usize = 1000;
+
+/// `tenants`: `["*"]`, or a non-empty array of distinct tenant names (the rule of
+/// `tenancy::check_tenant_name`).
+fn parse_tenants(v: &Value) -> Result<Vec<String>, OptionError> {
+    let hint = "must be [\"*\"] (every tenant) or an array of tenant names";
+    let items = v
+        .as_array()
+        .ok_or_else(|| OptionError::new("tenants", format!("{hint}, not {v}")))?;
+    if items.is_empty() || items.len() > MAX_TENANTS {
+        return Err(OptionError::new(
+            "tenants",
+            format!(
+                "{hint} (1 to {MAX_TENANTS} of them), not {} entries",
+                items.len()
+            ),
+        ));
+    }
+    let mut tenants: Vec<String> = Vec::with_capacity(items.len());
+    for item in items {
+        let name = item.as_str().ok_or_else(|| {
+            OptionError::new("tenants", format!("{hint}; {item} is not a string"))
+        })?;
+        if crate::tenancy::check_tenant_name(Some(name), "tenants", true).is_err() {
+            return Err(OptionError::new(
+                "tenants",
+                format!(
+                    "\"{}\" is not a tenant name (1 to {} bytes, no control characters)",
+                    name.escape_debug(),
+                    crate::tenancy::MAX_TENANT_BYTES
+                ),
+            ));
+        }
+        if !tenants.iter().any(|t| t == name) {
+            tenants.push(name.to_string());
+        }
+    }
+    if tenants.len() > 1 && tenants.iter().any(|t| t == "*") {
+        return Err(OptionError::new(
+            "tenants",
+            "\"*\" already means every tenant; list it alone",
+        ));
+    }
+    Ok(tenants)
 }
 
 /// `headers.<name>` for messages, the name cut short if it is very long.
@@ -573,6 +648,50 @@ mod tests {
 
     fn err(v: Value) -> OptionError {
         ChannelOptions::from_json(&v).unwrap_err()
+    }
+
+    #[test]
+    fn response_bodies_are_bounded() {
+        let o = ChannelOptions::from_json(&json!({})).unwrap();
+        assert_eq!(o.max_response_bytes, 65536);
+        let o = ChannelOptions::from_json(&json!({"max_response_bytes": 1})).unwrap();
+        assert_eq!(o.max_response_bytes, 1);
+        assert_eq!(ChannelOptions::from_json(&o.to_json()).unwrap(), o);
+        for bad in [json!(0), json!(16 * 1024 * 1024 + 1), json!("1"), json!(-1)] {
+            assert_eq!(
+                err(json!({ "max_response_bytes": bad })).option,
+                "max_response_bytes"
+            );
+        }
+        let sql =
+            json!({"kind": "sql", "function": "a.f", "run_as": "r", "max_response_bytes": 10});
+        assert_eq!(err(sql).option, "max_response_bytes");
+    }
+
+    #[test]
+    fn tenants_lists_who_may_enqueue() {
+        let o = ChannelOptions::from_json(&json!({})).unwrap();
+        assert_eq!(o.tenants, vec!["*".to_string()]);
+        let o = ChannelOptions::from_json(&json!({"tenants": ["b", "a", "b"]})).unwrap();
+        assert_eq!(o.tenants, vec!["b".to_string(), "a".to_string()]);
+        assert_eq!(ChannelOptions::from_json(&o.to_json()).unwrap(), o);
+        let sql = json!({"kind": "sql", "function": "app.f", "run_as": "r", "tenants": ["a"]});
+        let o = ChannelOptions::from_json(&sql).unwrap();
+        assert_eq!(o.tenants, vec!["a".to_string()]);
+        assert_eq!(ChannelOptions::from_json(&o.to_json()).unwrap(), o);
+        for bad in [
+            json!("a"),
+            json!([]),
+            json!([1]),
+            json!([""]),
+            json!(["a\nb"]),
+            json!(["*", "a"]),
+            json!(["t".repeat(129)]),
+            json!({"a": true}),
+        ] {
+            let e = err(json!({ "tenants": bad.clone() }));
+            assert_eq!(e.option, "tenants", "{bad}");
+        }
     }
 
     #[test]

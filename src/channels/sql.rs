@@ -9,9 +9,12 @@
 //! classified and recorded without touching the rest of the batch.
 
 use crate::classify::Class;
+use crate::tenancy::{within_effect, EffectScope};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
+use std::cell::RefCell;
+use std::ffi::{CStr, CString};
 use std::panic::AssertUnwindSafe;
 
 /// The function a channel names, resolved by its exact signature; its owner and whether
@@ -39,8 +42,18 @@ SELECT outbox._caller_is_superuser()
 /// The oid of a role an effect may run as: it exists and is not a superuser.
 const RUN_AS_ROLE: &str = "SELECT oid FROM pg_catalog.pg_roles WHERE rolname = $1 AND NOT rolsuper";
 
-const SET_TIMEOUT: &str = "SELECT pg_catalog.set_config('statement_timeout', $1, true)";
-const CLEAR_TIMEOUT: &str = "SELECT pg_catalog.set_config('statement_timeout', '0', true)";
+thread_local! {
+    /// The search path effects run under: the database's own (its default, or what
+    /// `ALTER DATABASE … SET search_path` made it), taken before the worker pinned its own.
+    static EFFECT_SEARCH_PATH: RefCell<CString> = RefCell::new(CString::from(c"\"$user\", public"));
+}
+
+/// Remembers the search path effects run under (see [`EFFECT_SEARCH_PATH`]).
+pub fn set_effect_search_path(path: &str) {
+    if let Ok(path) = CString::new(path) {
+        EFFECT_SEARCH_PATH.with(|p| *p.borrow_mut() = path);
+    }
+}
 
 /// Serialization failures, deadlocks, lock timeouts and query cancels are worth another
 /// try; every other error of an effect is permanent.
@@ -83,12 +96,37 @@ pub enum EffectOutcome {
     Unavailable(String),
 }
 
-/// Calls `function(payload, effect_key)` as `run_as` in a subtransaction of the current
-/// transaction. On error the subtransaction is rolled back and the error returned.
+/// Sets a setting until the current GUC nest level is closed.
+///
+/// # Safety
+/// Inside a transaction, after `NewGUCNestLevel`.
+unsafe fn set_in_nest(name: &CStr, value: &CStr) {
+    pg_sys::set_config_option(
+        name.as_ptr(),
+        value.as_ptr(),
+        pg_sys::GucContext::PGC_USERSET,
+        pg_sys::GucSource::PGC_S_SESSION,
+        pg_sys::GucAction::GUC_ACTION_SAVE,
+        true,
+        0,
+        false,
+    );
+}
+
+/// Calls `function(payload, effect_key)` as `run_as`, for `tenant` alone, in a
+/// subtransaction of the current transaction. On error the subtransaction is rolled back
+/// and the error returned.
+///
+/// The call has a GUC nest level of its own, closed as an abort closes it: no setting the
+/// effect changes outlives the call, not even one changed with `set_config(…, false)` or a
+/// plain `SET`. The effect runs under the database's search path (the worker's own is
+/// pinned), and the tenancy checks it reaches see `run_as` and `tenant`
+/// (`tenancy::within_effect`).
 pub fn call_effect(
     client: &mut SpiClient<'_>,
     function: &str,
     run_as: &str,
+    tenant: &str,
     timeout_ms: u64,
     payload: &str,
     effect_key: &str,
@@ -102,23 +140,27 @@ pub fn call_effect(
             "role \"{run_as}\" (run_as) no longer exists or has become a superuser"
         )));
     };
-    let timeout = timeout_ms.to_string();
+    let timeout = CString::new(timeout_ms.to_string()).unwrap_or_default();
     let spi_error = |e: pgrx::spi::Error| ("XX000".to_string(), e.to_string());
+    let scope = EffectScope {
+        role,
+        tenant: tenant.to_string(),
+    };
 
     unsafe {
         let outer_context = pg_sys::CurrentMemoryContext;
         let outer_owner = pg_sys::CurrentResourceOwner;
         pg_sys::BeginInternalSubTransaction(std::ptr::null());
         pg_sys::MemoryContextSwitchTo(outer_context);
+        let nest = pg_sys::NewGUCNestLevel();
 
         // Everything runs as run_as, restricted (it cannot SET ROLE its way out): even the
         // lookup of the function, which needs run_as's USAGE on its schema.
         let result = PgTryBuilder::new(AssertUnwindSafe(
             || -> Result<EffectOutcome, (String, String)> {
-                client
-                    .update(SET_TIMEOUT, None, &[timeout.as_str().into()])
-                    .map_err(spi_error)?;
-                let outcome = crate::worker::identity::as_role(role, || {
+                set_in_nest(c"statement_timeout", &timeout);
+                EFFECT_SEARCH_PATH.with(|p| set_in_nest(c"search_path", &p.borrow()));
+                let outcome = within_effect(scope, || crate::worker::identity::as_role(role, || {
                     let found = client.select(FIND_FUNCTION, Some(1), &[function.into()])?;
                     if found.is_empty() {
                         return Ok(EffectOutcome::Unavailable(format!(
@@ -139,9 +181,11 @@ pub fn call_effect(
                         .update(call.as_str(), Some(1), &[payload.into(), effect_key.into()])
                         .and_then(|rows| rows.first().get_one::<String>())
                         .map(EffectOutcome::Returned)
-                })
+                }))
                 .map_err(spi_error)?;
-                client.update(CLEAR_TIMEOUT, None, &[]).map_err(spi_error)?;
+                // Every setting of the call, SET and set_config(…, false) included, goes
+                // back to what it was: the worker's session keeps none of them.
+                pg_sys::AtEOXact_GUC(false, nest);
                 Ok(outcome)
             },
         ))

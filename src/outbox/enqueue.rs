@@ -27,6 +27,7 @@ use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
 use std::ffi::CStr;
+use std::rc::Rc;
 
 /// The arguments, in the order of the SQL signature.
 const CHANNEL_NAME: usize = 0;
@@ -65,35 +66,72 @@ thread_local! {
         &[pg_sys::INT4OID, pg_sys::JSONBOID, pg_sys::TEXTOID, pg_sys::TEXTOID],
     ) };
 
-    /// A channel's id and whether it is paused, by name.
+    /// A channel by name: its id, whether it is paused, the tenants it serves (`tenants`,
+    /// a JSON array) and the headers that carry the effect key on it.
     static CHANNEL: PinnedStatement = const { PinnedStatement::new(
-        c"SELECT c.id, c.paused FROM outbox._channels c WHERE c.name OPERATOR(pg_catalog.=) $1",
+        c"SELECT c.id, c.paused,
+                 (c.options OPERATOR(pg_catalog.->) 'tenants')::pg_catalog.text,
+                 c.options OPERATOR(pg_catalog.->>) 'idempotency_header',
+                 c.options OPERATOR(pg_catalog.->>) 'reference_header'
+            FROM outbox._channels c WHERE c.name OPERATOR(pg_catalog.=) $1",
         &[pg_sys::TEXTOID],
     ) };
 
     /// Channels by name.
-    static CHANNELS: SessionCache<String, Channel> = SessionCache::new();
+    static CHANNELS: SessionCache<String, Rc<Channel>> = SessionCache::new();
 }
 
 /// What enqueue needs of a channel.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Channel {
     id: i32,
     /// A paused channel sends nothing: no worker needs to wake for it (resume_channel wakes
     /// them).
     paused: bool,
+    /// The tenants that may enqueue on it; `None`: every tenant (`["*"]`, the default).
+    tenants: Option<Vec<String>>,
+    /// Its idempotency and reference headers, which a message may not set.
+    key_headers: Vec<String>,
+}
+
+impl Channel {
+    fn serves(&self, tenant: &str) -> bool {
+        self.tenants
+            .as_ref()
+            .is_none_or(|tenants| tenants.iter().any(|t| t == tenant))
+    }
+}
+
+/// The `tenants` option as stored (validated by `create_channel`); `None` for every tenant.
+/// A value that is not an array of strings (a row changed by hand) serves no tenant.
+fn served_tenants(text: Option<String>) -> Option<Vec<String>> {
+    let text = text?;
+    let tenants: Vec<String> = serde_json::from_str(&text).unwrap_or_default();
+    (!tenants.iter().any(|t| t == "*")).then_some(tenants)
+}
+
+/// A text column of the last statement's row 0, copied out of SPI's memory.
+unsafe fn text_column(n: i32) -> Option<String> {
+    pinned_statement::column(0, n).and_then(|d| String::from_datum(d, false))
 }
 
 /// The channel named `name`; 42704 if there is none.
-fn channel(name: Option<&str>) -> Channel {
+fn channel(name: Option<&str>) -> Rc<Channel> {
     let read = |name: &str| unsafe {
         pinned_statement::connected(|| {
             CHANNEL.with(|s| s.execute(&[Some(text_datum(name))]));
-            (pinned_statement::rows() == 1).then(|| Channel {
-                id: pinned_statement::column(0, 1)
-                    .expect("id is NOT NULL")
-                    .value() as i32,
-                paused: pinned_statement::column(0, 2).is_some_and(|d| d.value() != 0),
+            (pinned_statement::rows() == 1).then(|| {
+                Rc::new(Channel {
+                    id: pinned_statement::column(0, 1)
+                        .expect("id is NOT NULL")
+                        .value() as i32,
+                    paused: pinned_statement::column(0, 2).is_some_and(|d| d.value() != 0),
+                    tenants: served_tenants(text_column(3)),
+                    key_headers: [text_column(4), text_column(5)]
+                        .into_iter()
+                        .flatten()
+                        .collect(),
+                })
             })
         })
     };
@@ -109,6 +147,22 @@ fn channel(name: Option<&str>) -> Channel {
         unreachable!("an ERROR report does not return")
     };
     channel
+}
+
+/// Refuses an enqueue on a channel that does not serve the tenant (42501). The message
+/// names neither the tenants the channel serves nor any other option.
+fn not_served(channel: &str, tenant: &str) -> ! {
+    ErrorReport::new(
+        PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+        format!("tenant \"{tenant}\" may not enqueue on channel \"{channel}\""),
+        "outbox_delivery",
+    )
+    .set_detail("The channel's option tenants does not list this tenant.")
+    .set_hint(
+        "An outbox_admin adds the tenant with outbox.alter_channel(name, '{\"tenants\": [...]}').",
+    )
+    .report(PgLogLevel::ERROR);
+    unreachable!("an ERROR report does not return")
 }
 
 #[no_mangle]
@@ -144,8 +198,19 @@ pub unsafe extern "C-unwind" fn outbox_enqueue(fcinfo: pg_sys::FunctionCallInfo)
     ) {
         refusal.raise();
     }
-    let tenant = text_datum(&tenancy::acting_tenant_of_caller());
-    let channel = channel(pg_getarg(fcinfo, CHANNEL_NAME));
+    let acting = tenancy::acting_tenant_of_caller();
+    let channel_name: Option<&str> = pg_getarg(fcinfo, CHANNEL_NAME);
+    let channel = channel(channel_name);
+    if !channel.serves(&acting) {
+        not_served(channel_name.unwrap_or_default(), &acting);
+    }
+    if let (Some(text), false) = (&headers_text, channel.key_headers.is_empty()) {
+        let keys: Vec<&str> = channel.key_headers.iter().map(String::as_str).collect();
+        if let Err(refusal) = enqueue_check::check_reserved_headers(text, &keys) {
+            refusal.raise();
+        }
+    }
+    let tenant = text_datum(&acting);
     let channel_id = Some(pg_sys::Datum::from(channel.id));
 
     let inserted = pinned_statement::connected(|| {

@@ -255,6 +255,78 @@ pub fn check_headers(headers: &str) -> Result<(), Refusal> {
     Ok(())
 }
 
+/// Headers that frame or route a request. The transport writes them, from the payload and
+/// the endpoint; a message that set them could cut its own body short (`Content-Length`),
+/// smuggle a second request, or pose as another client to the provider's proxies.
+const FRAMING_OR_ROUTING: &[&str] = &[
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "upgrade",
+    "te",
+    "trailer",
+    "expect",
+    "forwarded",
+];
+/// Prefixes of routing headers (`Proxy-Authorization`, `X-Forwarded-For`, …).
+const ROUTING_PREFIXES: &[&str] = &["proxy-", "x-forwarded-"];
+/// The headers of a Standard Webhooks signature, written from the channel's secrets.
+const SIGNING: &[&str] = &["webhook-id", "webhook-timestamp", "webhook-signature"];
+
+/// Why a message may not set header `name`, if it may not. `key_headers` are the channel's
+/// idempotency and reference headers, which carry the effect key and nothing else.
+pub fn reserved_header(name: &str, key_headers: &[&str]) -> Option<&'static str> {
+    let lower = name.to_ascii_lowercase();
+    if FRAMING_OR_ROUTING.contains(&lower.as_str())
+        || ROUTING_PREFIXES.iter().any(|p| lower.starts_with(p))
+    {
+        return Some("frames or routes the request; the transport sets it");
+    }
+    if SIGNING.contains(&lower.as_str()) {
+        return Some("belongs to the request's signature; the channel's signing sets it");
+    }
+    if key_headers.iter().any(|k| k.eq_ignore_ascii_case(name)) {
+        return Some("carries the effect key on this channel; the worker sets it");
+    }
+    None
+}
+
+/// The first header name of `headers` (a JSON object's text, already checked) that a
+/// message may not set on a channel with these key headers: refused with 22023.
+pub fn check_reserved_headers(headers: &str, key_headers: &[&str]) -> Result<(), Refusal> {
+    let Ok(names) =
+        serde_json::from_str::<std::collections::BTreeMap<String, serde::de::IgnoredAny>>(headers)
+    else {
+        return Ok(()); // refused by check_headers already
+    };
+    let mut names: Vec<&String> = names.keys().collect();
+    names.sort_by(|a, b| {
+        a.len()
+            .cmp(&b.len())
+            .then_with(|| a.as_bytes().cmp(b.as_bytes()))
+    });
+    for name in names {
+        if let Some(why) = reserved_header(name, key_headers) {
+            return Err(Refusal::invalid(
+                format!(
+                    "headers: \"{}\" may not be set by a message: it {why}",
+                    left(name, 64)
+                ),
+                Some(
+                    "Messages may not set Host, Content-Length, Transfer-Encoding, Connection, \
+                     Keep-Alive, Upgrade, TE, Trailer, Expect, Forwarded, Proxy-*, X-Forwarded-*, \
+                     the signing headers or the channel's idempotency and reference headers."
+                        .into(),
+                ),
+                Some("Leave it out: the request carries the right value without it."),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Everything `enqueue` checks before it writes, in the order it reports the first problem.
 pub fn check(
     effect_key: Option<&str>,
@@ -276,7 +348,7 @@ pub fn check(
     check_ordering_key(ordering_key)?;
     check_payload(payload_bytes, max_payload_bytes)?;
     match headers {
-        Some(h) => check_headers(h),
+        Some(h) => check_headers(h).and_then(|()| check_reserved_headers(h, &[])),
         None => Ok(()),
     }
 }
@@ -374,6 +446,65 @@ mod tests {
             e.sqlstate(),
             PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE
         );
+    }
+
+    #[test]
+    fn framing_routing_signing_and_key_headers_are_reserved() {
+        for name in [
+            "Host",
+            "host",
+            "Content-Length",
+            "Transfer-Encoding",
+            "Connection",
+            "Keep-Alive",
+            "Upgrade",
+            "TE",
+            "Trailer",
+            "Expect",
+            "Forwarded",
+            "Proxy-Authorization",
+            "proxy-connection",
+            "X-Forwarded-For",
+            "x-forwarded-host",
+            "webhook-id",
+            "Webhook-Signature",
+            "webhook-timestamp",
+        ] {
+            assert!(reserved_header(name, &[]).is_some(), "{name}");
+            let e = check(
+                Some("k"),
+                None,
+                false,
+                Some(2),
+                100,
+                Some(&json!({ name: "v" }).to_string()),
+            )
+            .unwrap_err();
+            assert_eq!(
+                e.sqlstate(),
+                PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE
+            );
+            assert!(
+                e.message.contains(&format!("\"{name}\" may not be set")),
+                "{}",
+                e.message
+            );
+        }
+        for name in [
+            "X-Request-Id",
+            "Authorization-Extra",
+            "Hostname",
+            "X-Forwarded",
+            "Tea",
+        ] {
+            assert_eq!(reserved_header(name, &[]), None, "{name}");
+        }
+        let keys = ["Idempotency-Key", "X-Ref"];
+        assert!(reserved_header("idempotency-key", &keys).is_some());
+        assert!(reserved_header("X-REF", &keys).is_some());
+        assert_eq!(reserved_header("X-Other", &keys), None);
+        assert!(check_reserved_headers(r#"{"X-A": "1", "Idempotency-Key": "x"}"#, &keys).is_err());
+        assert!(check_reserved_headers(r#"{"X-A": "1"}"#, &keys).is_ok());
     }
 
     #[test]

@@ -13,7 +13,7 @@
 
 use super::super::channels::options::{ChannelOptions, ReconcileConfig};
 use crate::channels::guard::AllowList;
-use crate::channels::http::{body_pointer, check_request, refusal_in};
+use crate::channels::http::{body_pointer, check_request, describe, read_body, refusal_in};
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -266,7 +266,7 @@ pub async fn lookup(
         Ok(r) => r,
         Err(e) => {
             return Lookup::Unavailable {
-                error: format!("lookup request could not be built: {e}"),
+                error: format!("lookup request could not be built: {}", describe(&e)),
                 http_status: None,
             }
         }
@@ -283,8 +283,9 @@ pub async fn lookup(
             let error = match refusal_in(&e) {
                 Some(refusal) => format!("lookup not sent: {refusal}"),
                 None => format!(
-                    "lookup failed after {} ms: {e}",
-                    started.elapsed().as_millis()
+                    "lookup failed after {} ms: {}",
+                    started.elapsed().as_millis(),
+                    describe(&e)
                 ),
             };
             return Lookup::Unavailable {
@@ -294,12 +295,25 @@ pub async fn lookup(
         }
     };
     let status = response.status().as_u16();
-    match response.bytes().await {
-        Ok(body) => interpret(status, &body, &config),
-        Err(e) => Lookup::Unavailable {
+    let mut response = response;
+    let (body, over_limit, read_error) =
+        read_body(&mut response, options.max_response_bytes as usize).await;
+    drop(response);
+    match read_error {
+        // A "found" read from a body cut short could be wrong: no verdict.
+        None if over_limit && config.found.is_some() => Lookup::Unavailable {
             error: format!(
-                "lookup answer unreadable after {} ms: {e}",
-                started.elapsed().as_millis()
+                "lookup answer longer than max_response_bytes ({}); its \"found\" was not read",
+                options.max_response_bytes
+            ),
+            http_status: Some(status),
+        },
+        None => interpret(status, &body, &config),
+        Some(e) => Lookup::Unavailable {
+            error: format!(
+                "lookup answer unreadable after {} ms: {}",
+                started.elapsed().as_millis(),
+                describe(&e)
             ),
             http_status: Some(status),
         },

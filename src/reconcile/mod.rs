@@ -148,13 +148,36 @@ pub fn record_lookup(
 }
 
 thread_local! {
-    /// A backend's own runtime for on-demand lookups; built on first use.
+    /// A backend's own runtime for on-demand lookups: one I/O thread, built on first use.
     static BACKEND_RUNTIME: RefCell<Option<tokio::runtime::Runtime>> = const { RefCell::new(None) };
 }
 
-/// Runs a lookup from a backend: all signals stay blocked while the request runs (they are
-/// delivered right after), and the request is bounded by the channel's timeout and held to
-/// this session's `outbox.allowed_hosts`.
+/// How often a backend waiting for a lookup looks at its interrupts (a cancel, a terminate,
+/// `statement_timeout`) and at the lookup.
+const INTERRUPT_CHECK: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// Builds a runtime whose threads block every signal: the backend's signals (SIGINT for a
+/// cancel, SIGTERM, SIGALRM for `statement_timeout`) must reach its main thread, where
+/// PostgreSQL's handlers run. The main thread itself keeps its signals.
+fn backend_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    crate::worker::runtime::build_with_threads(1)
+}
+
+/// Ends a lookup that is still running when the backend stops waiting for it (an error
+/// raised by an interrupt unwinds through here).
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Runs a lookup from a backend. The request runs on the runtime's I/O thread; the backend
+/// waits on its latch and checks for interrupts every [`INTERRUPT_CHECK`], so that a
+/// cancel, a terminate or `statement_timeout` ends the call at once (the transaction is
+/// rolled back: nothing of the lookup is recorded). The request is bounded by the
+/// channel's timeout and held to this session's `outbox.allowed_hosts`.
 fn lookup_from_backend(options: &ChannelOptions, url: String, subject: Subject) -> Lookup {
     let allowed = match AllowList::parse(&gucs::allowed_hosts()) {
         Ok(list) => Arc::new(list),
@@ -179,34 +202,51 @@ fn lookup_from_backend(options: &ChannelOptions, url: String, subject: Subject) 
             }
         }
     };
-    let previous = crate::worker::runtime::block_all_signals();
-    let result = BACKEND_RUNTIME.with(|cell| {
+    let (answer, mut answered) = tokio::sync::oneshot::channel();
+    let request = lookup::lookup(client, options.clone(), url, subject, allowed);
+    let spawned = BACKEND_RUNTIME.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.is_none() {
-            *slot = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .on_thread_start(|| {
-                    crate::worker::runtime::block_all_signals();
-                })
-                .build()
-                .ok();
+            *slot = backend_runtime().ok();
         }
-        match slot.as_ref() {
-            Some(rt) => rt.block_on(lookup::lookup(
-                client,
-                options.clone(),
-                url,
-                subject,
-                allowed,
-            )),
-            None => Lookup::Unavailable {
-                error: "no runtime for the lookup".into(),
-                http_status: None,
-            },
-        }
+        slot.as_ref().map(|rt| {
+            rt.spawn(async move {
+                let _ = answer.send(request.await);
+            })
+            .abort_handle()
+        })
     });
-    crate::worker::runtime::restore_signals(&previous);
-    result
+    let Some(task) = spawned else {
+        return Lookup::Unavailable {
+            error: "no runtime for the lookup".into(),
+            http_status: None,
+        };
+    };
+    let _abort = AbortOnDrop(task);
+    loop {
+        match answered.try_recv() {
+            Ok(result) => return result,
+            Err(tokio::sync::oneshot::error::TryRecvError::Closed) => {
+                return Lookup::Unavailable {
+                    error: "the lookup ended without an answer".into(),
+                    http_status: None,
+                }
+            }
+            Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
+        }
+        unsafe {
+            pgrx::pg_sys::WaitLatch(
+                pgrx::pg_sys::MyLatch,
+                (pgrx::pg_sys::WL_LATCH_SET
+                    | pgrx::pg_sys::WL_TIMEOUT
+                    | pgrx::pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+                INTERRUPT_CHECK.as_millis() as std::ffi::c_long,
+                pgrx::pg_sys::PG_WAIT_EXTENSION,
+            );
+            pgrx::pg_sys::ResetLatch(pgrx::pg_sys::MyLatch);
+        }
+        pgrx::pg_sys::check_for_interrupts!();
+    }
 }
 
 fn unknown_message(id: i64) -> ! {

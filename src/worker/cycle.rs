@@ -337,6 +337,7 @@ impl Worker {
                             client,
                             function,
                             run_as,
+                            &job.tenant,
                             options.timeout_ms,
                             &job.payload,
                             &job.effect_key,
@@ -513,6 +514,12 @@ impl Worker {
                 let value = value
                     .as_str()
                     .ok_or_else(|| format!("message header \"{name}\" is not a string"))?;
+                // enqueue refuses these; a row written otherwise is not sent with them.
+                if let Some(why) = crate::outbox::enqueue_check::reserved_header(name, &[]) {
+                    return Err(format!(
+                        "message header \"{name}\" may not be set: it {why}"
+                    ));
+                }
                 headers.push((name.clone(), value.to_string()));
             }
         }
@@ -542,6 +549,7 @@ impl Worker {
                 body: job.payload.clone(),
                 timeout: Duration::from_millis(options.timeout_ms),
                 external_id: options.external_id.clone(),
+                max_response_bytes: options.max_response_bytes as usize,
             },
         ))
     }

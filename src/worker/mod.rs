@@ -23,6 +23,7 @@ use pgrx::bgworkers::{
 };
 use pgrx::pg_sys;
 use pgrx::prelude::*;
+use std::ffi::CStr;
 use std::time::{Duration, Instant};
 
 /// How long the postmaster waits before restarting a worker that exited with an error.
@@ -97,6 +98,34 @@ fn log_settings(index: usize) {
         gucs::ledger_retention_s(),
         gucs::fault_injection().as_str()
     );
+}
+
+/// The search path of the worker's own statements. No schema that anyone but the extension's
+/// owner can create in is on it: a function or operator planted under a built-in's name (in
+/// `public`, say) is never resolved by the worker's statements, which run as a role that
+/// bypasses row-level security.
+pub const PINNED_SEARCH_PATH: &CStr = c"pg_catalog, outbox, pg_temp";
+
+/// Pins the session's search path to [`PINNED_SEARCH_PATH`], after handing the database's
+/// own path (its default, or `ALTER DATABASE … SET search_path`) to the `sql` effects, which
+/// run under it. A session-level setting outranks the database's and the role's; effects
+/// cannot change it for longer than their call (`channels::sql::call_effect`), and the kept
+/// statements set it again for every run (`prepared::run`).
+fn pin_search_path() {
+    unsafe {
+        let current = pg_sys::GetConfigOption(c"search_path".as_ptr(), true, false);
+        if !current.is_null() {
+            crate::channels::sql::set_effect_search_path(
+                &CStr::from_ptr(current).to_string_lossy(),
+            );
+        }
+        pg_sys::SetConfigOption(
+            c"search_path".as_ptr(),
+            PINNED_SEARCH_PATH.as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+        );
+    }
 }
 
 /// Reloads the configuration after SIGHUP; true when it did.
@@ -208,6 +237,7 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
             pg_sys::GucSource::PGC_S_OVERRIDE,
         );
     }
+    pin_search_path();
 
     // Sockets to providers must not take the descriptors PostgreSQL counts on: a batch in
     // flight, and as many idle connections kept for the next one.

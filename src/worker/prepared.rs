@@ -23,7 +23,9 @@
 //! through an index, a batch at a time, and with statistics that lag a fast-growing table
 //! the planner may prefer a sequential scan of the whole attempt table to 200 index probes,
 //! a cost that grows with every delivery (a table without a usable index is still
-//! scanned). Both settings hold for the run of the statement only; statements of other code
+//! scanned). Each also runs under the worker's pinned search path (`PINNED_SEARCH_PATH`), so
+//! that a plan made again after an invalidation resolves the same functions and operators.
+//! These settings hold for the run of the statement only; statements of other code
 //! in the worker (the functions of `sql` effects) plan with the server's settings.
 
 use pgrx::datum::DatumWithOid;
@@ -98,6 +100,9 @@ pub fn run<'conn>(
         let nest = pg_sys::NewGUCNestLevel();
         set(c"plan_cache_mode", statement.plan.plan_cache_mode());
         set(c"enable_seqscan", c"off");
+        // Analysed again (after an invalidation) under this path alone, whatever the
+        // session's path has become.
+        set(c"search_path", super::PINNED_SEARCH_PATH);
         // Kept statements are prepared as mutating: each runs with a fresh snapshot that
         // sees the transaction's earlier writes, whether it reads or writes.
         let rows = client.select(kept, limit, args);

@@ -19,12 +19,18 @@ pub fn restore_signals(previous: &libc::sigset_t) {
     }
 }
 
-/// Builds the runtime while all signals are blocked, so that every thread it spawns, now
-/// or later, inherits a full signal mask.
+/// Builds the worker's runtime (see [`build_with_threads`]).
 pub fn build() -> std::io::Result<tokio::runtime::Runtime> {
+    build_with_threads(2)
+}
+
+/// Builds a runtime of `threads` I/O threads while all signals are blocked, so that every
+/// thread it spawns, now or later, inherits a full signal mask; the calling thread's mask is
+/// restored.
+pub fn build_with_threads(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
     let previous = block_all_signals();
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(threads)
         .max_blocking_threads(2)
         .thread_name("outbox-http")
         .thread_keep_alive(Duration::from_secs(600))

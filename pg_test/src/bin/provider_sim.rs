@@ -3,13 +3,15 @@
 //!
 //! ```text
 //! provider-sim [--port 8788] [--dedupe-header Idempotency-Key]
-//!              [--random drop=0.05,503=0.05,429=0.02,retry_after=1,seed=7]
+//!              [--random drop=0.05,503=0.05,429=0.02,retry_after=1,seed=7 | --answer-bytes N]
 //!              [--no-record-bodies] [--no-record-requests] [--quiet]
 //! ```
 //!
-//! Every channel gets the default given on the command line (`Accept`, or the random
-//! faults). Prints `listening on 127.0.0.1:PORT` first (flushed, so scripts can wait for
-//! it), then one line per request unless `--quiet`, and runs until SIGTERM or SIGINT.
+//! Every channel gets the default given on the command line (`Accept`, the random faults,
+//! or with `--answer-bytes N` `AcceptLarge(N)`: accepts answered with a JSON body of `N`
+//! bytes, the id first, for the response-size benchmarks). Prints
+//! `listening on 127.0.0.1:PORT` first (flushed, so scripts can wait for it), then one
+//! line per request unless `--quiet`, and runs until SIGTERM or SIGINT.
 //! `GET /_stats` and `GET /_requests?channel=X` show what it has seen.
 
 use std::io::Write as _;
@@ -18,13 +20,15 @@ use std::process::ExitCode;
 use outbox_e2e::sim::{Action, RandomFaults, Received, Simulator};
 
 const USAGE: &str = "usage: provider-sim [--port PORT] [--dedupe-header NAME] \
-[--random drop=P,503=P,429=P,retry_after=S,seed=N] [--no-record-bodies] \
+[--random drop=P,503=P,429=P,retry_after=S,seed=N | --answer-bytes N] [--no-record-bodies] \
 [--no-record-requests] [--quiet]";
 
 struct Args {
     port: u16,
     dedupe_header: Option<String>,
     random: Option<RandomFaults>,
+    /// `--answer-bytes N`: the default is `AcceptLarge(N)`.
+    answer_bytes: Option<usize>,
     record_bodies: bool,
     record_requests: bool,
     quiet: bool,
@@ -35,6 +39,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, Stri
         port: 8788,
         dedupe_header: None,
         random: None,
+        answer_bytes: None,
         record_bodies: true,
         record_requests: true,
         quiet: false,
@@ -69,12 +74,22 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, Stri
                 let v = value("--random")?;
                 a.random = Some(RandomFaults::parse(&v).map_err(|e| format!("--random: {e}"))?);
             }
+            "--answer-bytes" => {
+                let v = value("--answer-bytes")?;
+                a.answer_bytes = Some(
+                    v.parse()
+                        .map_err(|_| format!("--answer-bytes: not a byte count: {v:?}"))?,
+                );
+            }
             "--no-record-bodies" => a.record_bodies = false,
             "--no-record-requests" => a.record_requests = false,
             "--quiet" | "-q" => a.quiet = true,
             "--help" | "-h" => return Ok(None),
             other => return Err(format!("unknown argument {other:?}")),
         }
+    }
+    if a.random.is_some() && a.answer_bytes.is_some() {
+        return Err("--random and --answer-bytes are exclusive (both set the default)".into());
     }
     Ok(Some(a))
 }
@@ -127,6 +142,9 @@ fn main() -> ExitCode {
     }
     if let Some(r) = args.random {
         sim.set_default_all(Action::Random(r));
+    }
+    if let Some(n) = args.answer_bytes {
+        sim.set_default_all(Action::AcceptLarge(n));
     }
     if !args.quiet {
         sim.set_observer(|r| {
@@ -202,5 +220,21 @@ mod tests {
         assert!(args("--port x").is_err());
         assert!(args("--bogus").is_err());
         assert!(args("--random drop=2").is_err());
+        assert_eq!(args("--port 1").unwrap().unwrap().answer_bytes, None);
+    }
+
+    #[test]
+    fn parses_answer_bytes() {
+        let a = args("--answer-bytes 10000000 --quiet").unwrap().unwrap();
+        assert_eq!(a.answer_bytes, Some(10_000_000));
+        assert!(a.random.is_none() && a.quiet);
+        assert_eq!(
+            args("--answer-bytes=4096").unwrap().unwrap().answer_bytes,
+            Some(4096)
+        );
+        assert!(args("--answer-bytes").is_err());
+        assert!(args("--answer-bytes -1").is_err());
+        assert!(args("--answer-bytes 10MB").is_err());
+        assert!(args("--answer-bytes 100 --random drop=0.1").is_err());
     }
 }

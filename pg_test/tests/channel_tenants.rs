@@ -1,0 +1,276 @@
+//! Which tenants a channel serves (option `tenants`), and what a message may not set.
+//!
+//! 1. An enqueue by a tenant a channel does not list is refused with 42501 and writes
+//!    nothing; a listed tenant enqueues as before; `["*"]` (the default) serves everyone.
+//! 2. A writer never learns the options of a channel that does not serve it:
+//!    `outbox.channels` does not show it; an admin sees every channel.
+//! 3. Message headers may not set framing or routing headers, the signing headers or the
+//!    channel's key headers (22023, naming the header, nothing written); a row that holds
+//!    one anyway (written by hand) is not sent with it.
+//!
+//! Run: `cargo test -p outbox_e2e --release --test channel_tenants`.
+
+use outbox_e2e::cluster::{code_of, create_channel, ident, unique, wait_for_state, Cluster};
+use outbox_e2e::sim::Simulator;
+use postgres::Client;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(30);
+
+/// A writer role bound to one tenant; dropped with its binding when the test ends.
+struct Writer<'a> {
+    cluster: &'a Cluster,
+    role: String,
+    tenant: String,
+}
+
+impl<'a> Writer<'a> {
+    fn new(cluster: &'a Cluster, tenant: &str) -> Writer<'a> {
+        let role = unique("ct_writer");
+        let mut c = cluster.connect();
+        c.batch_execute(&format!(
+            "CREATE ROLE {} NOLOGIN IN ROLE outbox_writer",
+            ident(&role)
+        ))
+        .expect("create writer");
+        c.execute("SELECT outbox.bind_tenant($1, $2)", &[&role, &tenant])
+            .expect("bind");
+        Writer {
+            cluster,
+            role,
+            tenant: tenant.to_string(),
+        }
+    }
+
+    fn session(&self) -> Client {
+        let mut c = self.cluster.connect();
+        c.batch_execute(&format!("SET ROLE {}", ident(&self.role)))
+            .expect("set role");
+        c
+    }
+
+    fn enqueue(&self, channel: &str, headers: Option<&str>) -> Result<i64, postgres::Error> {
+        let mut c = self.session();
+        c.query_one(
+            "SELECT outbox.enqueue($1, '{}'::jsonb, $2, headers => $3::text::jsonb)",
+            &[&channel, &unique("ct_key"), &headers],
+        )
+        .map(|r| r.get(0))
+    }
+}
+
+impl Drop for Writer<'_> {
+    fn drop(&mut self) {
+        let mut c = self.cluster.connect();
+        let _ = c.execute(
+            "SELECT outbox.unbind_tenant($1, $2)",
+            &[&self.role, &self.tenant],
+        );
+        let _ = c.batch_execute(&format!("DROP ROLE IF EXISTS {}", ident(&self.role)));
+    }
+}
+
+fn messages_of(c: &mut Client, tenant: &str, channel: &str) -> i64 {
+    c.query_one(
+        "SELECT count(*) FROM outbox._messages m JOIN outbox._channels c ON c.id = m.channel_id
+          WHERE m.tenant = $1 AND c.name = $2",
+        &[&tenant, &channel],
+    )
+    .expect("count")
+    .get(0)
+}
+
+fn paused_channel(c: &mut Client, options: &str) -> String {
+    let ch = unique("ct_ch");
+    create_channel(c, &ch, "http://127.0.0.1:9/ct", options);
+    c.execute(
+        "SELECT outbox.pause_channel($1, 'channel tenants test')",
+        &[&ch],
+    )
+    .expect("pause");
+    ch
+}
+
+#[test]
+fn a_tenant_a_channel_does_not_list_may_not_enqueue_on_it() {
+    let cluster = Cluster::from_env();
+    let mut su = cluster.connect();
+    let (a, b) = (unique("cta"), unique("ctb"));
+    let only_a = paused_channel(&mut su, &format!(r#"{{"tenants": ["{a}"]}}"#));
+    let everyone = paused_channel(&mut su, "{}");
+    let (writer_a, writer_b) = (Writer::new(&cluster, &a), Writer::new(&cluster, &b));
+
+    writer_a
+        .enqueue(&only_a, None)
+        .expect("a listed tenant enqueues");
+    let e = writer_b
+        .enqueue(&only_a, None)
+        .expect_err("an unlisted tenant is refused");
+    assert_eq!(code_of(&e), "42501", "{e:?}");
+    let text = e
+        .as_db_error()
+        .map(|d| d.message().to_string())
+        .unwrap_or_default();
+    assert!(
+        !text.contains(&a),
+        "the refusal names the tenants the channel serves: {text}"
+    );
+    assert_eq!(messages_of(&mut su, &b, &only_a), 0, "nothing was written");
+    // A superuser acting for b is refused the same way.
+    let mut tx = su.transaction().expect("tx");
+    tx.execute("SELECT set_config('outbox.tenant', $1, true)", &[&b])
+        .expect("tenant");
+    let e = tx
+        .query_one("SELECT outbox.enqueue($1, '{}'::jsonb, 'k')", &[&only_a])
+        .expect_err("a superuser acting for b is refused");
+    assert_eq!(code_of(&e), "42501");
+    drop(tx);
+    writer_b
+        .enqueue(&everyone, None)
+        .expect("[\"*\"] serves every tenant");
+    // Listing b later lets it in (the session caches are told of the change).
+    su.execute(
+        "SELECT outbox.alter_channel($1, $2::text::jsonb)",
+        &[&only_a, &format!(r#"{{"tenants": ["{a}", "{b}"]}}"#)],
+    )
+    .expect("alter");
+    writer_b.enqueue(&only_a, None).expect("b is listed now");
+}
+
+#[test]
+fn a_writer_sees_only_the_channels_that_serve_its_tenant() {
+    let cluster = Cluster::from_env();
+    let mut su = cluster.connect();
+    let (a, b) = (unique("cta"), unique("ctb"));
+    let only_a = paused_channel(
+        &mut su,
+        &format!(r#"{{"tenants": ["{a}"], "headers": {{"Authorization": "Bearer SECRET-A"}}}}"#),
+    );
+    let everyone = paused_channel(&mut su, "{}");
+    let (writer_a, writer_b) = (Writer::new(&cluster, &a), Writer::new(&cluster, &b));
+    let visible = |c: &mut Client, ch: &str| -> bool {
+        c.query_one(
+            "SELECT count(*) FROM outbox.channels WHERE name = $1",
+            &[&ch],
+        )
+        .expect("channels")
+        .get::<_, i64>(0)
+            == 1
+    };
+    let mut sa = writer_a.session();
+    let mut sb = writer_b.session();
+    assert!(visible(&mut sa, &only_a) && visible(&mut sa, &everyone));
+    assert!(
+        !visible(&mut sb, &only_a),
+        "tenant b's writer sees a channel that serves only a"
+    );
+    assert!(visible(&mut sb, &everyone));
+    let options: String = sa
+        .query_one(
+            "SELECT options::text FROM outbox.channels WHERE name = $1",
+            &[&only_a],
+        )
+        .expect("options")
+        .get(0);
+    assert!(!options.contains("SECRET-A"), "{options}");
+
+    let admin = unique("ct_admin");
+    su.batch_execute(&format!(
+        "CREATE ROLE {} NOLOGIN IN ROLE outbox_admin",
+        ident(&admin)
+    ))
+    .expect("admin");
+    let mut sadmin = cluster.connect();
+    sadmin
+        .batch_execute(&format!("SET ROLE {}", ident(&admin)))
+        .expect("set role");
+    assert!(visible(&mut sadmin, &only_a), "an admin sees every channel");
+    drop(sadmin);
+    su.batch_execute(&format!("DROP ROLE {}", ident(&admin)))
+        .expect("drop");
+}
+
+#[test]
+fn messages_may_not_set_framing_routing_signing_or_key_headers() {
+    let cluster = Cluster::from_env();
+    let mut su = cluster.connect();
+    let t = unique("cth");
+    let ch = paused_channel(
+        &mut su,
+        r#"{"idempotency_header": "Idempotency-Key", "reference_header": "X-Ref"}"#,
+    );
+    let plain = paused_channel(&mut su, "{}");
+    let writer = Writer::new(&cluster, &t);
+    for name in [
+        "Host",
+        "Content-Length",
+        "transfer-encoding",
+        "Connection",
+        "Upgrade",
+        "TE",
+        "Trailer",
+        "Proxy-Authorization",
+        "Forwarded",
+        "X-Forwarded-For",
+        "X-Forwarded-Host",
+        "webhook-signature",
+        "Idempotency-Key",
+        "x-ref",
+    ] {
+        let headers = format!(r#"{{"X-Fine": "1", "{name}": "3"}}"#);
+        let e = writer
+            .enqueue(&ch, Some(&headers))
+            .expect_err(&format!("{name} is refused"));
+        assert_eq!(code_of(&e), "22023", "{name}: {e:?}");
+        let message = e
+            .as_db_error()
+            .map(|d| d.message().to_string())
+            .unwrap_or_default();
+        assert!(
+            message.contains(&format!("\"{name}\"")),
+            "{name}: {message}"
+        );
+    }
+    assert_eq!(messages_of(&mut su, &t, &ch), 0, "nothing was written");
+    // The key headers belong to the channel that sets them.
+    writer
+        .enqueue(
+            &plain,
+            Some(r#"{"Idempotency-Key": "mine", "X-Request-Id": "r"}"#),
+        )
+        .expect("a channel without key headers leaves the name free");
+}
+
+#[test]
+fn a_stored_framing_header_is_not_sent() {
+    let cluster = Cluster::from_env();
+    let mut su = cluster.connect();
+    let sim = Simulator::start();
+    let ch = unique("ct_stored");
+    create_channel(
+        &mut su,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"retry": {"max_attempts": 1}}"#,
+    );
+    // A row written by hand, around enqueue's checks.
+    let id: i64 = su
+        .query_one(
+            "INSERT INTO outbox._messages (tenant, channel_id, effect_key, payload, headers, next_attempt_at)
+             SELECT 'default', c.id, $2, '{\"text\": \"cut me short\"}', '{\"Content-Length\": \"3\"}', now()
+               FROM outbox._channels c WHERE c.name = $1
+             RETURNING id",
+            &[&ch, &unique("ct_key")],
+        )
+        .expect("insert")
+        .get(0);
+    su.execute("SELECT pg_notify('outbox_delivery', '')", &[])
+        .ok();
+    assert!(
+        wait_for_state(&cluster, id, "failed", T),
+        "state: {:?}",
+        outbox_e2e::cluster::state_of(&cluster, id)
+    );
+    assert_eq!(sim.send_count(&ch), 0, "the provider received the request");
+    sim.shutdown();
+}

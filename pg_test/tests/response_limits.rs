@@ -1,0 +1,241 @@
+//! How much of a provider's answer the delivery worker reads: at most the channel's
+//! `max_response_bytes` of each body (65536 by default, at most 16 MiB), the rest left
+//! unread. A 2xx with a longer body is still delivered, with no error, its external id taken
+//! from what was read (a JSON pointer is followed through the start of a document cut
+//! short); the worker's private memory stays bounded while a batch of 10 MB answers comes in.
+//!
+//! Run against the cluster of `scripts/cluster.sh` (settings from `OUTBOX_BASE` /
+//! `OUTBOX_PGPORT`): `cargo test -p outbox_e2e --release --test response_limits --
+//! --test-threads=1 --nocapture`.
+
+use outbox_e2e::cluster::{code_of, create_channel, unique, wait_for_state, wait_until, Cluster};
+use outbox_e2e::sim::{Action, Simulator};
+use postgres::Client;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(60);
+const MB: u64 = 1024 * 1024;
+/// The target: a worker's private memory (RssAnon) while it reads a batch of large answers.
+const PEAK_LIMIT: u64 = 64 * MB;
+
+/// The PIDs of the running delivery workers.
+fn worker_pids(c: &mut Client) -> Vec<i32> {
+    c.query(
+        "SELECT pid FROM outbox.worker_status() WHERE pid IS NOT NULL ORDER BY pid",
+        &[],
+    )
+    .expect("outbox.worker_status()")
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+/// A process's private resident memory (`RssAnon` of `/proc/PID/status`) in bytes.
+fn rss_anon(pid: i32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("RssAnon:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Samples the `RssAnon` of some processes every 10 ms in a thread, keeping each one's peak.
+struct RssSampler {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<Vec<(i32, u64)>>,
+}
+
+impl RssSampler {
+    fn start(pids: Vec<i32>) -> RssSampler {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut peaks: Vec<(i32, u64)> = pids.iter().map(|&p| (p, 0)).collect();
+            while !flag.load(Ordering::Relaxed) {
+                for (pid, peak) in peaks.iter_mut() {
+                    *peak = (*peak).max(rss_anon(*pid).unwrap_or(0));
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            peaks
+        });
+        RssSampler { stop, thread }
+    }
+
+    /// Stops sampling; each process's peak in bytes.
+    fn stop(self) -> Vec<(i32, u64)> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("sampler thread")
+    }
+}
+
+/// Enqueues `n` messages on the channel in one statement (one transaction).
+fn enqueue_many(c: &mut Client, channel: &str, n: i64) {
+    c.execute(
+        "SELECT outbox.enqueue($1, jsonb_build_object('n', g), $2 || ':' || g)
+           FROM generate_series(1, $3::int8) g",
+        &[&channel, &channel, &n],
+    )
+    .expect("enqueue");
+}
+
+fn delivered(c: &mut Client, channel: &str) -> i64 {
+    c.query_one(
+        "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'delivered'",
+        &[&channel],
+    )
+    .expect("count delivered")
+    .get(0)
+}
+
+/// A delivered message's external id, its `last_error` and its send attempt's `error`.
+#[derive(Debug)]
+struct Outcome {
+    id: i64,
+    state: String,
+    external_id: Option<String>,
+    last_error: Option<String>,
+    attempt_error: Option<String>,
+}
+
+fn outcomes(c: &mut Client, channel: &str) -> Vec<Outcome> {
+    c.query(
+        "SELECT m.id, m.state::text, m.external_id, m.last_error, a.error
+           FROM outbox.messages m
+           LEFT JOIN outbox.attempts a ON a.message_id = m.id AND a.kind = 'send'
+          WHERE m.channel = $1 ORDER BY m.id, a.attempt",
+        &[&channel],
+    )
+    .expect("read messages and attempts")
+    .iter()
+    .map(|r| Outcome {
+        id: r.get(0),
+        state: r.get(1),
+        external_id: r.get(2),
+        last_error: r.get(3),
+        attempt_error: r.get(4),
+    })
+    .collect()
+}
+
+/// A delivered message records no error, however long its answer was.
+fn no_error(o: &Outcome) -> bool {
+    o.last_error.is_none() && o.attempt_error.is_none()
+}
+
+/// One message on a new channel with `options` whose provider answers `answer_bytes`;
+/// returns it once delivered, with the external id the provider gave it.
+fn deliver_one(
+    c: &mut Client,
+    cluster: &Cluster,
+    options: &str,
+    answer_bytes: usize,
+) -> (Outcome, String) {
+    let sim = Simulator::start();
+    let ch = unique("rl_one");
+    sim.set_default(&ch, Action::AcceptLarge(answer_bytes));
+    create_channel(c, &ch, &sim.send_url(&ch), options);
+    enqueue_many(c, &ch, 1);
+    let mut o = outcomes(c, &ch).remove(0);
+    wait_for_state(cluster, o.id, "delivered", T);
+    o = outcomes(c, &ch).remove(0);
+    assert_eq!(o.state, "delivered", "within {T:?}: {o:?}");
+    let stored = sim.stored(&ch);
+    assert_eq!(stored.len(), 1);
+    (o, stored[0].external_id.clone())
+}
+
+#[test]
+fn large_answers_are_read_only_up_to_max_response_bytes_and_still_delivered() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let sim = Simulator::start();
+    sim.set_record_bodies(false);
+    let ch = unique("rl_large");
+    sim.set_default(&ch, Action::AcceptLarge(10_000_000));
+    create_channel(&mut c, &ch, &sim.send_url(&ch), r#"{"external_id": "/id"}"#);
+    let pids = worker_pids(&mut c);
+    assert!(!pids.is_empty(), "no delivery worker runs");
+    let idle: Vec<_> = pids
+        .iter()
+        .map(|&p| rss_anon(p).unwrap_or(0) / MB)
+        .collect();
+
+    let sampler = RssSampler::start(pids);
+    enqueue_many(&mut c, &ch, 200);
+    let all = wait_until(T, || delivered(&mut c, &ch) == 200);
+    let peaks = sampler.stop();
+    let shown: Vec<_> = peaks
+        .iter()
+        .map(|(pid, p)| format!("pid {pid}: {} MB", p / MB))
+        .collect();
+    println!(
+        "200 answers of 10 MB: worker peak private memory (RssAnon) {} (idle {idle:?} MB; target < 64 MB)",
+        shown.join(", ")
+    );
+    assert!(
+        all,
+        "{} of 200 delivered within {T:?}",
+        delivered(&mut c, &ch)
+    );
+
+    let rows = outcomes(&mut c, &ch);
+    assert_eq!(rows.len(), 200, "one send attempt each");
+    let no_id = rows.iter().filter(|o| o.external_id.is_none()).count();
+    let with_error = rows.iter().filter(|o| !no_error(o)).count();
+    assert!(
+        no_id == 0 && with_error == 0,
+        "of 200 delivered, {no_id} have no external id and {with_error} an error; the first: {:?}",
+        rows[0]
+    );
+    let mut ids: Vec<_> = sim.stored(&ch).into_iter().map(|s| s.external_id).collect();
+    let mut got: Vec<_> = rows.iter().filter_map(|o| o.external_id.clone()).collect();
+    ids.sort();
+    got.sort();
+    assert!(
+        got == ids,
+        "the external ids are not the ones the answers began with"
+    );
+    for (pid, peak) in peaks {
+        assert!(peak < PEAK_LIMIT, "worker {pid} peaked at {} MB", peak / MB);
+    }
+}
+
+#[test]
+fn a_channel_may_read_a_longer_body() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let refused = c.execute(
+        "SELECT outbox.create_channel($1, 'http://127.0.0.1:9/x', '{\"max_response_bytes\": 20000000}'::jsonb)",
+        &[&unique("rl_over")],
+    );
+    assert_eq!(code_of(&refused.expect_err("over the 16 MiB max")), "22023");
+
+    // The largest limit: a 10 MB answer is read whole, nothing to note.
+    let (long, id) = deliver_one(
+        &mut c,
+        &cluster,
+        r#"{"external_id": "/id", "max_response_bytes": 16777216}"#,
+        10_000_000,
+    );
+    assert!(
+        long.external_id.as_deref() == Some(id.as_str())
+            && long.last_error.is_none()
+            && long.attempt_error.is_none(),
+        "want external id {id:?} and no error: {long:?}"
+    );
+
+    // A short limit: the id at the start is still read.
+    let (short, id) = deliver_one(
+        &mut c,
+        &cluster,
+        r#"{"external_id": "/id", "max_response_bytes": 4096}"#,
+        10_000,
+    );
+    assert!(
+        short.external_id.as_deref() == Some(id.as_str()) && no_error(&short),
+        "want external id {id:?} and no error: {short:?}"
+    );
+}

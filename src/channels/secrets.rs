@@ -1,0 +1,188 @@
+//! What of a channel is secret, and how it is shown: static header values, and the
+//! userinfo, query values and fragment of its URLs (the endpoint and the reconcile URL), where
+//! providers put API keys (`https://user:pass@…`, `…/hook?api_key=…`).
+//!
+//! Everything a role other than the table's owner can read goes through here: the
+//! `outbox.channels` view, the operator log of channel changes, the error texts recorded in
+//! `attempts.error` and `messages.last_error`, and the messages of refused options. Pure
+//! text work; the SQL wrappers at the end are what the views call.
+
+use pgrx::prelude::*;
+use serde_json::Value;
+
+/// What a secret is shown as.
+pub const MASK: &str = "********";
+
+/// `url` with its userinfo, every query value and its fragment masked. Works on the text as
+/// written (valid or not, template placeholders kept as they are), so that a URL that failed
+/// to parse is masked too. A query value that is a single placeholder (`{effect_key}`) is a
+/// template, not a secret, and stays.
+pub fn mask_url(url: &str) -> String {
+    let (before_fragment, fragment) = match url.split_once('#') {
+        Some((b, f)) => (b, Some(f)),
+        None => (url, None),
+    };
+    let (before_query, query) = match before_fragment.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (before_fragment, None),
+    };
+    let mut out = mask_userinfo(before_query);
+    if let Some(query) = query {
+        out.push('?');
+        let parts: Vec<String> = query.split('&').map(mask_query_part).collect();
+        out.push_str(&parts.join("&"));
+    }
+    if let Some(fragment) = fragment {
+        out.push('#');
+        if !fragment.is_empty() {
+            out.push_str(MASK);
+        }
+    }
+    out
+}
+
+/// `scheme://userinfo@host…` → `scheme://********@host…`.
+fn mask_userinfo(s: &str) -> String {
+    let (scheme, rest) = match s.find("://") {
+        Some(i) => (&s[..i + 3], &s[i + 3..]),
+        None => match s.find(':') {
+            // scheme:userinfo@host (no slashes) is still userinfo to a lenient parser.
+            Some(i) => (&s[..i + 1], &s[i + 1..]),
+            None => ("", s),
+        },
+    };
+    let authority_end = rest.find(['/', '\\']).unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => format!("{scheme}{MASK}{}", &rest[at..]),
+        None => s.to_string(),
+    }
+}
+
+fn is_placeholder(v: &str) -> bool {
+    v.len() > 2 && v.starts_with('{') && v.ends_with('}') && !v[1..v.len() - 1].contains(['{', '}'])
+}
+
+fn mask_query_part(part: &str) -> String {
+    match part.split_once('=') {
+        Some((_, value)) if value.is_empty() || is_placeholder(value) => part.to_string(),
+        Some((name, _)) => format!("{name}={MASK}"),
+        // A bare token (`?SECRET`) may be the key itself.
+        None if part.is_empty() || is_placeholder(part) => part.to_string(),
+        None => MASK.to_string(),
+    }
+}
+
+/// `text` with every occurrence of `url` replaced by its masked form (an error text that
+/// quotes the URL it was sending to).
+pub fn mask_url_in(text: &str, url: &str) -> String {
+    if url.is_empty() {
+        return text.to_string();
+    }
+    let masked = mask_url(url);
+    if masked == url {
+        return text.to_string();
+    }
+    text.replace(url, &masked)
+}
+
+/// A channel's options as shown to anyone but the owner of its table: header values
+/// masked, the reconcile URL masked.
+pub fn mask_options(options: &Value) -> Value {
+    let mut v = options.clone();
+    if let Some(Value::Object(h)) = v.get_mut("headers") {
+        for value in h.values_mut() {
+            *value = Value::String(MASK.into());
+        }
+    }
+    if let Some(Value::String(url)) = v.get_mut("reconcile").and_then(|r| r.get_mut("url")) {
+        *url = mask_url(url);
+    }
+    v
+}
+
+/// The endpoint as `outbox.channels` shows it.
+#[pg_extern(immutable, parallel_safe, strict)]
+fn _masked_url(url: &str) -> String {
+    mask_url(url)
+}
+
+/// The options as `outbox.channels` shows them.
+#[pg_extern(immutable, parallel_safe, strict)]
+fn _masked_options(options: pgrx::JsonB) -> pgrx::JsonB {
+    pgrx::JsonB(mask_options(&options.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn urls_lose_userinfo_query_values_and_fragments() {
+        let cases = [
+            ("http://h/hook", "http://h/hook"),
+            (
+                "http://h/hook?api_key=SECRET",
+                "http://h/hook?api_key=********",
+            ),
+            (
+                "https://u:SECRET@h:8443/p?a=1&b=SECRET&c=#frag",
+                "https://********@h:8443/p?a=********&b=********&c=#********",
+            ),
+            ("https://SECRET@h/", "https://********@h/"),
+            ("http://h/p?SECRET", "http://h/p?********"),
+            ("http://h/p?", "http://h/p?"),
+            (
+                "http://h/m/{effect_key}?key={effect_key}&token=SECRET",
+                "http://h/m/{effect_key}?key={effect_key}&token=********",
+            ),
+            ("http://h/p?x={a}{b}", "http://h/p?x=********"),
+            // Not a valid URL (a bad port) still loses its secrets.
+            (
+                "http://u:SECRET@h:99999/p?k=SECRET",
+                "http://********@h:99999/p?k=********",
+            ),
+            ("h/p?k=SECRET", "h/p?k=********"),
+            // An @ after the path is not userinfo.
+            ("http://h/a@b", "http://h/a@b"),
+            ("http://a@b@h/", "http://********@h/"),
+        ];
+        for (url, masked) in cases {
+            assert_eq!(mask_url(url), masked, "{url}");
+            assert!(!mask_url(url).contains("SECRET"), "{url}");
+        }
+    }
+
+    #[test]
+    fn error_texts_quoting_a_url_are_masked() {
+        let url = "http://127.0.0.1:9/hook?api_key=SECRET";
+        let text = format!("error sending request for url ({url}): connection refused");
+        assert_eq!(
+            mask_url_in(&text, url),
+            "error sending request for url (http://127.0.0.1:9/hook?api_key=********): connection refused"
+        );
+        assert_eq!(mask_url_in("no url here", url), "no url here");
+        assert_eq!(mask_url_in("x", ""), "x");
+    }
+
+    #[test]
+    fn options_lose_header_values_and_reconcile_url_secrets() {
+        let options = json!({
+            "headers": {"Authorization": "Bearer SECRET", "X-A": "SECRET"},
+            "reconcile": {"url": "http://h/m/{effect_key}?token=SECRET", "method": "GET"},
+            "max_in_flight": 3
+        });
+        let masked = mask_options(&options);
+        assert!(!masked.to_string().contains("SECRET"), "{masked}");
+        assert_eq!(masked["headers"]["Authorization"], "********");
+        assert_eq!(
+            masked["reconcile"]["url"],
+            "http://h/m/{effect_key}?token=********"
+        );
+        assert_eq!(masked["max_in_flight"], 3);
+        assert_eq!(
+            mask_options(&json!({"kind": "sql"})),
+            json!({"kind": "sql"})
+        );
+    }
+}
