@@ -1,4 +1,4 @@
-//! Classification of one HTTP delivery attempt.
+//! Classification of one delivery attempt: an HTTP outcome, or what a `sql` effect did.
 //!
 //! This module is pure: no Postgres, no pgrx. It maps the facts of an attempt
 //! ([`SendFacts`]) to a [`Class`] that the worker acts on:
@@ -307,9 +307,39 @@ pub fn classify(facts: &SendFacts, overrides: &Overrides) -> Class {
     }
 }
 
+/// What calling an effect function did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EffectOutcome {
+    /// It returned; the text is the external id.
+    Returned(Option<String>),
+    /// It raised; its writes were rolled back.
+    Raised { sqlstate: String, message: String },
+    /// It could not be called (e.g. dropped since the channel was created).
+    Unavailable(String),
+}
+
+/// Serialization failures, deadlocks, lock timeouts and query cancels are worth another
+/// try; every other error of an effect is permanent.
+pub fn classify_sqlstate(sqlstate: &str) -> Class {
+    match sqlstate {
+        "40001" | "40P01" | "55P03" | "57014" => Class::Transient,
+        _ => Class::Permanent,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn effect_sqlstates() {
+        for code in ["40001", "40P01", "55P03", "57014"] {
+            assert_eq!(classify_sqlstate(code), Class::Transient, "{code}");
+        }
+        for code in ["23514", "23505", "42883", "P0001", "22P02", "XX000"] {
+            assert_eq!(classify_sqlstate(code), Class::Permanent, "{code}");
+        }
+    }
     use serde_json::json;
 
     const ALL_CLASSES: [Class; 4] = [
@@ -350,20 +380,7 @@ mod tests {
         class.unwrap()
     }
 
-    struct Prng(u64);
-
-    impl Prng {
-        fn next_u64(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next_u64() % n
-        }
-    }
+    type Prng = crate::random::SplitMix64;
 
     fn response(status: u16, body_complete: bool) -> SendFacts {
         SendFacts::Response {
@@ -490,7 +507,7 @@ mod tests {
 
     #[test]
     fn random_overrides_against_an_oracle() {
-        let mut p = Prng(0xC1A5_0001);
+        let mut p = Prng::new(0xC1A5_0001);
         for _ in 0..2000 {
             let mut exact: Vec<(u16, Class)> = Vec::new();
             let mut ranges: Vec<(u16, Class)> = Vec::new();

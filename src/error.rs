@@ -172,3 +172,50 @@ pub fn spi_failure(e: pgrx::spi::Error) -> ! {
     .report(PgLogLevel::ERROR);
     unreachable!("an ERROR report does not return")
 }
+
+/// The 5-character SQLSTATE of an error code, as PostgreSQL writes it.
+pub fn sqlstate_text(code: PgSqlErrorCode) -> String {
+    let code = code as isize as u32;
+    (0..5)
+        .map(|i| (((code >> (6 * i)) & 0x3F) as u8 + b'0') as char)
+        .collect()
+}
+
+/// The SQLSTATE and message of an error caught with `PgTryBuilder` (a Rust panic is
+/// XX000, as PostgreSQL reports it).
+pub fn sqlstate_and_message(caught: &pgrx::pg_sys::panic::CaughtError) -> (String, String) {
+    use pgrx::pg_sys::panic::CaughtError;
+    match caught {
+        CaughtError::PostgresError(r) | CaughtError::ErrorReport(r) => {
+            (sqlstate_text(r.sql_error_code()), r.message().to_string())
+        }
+        CaughtError::RustPanic { ereport, .. } => {
+            ("XX000".to_string(), ereport.message().to_string())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlstates_are_written_as_postgresql_writes_them() {
+        assert_eq!(
+            sqlstate_text(PgSqlErrorCode::ERRCODE_T_R_DEADLOCK_DETECTED),
+            "40P01"
+        );
+        assert_eq!(
+            sqlstate_text(PgSqlErrorCode::ERRCODE_CHECK_VIOLATION),
+            "23514"
+        );
+        assert_eq!(
+            sqlstate_text(PgSqlErrorCode::ERRCODE_QUERY_CANCELED),
+            "57014"
+        );
+        assert_eq!(
+            sqlstate_text(PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE),
+            "42501"
+        );
+    }
+}

@@ -3,7 +3,7 @@
 
 use pgrx::prelude::*;
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::time::Duration;
 
 /// Where the worker deliberately dies, as a crash would, for tests of recovery.
@@ -65,6 +65,7 @@ pub fn init() {
         define_postmaster_settings();
     }
     define_runtime_settings();
+    define_identity_settings();
 }
 
 fn define_postmaster_settings() {
@@ -179,6 +180,11 @@ fn define_runtime_settings() {
         GucContext::Sighup,
         GucFlags::default(),
     );
+}
+
+/// The settings of who acts and for whom: the worker's role, the session's tenant, the
+/// destinations requests may reach; and the test-only fault injection.
+fn define_identity_settings() {
     GucRegistry::define_enum_guc(
         c"outbox.fault_injection",
         c"Test only: make the worker die at a chosen point, as a crash would.",
@@ -314,4 +320,23 @@ pub fn allowed_hosts() -> String {
         .get()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_default()
+}
+
+/// Sets any setting (ours or PostgreSQL's) until the current GUC nest level is closed: the
+/// worker's kept statements run under planner settings of their own, and a `sql` effect
+/// under its timeout and search path, each in a nest level that `AtEOXact_GUC` closes.
+///
+/// # Safety
+/// Inside a transaction, after `pg_sys::NewGUCNestLevel`.
+pub unsafe fn set_in_nest(name: &CStr, value: &CStr) {
+    pg_sys::set_config_option(
+        name.as_ptr(),
+        value.as_ptr(),
+        pg_sys::GucContext::PGC_USERSET,
+        pg_sys::GucSource::PGC_S_SESSION,
+        pg_sys::GucAction::GUC_ACTION_SAVE,
+        true,
+        0,
+        false,
+    );
 }

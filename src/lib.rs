@@ -5,14 +5,18 @@ use pgrx::prelude::*;
 
 pub mod channels;
 pub mod classify;
+pub mod clock;
 pub mod config_cache;
 pub mod effect_key;
 pub mod error;
 pub mod gucs;
+pub mod identity;
 pub mod outbox;
 pub mod pinned_statement;
+pub mod random;
 pub mod reconcile;
 pub mod retry_policy;
+pub mod runtime;
 pub mod tenancy;
 pub mod worker;
 

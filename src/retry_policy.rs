@@ -805,35 +805,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    /// splitmix64: small, deterministic, good enough for property tests.
-    struct Prng(u64);
-
-    impl Prng {
-        fn next_u64(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-        /// Uniform in `[lo, hi]`.
-        fn range(&mut self, lo: u64, hi: u64) -> u64 {
-            let span = hi - lo;
-            if span == u64::MAX {
-                return self.next_u64();
-            }
-            lo + self.next_u64() % (span + 1)
-        }
-        fn unit(&mut self) -> f64 {
-            (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-        }
-        fn chance(&mut self, percent: u64) -> bool {
-            self.range(0, 99) < percent
-        }
-        fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-            xs[self.range(0, xs.len() as u64 - 1) as usize]
-        }
-    }
+    type Prng = crate::random::SplitMix64;
 
     fn random_policy(p: &mut Prng) -> RetryPolicy {
         let base_ms = if p.chance(10) {
@@ -990,7 +962,7 @@ mod tests {
 
     #[test]
     fn random_decisions_respect_every_invariant() {
-        let mut p = Prng(0x5EED_0001);
+        let mut p = Prng::new(0x5EED_0001);
         let mut seen = [0usize; 4];
         for _ in 0..200_000 {
             let policy = random_policy(&mut p);
@@ -1058,7 +1030,7 @@ mod tests {
 
     #[test]
     fn jitter_stays_in_its_band() {
-        let mut p = Prng(0x5EED_0002);
+        let mut p = Prng::new(0x5EED_0002);
         let odd = [
             -1.0,
             -0.0,
@@ -1107,7 +1079,7 @@ mod tests {
 
     #[test]
     fn ceiling_is_monotone_and_reaches_max() {
-        let mut p = Prng(0x5EED_0003);
+        let mut p = Prng::new(0x5EED_0003);
         for _ in 0..20_000 {
             let mut policy = random_policy(&mut p);
             if p.chance(20) {
@@ -1190,7 +1162,7 @@ mod tests {
 
     #[test]
     fn age_budget_boundary_is_exact() {
-        let mut p = Prng(0x5EED_0004);
+        let mut p = Prng::new(0x5EED_0004);
         for _ in 0..20_000 {
             let mut policy = random_policy(&mut p);
             policy.jitter = Jitter::None;
@@ -1227,7 +1199,7 @@ mod tests {
 
     #[test]
     fn key_window_boundary_is_exact_and_never_overrun() {
-        let mut p = Prng(0x5EED_0005);
+        let mut p = Prng::new(0x5EED_0005);
         for _ in 0..20_000 {
             let mut policy = random_policy(&mut p);
             policy.jitter = Jitter::None;
@@ -1519,7 +1491,7 @@ mod tests {
 
     #[test]
     fn to_json_round_trips() {
-        let mut p = Prng(0x5EED_0006);
+        let mut p = Prng::new(0x5EED_0006);
         for i in 0..20_000 {
             let policy = random_policy(&mut p);
             let v = policy.to_json();
@@ -1632,7 +1604,7 @@ mod tests {
         let months = [
             "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
         ];
-        let mut p = Prng(0x5EED_0007);
+        let mut p = Prng::new(0x5EED_0007);
         let mut day: i64 = 0; // 1970-01-01, a Thursday
         for y in 1970..=2100 {
             for m in 1..=12 {
@@ -1801,7 +1773,7 @@ mod tests {
     #[test]
     fn random_strings_never_panic() {
         let alphabet = b"0123456789 ,:-+.GMTSunNovFebday\t";
-        let mut p = Prng(0x5EED_0008);
+        let mut p = Prng::new(0x5EED_0008);
         for _ in 0..100_000 {
             let len = p.range(0, 34) as usize;
             let s: String = (0..len)

@@ -283,6 +283,26 @@ pub fn wait_for_workers(cluster: &Cluster, old: &[i32]) -> Vec<i32> {
     })
 }
 
+/// The views of the contract, in schema `outbox`.
+pub const CONTRACT_VIEWS: [&str; 8] = [
+    "channels",
+    "messages",
+    "attempts",
+    "ledger",
+    "work_queue",
+    "operator_log",
+    "metrics",
+    "alerts",
+];
+
+/// A loopback port nothing listens on (bound and released): a connection to it is refused.
+pub fn closed_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(9)
+}
+
 /// A quoted SQL identifier.
 pub fn ident(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))

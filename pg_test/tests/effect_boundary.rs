@@ -137,6 +137,30 @@ fn enqueue_for(c: &mut Client, tenant: &str, channel: &str, payload: &str) -> i6
     id
 }
 
+/// Five messages delivered over HTTP through every phase of the worker; returns the
+/// simulator that received them.
+fn deliver_five_over_http(cluster: &Cluster, c: &mut Client) -> Simulator {
+    let sim = Simulator::start();
+    let http = unique("fxb_http");
+    create_channel(
+        c,
+        &http,
+        &sim.send_url(&http),
+        r#"{"retry": {"base_ms": 100}}"#,
+    );
+    let ids: Vec<i64> = (0..5)
+        .map(|_| enqueue_for(c, "default", &http, "{}"))
+        .collect();
+    for id in ids {
+        assert!(
+            wait_for_state(cluster, id, "delivered", T),
+            "{}",
+            last_error(c, id)
+        );
+    }
+    sim
+}
+
 fn last_error(c: &mut Client, id: i64) -> String {
     c.query_one(
         "SELECT coalesce(last_error, '') FROM outbox.messages WHERE id = $1",
@@ -300,24 +324,7 @@ fn settings_an_effect_changes_do_not_outlive_its_call() {
     // message table makes one. Then more deliveries run through every phase.
     c.batch_execute("ANALYZE outbox._messages; ANALYZE outbox._attempts; ANALYZE outbox._ledger")
         .expect("analyze");
-    let sim = Simulator::start();
-    let http = unique("fxb_http");
-    create_channel(
-        &mut c,
-        &http,
-        &sim.send_url(&http),
-        r#"{"retry": {"base_ms": 100}}"#,
-    );
-    let ids: Vec<i64> = (0..5)
-        .map(|_| enqueue_for(&mut c, "default", &http, "{}"))
-        .collect();
-    for id in &ids {
-        assert!(
-            wait_for_state(&cluster, *id, "delivered", T),
-            "{}",
-            last_error(&mut c, *id)
-        );
-    }
+    let sim = deliver_five_over_http(&cluster, &mut c);
     let rec = enqueue_for(&mut c, "default", &recorder_ch, "{}");
     assert!(
         wait_for_state(&cluster, rec, "delivered", T),
@@ -387,24 +394,7 @@ fn an_operator_planted_in_public_never_runs_in_the_worker() {
     .expect("terminate workers");
     wait_for_workers(&cluster, &old);
 
-    let sim = Simulator::start();
-    let http = unique("fxb_pub");
-    create_channel(
-        &mut c,
-        &http,
-        &sim.send_url(&http),
-        r#"{"retry": {"base_ms": 100}}"#,
-    );
-    let ids: Vec<i64> = (0..5)
-        .map(|_| enqueue_for(&mut c, "default", &http, "{}"))
-        .collect();
-    for id in &ids {
-        assert!(
-            wait_for_state(&cluster, *id, "delivered", T),
-            "{}",
-            last_error(&mut c, *id)
-        );
-    }
+    let sim = deliver_five_over_http(&cluster, &mut c);
     let by_worker: i64 = c
         .query_one(
             "SELECT count(*) FROM public.planted_calls WHERE who = current_setting('outbox.role')",

@@ -26,7 +26,8 @@
 
 use openmetrics_parser::prometheus::parse_prometheus;
 use outbox_e2e::cluster::{
-    code_of, create_channel, ident, poll, unique, wait_for_workers, Cluster,
+    closed_port, code_of, create_channel, ident, poll, unique, wait_for_workers, Cluster,
+    CONTRACT_VIEWS,
 };
 use outbox_e2e::sim::Simulator;
 use postgres::types::ToSql;
@@ -130,14 +131,6 @@ fn crash_lines(log: &str) -> Vec<String> {
         .filter(|l| CRASH_WORDS.iter().any(|w| l.contains(w)))
         .map(str::to_string)
         .collect()
-}
-
-/// A closed TCP port on 127.0.0.1 (bound, then released).
-fn closed_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or(9)
 }
 
 /// Everything a test creates, removed when it ends (also when it fails): bindings, then
@@ -1315,21 +1308,14 @@ fn injection_strings_are_stored_verbatim_or_refused_cleanly() {
     );
 
     // The schema is intact.
-    for rel in [
+    let private = [
         "_channels",
         "_messages",
         "_attempts",
         "_ledger",
         "_operator_log",
-        "channels",
-        "messages",
-        "attempts",
-        "ledger",
-        "work_queue",
-        "operator_log",
-        "metrics",
-        "alerts",
-    ] {
+    ];
+    for rel in private.into_iter().chain(CONTRACT_VIEWS) {
         let exists: bool =
             h.su.query_one("SELECT to_regclass('outbox.' || $1) IS NOT NULL", &[&rel])
                 .expect("to_regclass")

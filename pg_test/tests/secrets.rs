@@ -6,7 +6,9 @@
 //!
 //! Run: `cargo test -p outbox_e2e --release --test secrets`.
 
-use outbox_e2e::cluster::{create_channel, ident, unique, wait_for_state, Cluster};
+use outbox_e2e::cluster::{
+    closed_port, create_channel, ident, unique, wait_for_state, Cluster, CONTRACT_VIEWS,
+};
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::Client;
 use std::time::Duration;
@@ -19,23 +21,6 @@ const SECRETS: [&str; 4] = [
     "S3CRET-HEADER",
     "S3CRET-LOOKUP",
 ];
-const VIEWS: [&str; 8] = [
-    "channels",
-    "messages",
-    "attempts",
-    "ledger",
-    "work_queue",
-    "operator_log",
-    "metrics",
-    "alerts",
-];
-
-fn closed_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
 
 /// `http://user:S3CRET-USER@127.0.0.1:PORT/PATH?api_key=S3CRET-QUERY`
 fn secret_url(port: u16, path: &str) -> String {
@@ -64,7 +49,7 @@ fn everything_visible_to(cluster: &Cluster, role: &str) -> String {
     c.batch_execute(&format!("SET ROLE {}", ident(role)))
         .expect("set role");
     let mut text = String::new();
-    for view in VIEWS {
+    for view in CONTRACT_VIEWS {
         let readable: bool = c
             .query_one(
                 "SELECT has_table_privilege(current_user, $1, 'SELECT')",

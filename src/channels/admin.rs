@@ -1,12 +1,12 @@
 //! `create_channel` / `alter_channel`: every option validated before anything is written.
 
 use super::guard::{self, AllowList};
+use super::lookup_url;
 use super::options::{validate_endpoint, ChannelOptions, Kind, OptionError};
 use super::secrets::mask_url;
-use super::sql;
+use super::sql_effect;
 use crate::error::{spi_failure, OrRaise, OutboxError};
 use crate::gucs;
-use crate::reconcile::lookup;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
 use pgrx::JsonB;
@@ -45,7 +45,7 @@ fn check_destinations(
     let reconcile = options
         .reconcile
         .as_ref()
-        .map(|r| ("reconcile.url", lookup::probe(&r.url)));
+        .map(|r| ("reconcile.url", lookup_url::probe(&r.url)));
     for (option, url) in std::iter::once(("endpoint", endpoint.to_string())).chain(reconcile) {
         let parsed = reqwest::Url::parse(&url).map_err(|e| {
             option_error(OptionError {
@@ -92,7 +92,7 @@ fn check_target(
         .raise();
     }
     let may = client
-        .select(sql::MAY_ADMINISTER, Some(1), &[])?
+        .select(sql_effect::MAY_ADMINISTER, Some(1), &[])?
         .first()
         .get_one::<bool>()?;
     if may != Some(true) {
@@ -104,7 +104,11 @@ fn check_target(
         }
         .raise();
     }
-    let found = client.select(sql::FIND_FUNCTION, Some(1), &[function.as_str().into()])?;
+    let found = client.select(
+        sql_effect::FIND_FUNCTION,
+        Some(1),
+        &[function.as_str().into()],
+    )?;
     if found.is_empty() {
         OutboxError::UndefinedFunction {
             name: function.clone(),
@@ -119,7 +123,7 @@ fn check_target(
         }
         .raise();
     }
-    let role = client.select(sql::FIND_ROLE, Some(1), &[run_as.as_str().into()])?;
+    let role = client.select(sql_effect::FIND_ROLE, Some(1), &[run_as.as_str().into()])?;
     let (superuser, may_act_as) = if role.is_empty() {
         (None, None)
     } else {

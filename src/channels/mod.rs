@@ -4,6 +4,10 @@
 pub mod admin;
 pub mod guard;
 pub mod http;
+pub mod json_pointer;
+pub mod lookup;
+pub mod lookup_url;
 pub mod options;
+pub mod request;
 pub mod secrets;
-pub mod sql;
+pub mod sql_effect;

@@ -239,84 +239,7 @@ impl ChannelOptions {
             if value.is_null() {
                 continue; // null = default
             }
-            let key = key.as_str();
-            match key {
-                "kind" => {
-                    let kind = string(key, value)?;
-                    if kind != "http" && kind != "sql" {
-                        return Err(OptionError::new(
-                            key,
-                            format!("\"{kind}\" is not a supported kind; supported: http, sql"),
-                        ));
-                    }
-                }
-                "function" | "run_as" => {} // read below, with kind
-                "method" => {
-                    let m = string(key, value)?.to_ascii_uppercase();
-                    if !METHODS.contains(&m.as_str()) {
-                        return Err(OptionError::new(
-                            key,
-                            format!("\"{m}\" is not one of {}", METHODS.join(", ")),
-                        ));
-                    }
-                    o.method = m;
-                }
-                "headers" => o.headers = parse_headers(value)?,
-                "timeout_ms" => o.timeout_ms = positive_int(key, value, 3_600_000)?,
-                "connect_timeout_ms" => o.connect_timeout_ms = positive_int(key, value, 600_000)?,
-                "idempotency_header" => {
-                    let h = string(key, value)?;
-                    if !is_http_token(h) {
-                        return Err(OptionError::new(
-                            key,
-                            format!("\"{h}\" is not a valid HTTP header name"),
-                        ));
-                    }
-                    o.idempotency_header = Some(h.to_string());
-                }
-                "idempotency_window_ms" => {
-                    o.idempotency_window_ms = Some(positive_int(key, value, i64::MAX as u64)?)
-                }
-                "reference_header" => {
-                    let h = string(key, value)?;
-                    if !is_http_token(h) {
-                        return Err(OptionError::new(
-                            key,
-                            format!("\"{h}\" is not a valid HTTP header name"),
-                        ));
-                    }
-                    o.reference_header = Some(h.to_string());
-                }
-                "external_id" => {
-                    let s = string(key, value)?;
-                    o.external_id = Some(if let Some(name) = s.strip_prefix("header:") {
-                        if !is_http_token(name) {
-                            return Err(OptionError::new(
-                                key,
-                                format!("\"{name}\" is not a valid HTTP header name"),
-                            ));
-                        }
-                        ExternalIdSource::Header(name.to_string())
-                    } else {
-                        ExternalIdSource::Body(json_pointer(key, value)?)
-                    });
-                }
-                "reconcile" => o.reconcile = Some(parse_reconcile(value)?),
-                "retry" => {
-                    o.retry = RetryPolicy::from_json(value)
-                        .map_err(|e| OptionError::new(e.field, e.message))?
-                }
-                "classify" => {
-                    o.classify = Overrides::from_json(value)
-                        .map_err(|e| OptionError::new(e.field, e.message))?
-                }
-                "max_in_flight" => o.max_in_flight = positive_int(key, value, 10_000)? as u32,
-                "tenants" => o.tenants = parse_tenants(value)?,
-                "max_response_bytes" => {
-                    o.max_response_bytes = positive_int(key, value, MAX_RESPONSE_BYTES)?
-                }
-                _ => unreachable!("unknown keys were rejected above"),
-            }
+            o.set(key, value)?;
         }
         if obj.get("kind").and_then(Value::as_str) == Some("sql") {
             o.kind = sql_kind(obj)?;
@@ -342,6 +265,89 @@ impl ChannelOptions {
             ));
         }
         Ok(o)
+    }
+
+    /// Sets one option (not null) from its JSON value, validated.
+    fn set(&mut self, key: &str, value: &Value) -> Result<(), OptionError> {
+        let o = self;
+        match key {
+            "kind" => {
+                let kind = string(key, value)?;
+                if kind != "http" && kind != "sql" {
+                    return Err(OptionError::new(
+                        key,
+                        format!("\"{kind}\" is not a supported kind; supported: http, sql"),
+                    ));
+                }
+            }
+            "function" | "run_as" => {} // read below, with kind
+            "method" => {
+                let m = string(key, value)?.to_ascii_uppercase();
+                if !METHODS.contains(&m.as_str()) {
+                    return Err(OptionError::new(
+                        key,
+                        format!("\"{m}\" is not one of {}", METHODS.join(", ")),
+                    ));
+                }
+                o.method = m;
+            }
+            "headers" => o.headers = parse_headers(value)?,
+            "timeout_ms" => o.timeout_ms = positive_int(key, value, 3_600_000)?,
+            "connect_timeout_ms" => o.connect_timeout_ms = positive_int(key, value, 600_000)?,
+            "idempotency_header" => {
+                let h = string(key, value)?;
+                if !is_http_token(h) {
+                    return Err(OptionError::new(
+                        key,
+                        format!("\"{h}\" is not a valid HTTP header name"),
+                    ));
+                }
+                o.idempotency_header = Some(h.to_string());
+            }
+            "idempotency_window_ms" => {
+                o.idempotency_window_ms = Some(positive_int(key, value, i64::MAX as u64)?)
+            }
+            "reference_header" => {
+                let h = string(key, value)?;
+                if !is_http_token(h) {
+                    return Err(OptionError::new(
+                        key,
+                        format!("\"{h}\" is not a valid HTTP header name"),
+                    ));
+                }
+                o.reference_header = Some(h.to_string());
+            }
+            "external_id" => {
+                let s = string(key, value)?;
+                o.external_id = Some(if let Some(name) = s.strip_prefix("header:") {
+                    if !is_http_token(name) {
+                        return Err(OptionError::new(
+                            key,
+                            format!("\"{name}\" is not a valid HTTP header name"),
+                        ));
+                    }
+                    ExternalIdSource::Header(name.to_string())
+                } else {
+                    ExternalIdSource::Body(json_pointer(key, value)?)
+                });
+            }
+            "reconcile" => o.reconcile = Some(parse_reconcile(value)?),
+            "retry" => {
+                o.retry = RetryPolicy::from_json(value)
+                    .map_err(|e| OptionError::new(e.field, e.message))?
+            }
+            "classify" => {
+                o.classify =
+                    Overrides::from_json(value).map_err(|e| OptionError::new(e.field, e.message))?
+            }
+            "max_in_flight" => o.max_in_flight = positive_int(key, value, 10_000)? as u32,
+            "tenants" => o.tenants = parse_tenants(value)?,
+            "max_response_bytes" => {
+                o.max_response_bytes = positive_int(key, value, MAX_RESPONSE_BYTES)?
+            }
+            _ => unreachable!("unknown keys were rejected above"),
+        }
+        Ok(())
     }
 
     /// The complete normalized object; `from_json(to_json(o)) == o`.
@@ -431,6 +437,19 @@ impl ChannelOptions {
     }
 }
 
+/// Is `name` a plain (optionally schema-qualified) function name? Quoted identifiers and
+/// argument lists are not accepted: the channel names the function, the signature is fixed.
+pub fn is_function_name(name: &str) -> bool {
+    let part = |p: &str| {
+        let mut chars = p.chars();
+        matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$')
+            && p.len() <= 63
+    };
+    let parts: Vec<&str> = name.split('.').collect();
+    (1..=2).contains(&parts.len()) && parts.iter().all(|p| part(p))
+}
+
 fn sql_kind(obj: &Map<String, Value>) -> Result<Kind, OptionError> {
     if let Some(k) = HTTP_ONLY
         .iter()
@@ -439,7 +458,7 @@ fn sql_kind(obj: &Map<String, Value>) -> Result<Kind, OptionError> {
         return Err(OptionError::new(*k, "is not used by channels of kind sql"));
     }
     let function = match obj.get("function") {
-        Some(Value::String(f)) if crate::channels::sql::is_function_name(f) => f.clone(),
+        Some(Value::String(f)) if is_function_name(f) => f.clone(),
         Some(Value::String(f)) => {
             return Err(OptionError::new(
                 "function",
@@ -599,15 +618,15 @@ fn parse_reconcile(v: &Value) -> Result<ReconcileConfig, OptionError> {
         .get("url")
         .ok_or_else(|| OptionError::new("reconcile.url", "is required"))?;
     let url = string("reconcile.url", url)?.to_string();
-    crate::reconcile::lookup::validate_template(&url)
+    crate::channels::lookup_url::validate_template(&url)
         .map_err(|m| OptionError::new("reconcile.url", m))?;
-    if crate::reconcile::lookup::placeholder_in_authority(&url) {
+    if crate::channels::lookup_url::placeholder_in_authority(&url) {
         return Err(OptionError::new(
             "reconcile.url",
             "a placeholder may not stand in the scheme, host or port: the lookup's destination is fixed (and checked against outbox.allowed_hosts); put placeholders in the path or query",
         ));
     }
-    validate_endpoint("reconcile.url", &crate::reconcile::lookup::probe(&url))?;
+    validate_endpoint("reconcile.url", &crate::channels::lookup_url::probe(&url))?;
     let method = match obj.get("method") {
         None | Some(Value::Null) => "GET".to_string(),
         Some(m) => {
@@ -666,6 +685,19 @@ mod tests {
         let sql =
             json!({"kind": "sql", "function": "a.f", "run_as": "r", "max_response_bytes": 10});
         assert_eq!(err(sql).option, "max_response_bytes");
+    }
+
+    #[test]
+    fn function_names() {
+        assert!(is_function_name("app.create_task"));
+        assert!(is_function_name("create_task"));
+        assert!(is_function_name("_x.f$1"));
+        assert!(!is_function_name(""));
+        assert!(!is_function_name("app.create_task(jsonb, text)"));
+        assert!(!is_function_name("a.b.c"));
+        assert!(!is_function_name("app;drop table x"));
+        assert!(!is_function_name("\"App\".f"));
+        assert!(!is_function_name("1abc"));
     }
 
     #[test]

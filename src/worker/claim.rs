@@ -361,7 +361,7 @@ RETURNING m.id, m.channel_id, outbox._provider_key(m.tenant, m.effect_key), m.ex
 pub struct LookupJob {
     pub message_id: i64,
     pub channel_id: i32,
-    pub subject: crate::reconcile::lookup::Subject,
+    pub subject: crate::channels::lookup_url::Subject,
     pub lookups_so_far: i32,
 }
 
@@ -384,7 +384,7 @@ pub fn claim_lookups(
         out.push(LookupJob {
             message_id,
             channel_id: row.get::<i32>(2)?.unwrap_or_default(),
-            subject: crate::reconcile::lookup::Subject {
+            subject: crate::channels::lookup_url::Subject {
                 effect_key: row.get::<String>(3)?.unwrap_or_default(),
                 external_id: row.get::<String>(4)?,
                 payload: row.get::<String>(5)?.unwrap_or_else(|| "null".into()),

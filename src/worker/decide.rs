@@ -8,8 +8,8 @@
 
 use crate::channels::http::Transmission;
 use crate::channels::options::{ChannelOptions, Kind};
-use crate::channels::sql::{classify_sqlstate, EffectOutcome};
 use crate::classify::{classify, Class, SendFacts};
+use crate::classify::{classify_sqlstate, EffectOutcome};
 use crate::outbox::state::State;
 use crate::retry_policy::{decide, parse_retry_after, Decision, FailureFacts};
 

@@ -7,17 +7,18 @@ pub mod claim_cursor;
 pub mod cycle;
 pub mod decide;
 pub mod descriptors;
-pub mod identity;
 pub mod lease;
 pub mod prepared;
 pub mod record;
 pub mod recovery;
 pub mod retention;
-pub mod runtime;
+pub mod send;
 pub mod slots;
 pub mod sweep;
 
+use crate::clock::now_ms;
 use crate::gucs;
+use crate::{identity, runtime};
 use pgrx::bgworkers::{
     BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags,
 };
@@ -62,13 +63,6 @@ unsafe extern "C-unwind" fn clear_slot(_code: i32, arg: pg_sys::Datum) {
     });
 }
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or_default()
-}
-
 /// Does the named database exist? Asked before connecting, so that a worker whose
 /// database is not created yet waits instead of failing at every restart.
 fn database_exists(name: &str) -> bool {
@@ -109,13 +103,13 @@ pub const PINNED_SEARCH_PATH: &CStr = c"pg_catalog, outbox, pg_temp";
 /// Pins the session's search path to [`PINNED_SEARCH_PATH`], after handing the database's
 /// own path (its default, or `ALTER DATABASE … SET search_path`) to the `sql` effects, which
 /// run under it. A session-level setting outranks the database's and the role's; effects
-/// cannot change it for longer than their call (`channels::sql::call_effect`), and the kept
+/// cannot change it for longer than their call (`channels::sql_effect::call_effect`), and the kept
 /// statements set it again for every run (`prepared::run`).
 fn pin_search_path() {
     unsafe {
         let current = pg_sys::GetConfigOption(c"search_path".as_ptr(), true, false);
         if !current.is_null() {
-            crate::channels::sql::set_effect_search_path(
+            crate::channels::sql_effect::set_effect_search_path(
                 &CStr::from_ptr(current).to_string_lossy(),
             );
         }
@@ -309,12 +303,7 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
 fn guarded<R>(index: usize, what: &str, f: impl FnOnce() -> R) -> R {
     PgTryBuilder::new(std::panic::AssertUnwindSafe(f))
         .catch_others(|caught| {
-            let (code, message) = match &caught {
-                pg_sys::panic::CaughtError::PostgresError(r) | pg_sys::panic::CaughtError::ErrorReport(r) => {
-                    (crate::channels::sql::sqlstate_text(r.sql_error_code()), r.message().to_string())
-                }
-                pg_sys::panic::CaughtError::RustPanic { ereport, .. } => ("XX000".into(), ereport.message().to_string()),
-            };
+            let (code, message) = crate::error::sqlstate_and_message(&caught);
             let hint = if code == "42703" || code == "42P01" || code == "42883" {
                 " (the extension's SQL objects do not match the installed library: update or recreate the extension)"
             } else {

@@ -28,6 +28,7 @@
 //! These settings hold for the run of the statement only; statements of other code
 //! in the worker (the functions of `sql` effects) plan with the server's settings.
 
+use crate::gucs::set_in_nest;
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys::{self, PgOid};
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiResult, SpiTupleTable};
@@ -98,31 +99,17 @@ pub fn run<'conn>(
     // the transaction, and the abort closes every nest level the transaction opened.
     unsafe {
         let nest = pg_sys::NewGUCNestLevel();
-        set(c"plan_cache_mode", statement.plan.plan_cache_mode());
-        set(c"enable_seqscan", c"off");
+        set_in_nest(c"plan_cache_mode", statement.plan.plan_cache_mode());
+        set_in_nest(c"enable_seqscan", c"off");
         // Analysed again (after an invalidation) under this path alone, whatever the
         // session's path has become.
-        set(c"search_path", super::PINNED_SEARCH_PATH);
+        set_in_nest(c"search_path", super::PINNED_SEARCH_PATH);
         // Kept statements are prepared as mutating: each runs with a fresh snapshot that
         // sees the transaction's earlier writes, whether it reads or writes.
         let rows = client.select(kept, limit, args);
         pg_sys::AtEOXact_GUC(true, nest);
         rows
     }
-}
-
-/// Sets a planner setting until the current GUC nest level is closed.
-unsafe fn set(name: &CStr, value: &CStr) {
-    pg_sys::set_config_option(
-        name.as_ptr(),
-        value.as_ptr(),
-        pg_sys::GucContext::PGC_USERSET,
-        pg_sys::GucSource::PGC_S_SESSION,
-        pg_sys::GucAction::GUC_ACTION_SAVE,
-        true,
-        0,
-        false,
-    );
 }
 
 fn kept(

@@ -8,13 +8,15 @@
 //! with the channel's `timeout_ms` as its statement timeout: a failing effect is rolled back,
 //! classified and recorded without touching the rest of the batch.
 
-use crate::classify::Class;
+use crate::classify::EffectOutcome;
+use crate::error::sqlstate_and_message;
+use crate::gucs::set_in_nest;
 use crate::tenancy::{within_effect, EffectScope};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::cell::RefCell;
-use std::ffi::{CStr, CString};
+use std::ffi::CString;
 use std::panic::AssertUnwindSafe;
 
 /// The function a channel names, resolved by its exact signature; its owner and whether
@@ -53,64 +55,6 @@ pub fn set_effect_search_path(path: &str) {
     if let Ok(path) = CString::new(path) {
         EFFECT_SEARCH_PATH.with(|p| *p.borrow_mut() = path);
     }
-}
-
-/// Serialization failures, deadlocks, lock timeouts and query cancels are worth another
-/// try; every other error of an effect is permanent.
-pub fn classify_sqlstate(sqlstate: &str) -> Class {
-    match sqlstate {
-        "40001" | "40P01" | "55P03" | "57014" => Class::Transient,
-        _ => Class::Permanent,
-    }
-}
-
-/// Is `name` a plain (optionally schema-qualified) function name? Quoted identifiers and
-/// argument lists are not accepted: the channel names the function, the signature is fixed.
-pub fn is_function_name(name: &str) -> bool {
-    let part = |p: &str| {
-        let mut chars = p.chars();
-        matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
-            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '$')
-            && p.len() <= 63
-    };
-    let parts: Vec<&str> = name.split('.').collect();
-    (1..=2).contains(&parts.len()) && parts.iter().all(|p| part(p))
-}
-
-/// The 5-character SQLSTATE of an error code.
-pub fn sqlstate_text(code: PgSqlErrorCode) -> String {
-    let code = code as isize as u32;
-    (0..5)
-        .map(|i| (((code >> (6 * i)) & 0x3F) as u8 + b'0') as char)
-        .collect()
-}
-
-/// What calling an effect function did.
-#[derive(Debug, Clone, PartialEq)]
-pub enum EffectOutcome {
-    /// It returned; the text is the external id.
-    Returned(Option<String>),
-    /// It raised; its writes were rolled back.
-    Raised { sqlstate: String, message: String },
-    /// It could not be called (e.g. dropped since the channel was created).
-    Unavailable(String),
-}
-
-/// Sets a setting until the current GUC nest level is closed.
-///
-/// # Safety
-/// Inside a transaction, after `NewGUCNestLevel`.
-unsafe fn set_in_nest(name: &CStr, value: &CStr) {
-    pg_sys::set_config_option(
-        name.as_ptr(),
-        value.as_ptr(),
-        pg_sys::GucContext::PGC_USERSET,
-        pg_sys::GucSource::PGC_S_SESSION,
-        pg_sys::GucAction::GUC_ACTION_SAVE,
-        true,
-        0,
-        false,
-    );
 }
 
 /// Calls `function(payload, effect_key)` as `run_as`, for `tenant` alone, in a
@@ -160,7 +104,7 @@ pub fn call_effect(
             || -> Result<EffectOutcome, (String, String)> {
                 set_in_nest(c"statement_timeout", &timeout);
                 EFFECT_SEARCH_PATH.with(|p| set_in_nest(c"search_path", &p.borrow()));
-                let outcome = within_effect(scope, || crate::worker::identity::as_role(role, || {
+                let outcome = within_effect(scope, || crate::identity::as_role(role, || {
                     let found = client.select(FIND_FUNCTION, Some(1), &[function.into()])?;
                     if found.is_empty() {
                         return Ok(EffectOutcome::Unavailable(format!(
@@ -189,18 +133,7 @@ pub fn call_effect(
                 Ok(outcome)
             },
         ))
-        .catch_others(|caught| {
-            let (code, message) = match &caught {
-                pg_sys::panic::CaughtError::PostgresError(r)
-                | pg_sys::panic::CaughtError::ErrorReport(r) => {
-                    (sqlstate_text(r.sql_error_code()), r.message().to_string())
-                }
-                pg_sys::panic::CaughtError::RustPanic { ereport, .. } => {
-                    ("XX000".to_string(), ereport.message().to_string())
-                }
-            };
-            Err((code, message))
-        })
+        .catch_others(|caught| Err(sqlstate_and_message(&caught)))
         .execute();
 
         match result {
@@ -218,45 +151,5 @@ pub fn call_effect(
                 Ok(EffectOutcome::Raised { sqlstate, message })
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sqlstates() {
-        for code in ["40001", "40P01", "55P03", "57014"] {
-            assert_eq!(classify_sqlstate(code), Class::Transient, "{code}");
-        }
-        for code in ["23514", "23505", "42883", "P0001", "22P02", "XX000"] {
-            assert_eq!(classify_sqlstate(code), Class::Permanent, "{code}");
-        }
-        assert_eq!(
-            sqlstate_text(PgSqlErrorCode::ERRCODE_T_R_DEADLOCK_DETECTED),
-            "40P01"
-        );
-        assert_eq!(
-            sqlstate_text(PgSqlErrorCode::ERRCODE_CHECK_VIOLATION),
-            "23514"
-        );
-        assert_eq!(
-            sqlstate_text(PgSqlErrorCode::ERRCODE_QUERY_CANCELED),
-            "57014"
-        );
-    }
-
-    #[test]
-    fn function_names() {
-        assert!(is_function_name("app.create_task"));
-        assert!(is_function_name("create_task"));
-        assert!(is_function_name("_x.f$1"));
-        assert!(!is_function_name(""));
-        assert!(!is_function_name("app.create_task(jsonb, text)"));
-        assert!(!is_function_name("a.b.c"));
-        assert!(!is_function_name("app;drop table x"));
-        assert!(!is_function_name("\"App\".f"));
-        assert!(!is_function_name("1abc"));
     }
 }

@@ -7,14 +7,14 @@
 //! The worker reconciles due `uncertain` messages on its own; `outbox.reconcile(id)` and
 //! `outbox.reconcile()` do the same on demand.
 
-pub mod lookup;
-
 use crate::channels::guard::AllowList;
 use crate::channels::http::guarded_client;
+use crate::channels::lookup::{self, Lookup, Subject};
+use crate::channels::lookup_url;
 use crate::channels::options::ChannelOptions;
+use crate::clock::now_ms;
 use crate::error::{spi_failure, OrRaise, OutboxError};
 use crate::gucs;
-use lookup::{Lookup, Subject};
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::cell::RefCell;
@@ -96,13 +96,6 @@ pub fn next_lookup_at_ms(options: &ChannelOptions, lookups_so_far: i32, now_ms: 
     now_ms.saturating_add(delay.min(i64::MAX as u64) as i64)
 }
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or_default()
-}
-
 /// Records a lookup's result; returns the message's state afterwards.
 pub fn record_lookup(
     client: &mut SpiClient<'_>,
@@ -160,7 +153,7 @@ const INTERRUPT_CHECK: std::time::Duration = std::time::Duration::from_millis(10
 /// cancel, SIGTERM, SIGALRM for `statement_timeout`) must reach its main thread, where
 /// PostgreSQL's handlers run. The main thread itself keeps its signals.
 fn backend_runtime() -> std::io::Result<tokio::runtime::Runtime> {
-    crate::worker::runtime::build_with_threads(1)
+    crate::runtime::build_with_threads(1)
 }
 
 /// Ends a lookup that is still running when the backend stops waiting for it (an error
@@ -289,7 +282,7 @@ fn reconcile_locked(client: &mut SpiClient<'_>, id: i64) -> SpiResult<&'static s
     let Some(config) = options.reconcile.clone() else {
         return Ok("not_supported");
     };
-    let Ok(url) = lookup::fill(&config.url, &subject) else {
+    let Ok(url) = lookup_url::fill(&config.url, &subject) else {
         return Ok("not_supported");
     };
     let result = lookup_from_backend(&options, url, subject);
