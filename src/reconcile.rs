@@ -15,6 +15,8 @@ use crate::channels::options::ChannelOptions;
 use crate::clock::now_ms;
 use crate::error::{spi_failure, OrRaise, OutboxError};
 use crate::gucs;
+use crate::outbox::state::State;
+use crate::retry_policy::DEFAULT_MAX_ATTEMPTS;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::cell::RefCell;
@@ -22,11 +24,12 @@ use std::sync::Arc;
 
 /// Applies a lookup's result to one message and records it as an attempt of kind
 /// `reconcile`. A message that is `sending` or already `delivered` is left alone.
-/// Returns the message's state afterwards (None if it was left alone).
+/// Returns the message's state afterwards (None if it was left alone). `$9` is the default
+/// `retry.max_attempts`, for options changed by hand into no number.
 const RECORD_LOOKUP: &str = "
 WITH cur AS (
     SELECT m.id, m.state,
-           (m.attempts::int8 - m.budget_base) >= coalesce(outbox._option_int(c.options, '{retry,max_attempts}'), 8) AS spent,
+           (m.attempts::int8 - m.budget_base) >= coalesce(outbox._option_int(c.options, '{retry,max_attempts}'), $9) AS spent,
            last_send.at + $8::int8 * interval '1 millisecond' AS settled_at
       FROM outbox._messages m
       LEFT JOIN outbox._channels c ON c.id = m.channel_id
@@ -132,6 +135,7 @@ pub fn record_lookup(
             next_at.into(),
             pid.into(),
             (options.reconcile_settle_ms().min(i64::MAX as u64) as i64).into(),
+            (DEFAULT_MAX_ATTEMPTS as i32).into(),
         ],
     )?;
     if rows.is_empty() {
@@ -253,9 +257,41 @@ fn unknown_message(id: i64) -> ! {
     unreachable!()
 }
 
+/// What `outbox.reconcile(id)` answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answer {
+    /// The message is delivered: already, or the provider has it.
+    Delivered,
+    /// The provider does not have it.
+    NotFound,
+    /// No usable answer; nothing is concluded.
+    Unavailable,
+    /// The channel has no lookup (or cannot build one for this message).
+    NotSupported,
+}
+
+impl Answer {
+    fn as_str(self) -> &'static str {
+        match self {
+            Answer::Delivered => "delivered",
+            Answer::NotFound => "not_found",
+            Answer::Unavailable => "unavailable",
+            Answer::NotSupported => "not_supported",
+        }
+    }
+
+    fn of(lookup: &Lookup) -> Answer {
+        match lookup {
+            Lookup::Found { .. } => Answer::Delivered,
+            Lookup::NotFound { .. } => Answer::NotFound,
+            Lookup::Unavailable { .. } => Answer::Unavailable,
+        }
+    }
+}
+
 /// Reconciles one message in the current transaction (the message row stays locked until it
 /// ends, so that two operators cannot act on it at once).
-fn reconcile_locked(client: &mut SpiClient<'_>, id: i64) -> SpiResult<&'static str> {
+fn reconcile_locked(client: &mut SpiClient<'_>, id: i64) -> SpiResult<Answer> {
     let rows = client.update(LOCK_SUBJECT, Some(1), &[id.into()])?;
     if rows.is_empty() {
         unknown_message(id);
@@ -270,25 +306,25 @@ fn reconcile_locked(client: &mut SpiClient<'_>, id: i64) -> SpiResult<&'static s
     };
     let lookups_so_far: i32 = row.get(6)?.unwrap_or_default();
     let channel_options: Option<String> = row.get(8)?;
-    if state == "delivered" {
-        return Ok("delivered");
+    if state == State::Delivered.as_str() {
+        return Ok(Answer::Delivered);
     }
     let Some(options) = channel_options
         .and_then(|raw| serde_json::from_str(&raw).ok())
         .and_then(|v: serde_json::Value| ChannelOptions::from_json(&v).ok())
     else {
-        return Ok("not_supported");
+        return Ok(Answer::NotSupported);
     };
     let Some(config) = options.reconcile.clone() else {
-        return Ok("not_supported");
+        return Ok(Answer::NotSupported);
     };
     let Ok(url) = lookup_url::fill(&config.url, &subject) else {
-        return Ok("not_supported");
+        return Ok(Answer::NotSupported);
     };
     let result = lookup_from_backend(&options, url, subject);
     let pid = unsafe { pgrx::pg_sys::MyProcPid };
     record_lookup(client, id, &result, &options, lookups_so_far, pid)?;
-    Ok(result.as_str())
+    Ok(Answer::of(&result))
 }
 
 /// `outbox.reconcile(id)`: a read-only lookup at the provider; never sends the message.
@@ -304,7 +340,9 @@ fn reconcile_one(id: Option<i64>) -> &'static str {
             )
         })
         .or_raise();
-    Spi::connect_mut(|client| reconcile_locked(client, id)).unwrap_or_else(|e| spi_failure(e))
+    Spi::connect_mut(|client| reconcile_locked(client, id))
+        .unwrap_or_else(|e| spi_failure(e))
+        .as_str()
 }
 
 /// `outbox.reconcile()`: every `uncertain` message on a channel that can reconcile.
@@ -328,9 +366,9 @@ fn reconcile_all() -> TableIterator<
         for id in ids {
             counts.0 += 1;
             match reconcile_locked(client, id)? {
-                "delivered" => counts.1 += 1,
-                "not_found" => counts.2 += 1,
-                _ => counts.3 += 1,
+                Answer::Delivered => counts.1 += 1,
+                Answer::NotFound => counts.2 += 1,
+                Answer::Unavailable | Answer::NotSupported => counts.3 += 1,
             }
         }
         Ok(counts)

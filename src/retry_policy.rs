@@ -75,10 +75,13 @@ pub struct RetryPolicy {
     pub max_retry_after_ms: u64,
 }
 
+/// Attempts a channel's retry budget allows unless its `retry.max_attempts` says otherwise.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 8;
+
 impl Default for RetryPolicy {
     fn default() -> Self {
         RetryPolicy {
-            max_attempts: 8,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
             base_ms: 1000,
             max_ms: 300_000,
             multiplier: 2.0,

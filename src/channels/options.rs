@@ -54,6 +54,9 @@ pub struct ChannelOptions {
     pub max_response_bytes: u64,
 }
 
+/// Attempts open at once on a channel unless its `max_in_flight` says otherwise.
+pub const DEFAULT_MAX_IN_FLIGHT: u32 = 64;
+
 /// The default of `max_response_bytes`: enough for any provider's JSON acknowledgement.
 pub const DEFAULT_MAX_RESPONSE_BYTES: u64 = 64 * 1024;
 /// The largest `max_response_bytes` a channel may set.
@@ -136,7 +139,7 @@ impl Default for ChannelOptions {
             reconcile: None,
             retry: RetryPolicy::default(),
             classify: Overrides::default(),
-            max_in_flight: 64,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             tenants: vec!["*".into()],
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
         }

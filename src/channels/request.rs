@@ -119,7 +119,7 @@ mod tests {
             "headers": {"Authorization": "Bearer c", "X-Shared": "channel"},
             "idempotency_header": "Idempotency-Key",
             "reference_header": "X-Ref",
-            "timeout_ms": 1500,
+            "timeout_ms": 5000,
             "external_id": "/id"
         }));
         let raw = r#"{"x-shared": "message", "X-Own": "mine", "idempotency-key": "forged", "X-REF": "forged"}"#;
@@ -132,7 +132,7 @@ mod tests {
         assert_eq!(out.url, "http://h/send");
         assert_eq!(out.method, "POST");
         assert_eq!(out.body, r#"{"text": "hi"}"#);
-        assert_eq!(out.timeout, Duration::from_millis(1500));
+        assert_eq!(out.timeout, Duration::from_millis(5000));
         assert_eq!(out.channel_id, 7);
         assert_eq!(out.max_response_bytes, 65536);
     }

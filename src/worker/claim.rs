@@ -24,8 +24,11 @@ static LOAD_CHANNELS: Statement = Statement::planned_once(
 pub(crate) static CLAIM_DUE: Statement = Statement::planned_once("
 WITH ch AS (
     SELECT c.id,
-           -- An option changed by hand into no number counts as the default (64); the
-           -- worker then fails that channel's messages readably.
+           -- An option changed by hand into no number counts as the default (64,
+           -- options::DEFAULT_MAX_IN_FLIGHT; a test holds them equal). A literal, not a
+           -- parameter: with a parameter here the plan made once claimed a message that
+           -- committed late behind a backlog only once the backlog was drained.
+           -- The worker then fails that channel's messages readably.
            greatest(0, coalesce(outbox._option_int(c.options, '{max_in_flight}'), 64)
                        - (SELECT count(*) FROM outbox._messages s
                            WHERE s.channel_id = c.id AND s.state = 'sending'))::int AS room,
@@ -394,4 +397,16 @@ pub fn claim_lookups(
         });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::channels::options::DEFAULT_MAX_IN_FLIGHT;
+
+    #[test]
+    fn the_claim_counts_a_channel_without_max_in_flight_at_the_default() {
+        let fallback = format!("'{{max_in_flight}}'), {DEFAULT_MAX_IN_FLIGHT})");
+        assert!(CLAIM_DUE.sql.contains(&fallback), "{}", CLAIM_DUE.sql);
+    }
 }
