@@ -201,21 +201,13 @@ mod tests {
 
     #[test]
     fn sqlstates_are_written_as_postgresql_writes_them() {
-        assert_eq!(
-            sqlstate_text(PgSqlErrorCode::ERRCODE_T_R_DEADLOCK_DETECTED),
-            "40P01"
-        );
-        assert_eq!(
-            sqlstate_text(PgSqlErrorCode::ERRCODE_CHECK_VIOLATION),
-            "23514"
-        );
-        assert_eq!(
-            sqlstate_text(PgSqlErrorCode::ERRCODE_QUERY_CANCELED),
-            "57014"
-        );
-        assert_eq!(
-            sqlstate_text(PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE),
-            "42501"
-        );
+        for (code, text) in [
+            (PgSqlErrorCode::ERRCODE_T_R_DEADLOCK_DETECTED, "40P01"),
+            (PgSqlErrorCode::ERRCODE_CHECK_VIOLATION, "23514"),
+            (PgSqlErrorCode::ERRCODE_QUERY_CANCELED, "57014"),
+            (PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE, "42501"),
+        ] {
+            assert_eq!(sqlstate_text(code), text);
+        }
     }
 }

@@ -469,14 +469,7 @@ fn run_effects(
         let verdict = decide::after_effect(&outcome, options, job.context(now_ms()), &mut || {
             jitter.unit()
         });
-        outcomes.push_for(
-            job.channel_id,
-            true,
-            job.message_id,
-            job.attempt_id,
-            job.attempt,
-            verdict,
-        );
+        outcomes.push_job(job, true, verdict);
     }
     Ok(())
 }

@@ -143,6 +143,18 @@ impl Outcomes {
         self.push(message_id, attempt_id, attempt, verdict);
     }
 
+    /// Adds the outcome of a claimed job (see [`Outcomes::push_for`]).
+    pub fn push_job(&mut self, job: &crate::worker::claim::Job, sent: bool, verdict: Verdict) {
+        self.push_for(
+            job.channel_id,
+            sent,
+            job.message_id,
+            job.attempt_id,
+            job.attempt,
+            verdict,
+        );
+    }
+
     pub fn push(&mut self, message_id: i64, attempt_id: i64, attempt: i32, verdict: Verdict) {
         if verdict.state == State::Delivered {
             self.delivered.push(Delivery {

@@ -33,24 +33,18 @@ pub fn sort(transport: &mut Transport, channels: &Channels, jobs: &[Job]) -> Sor
     let mut sorted = Sorted::default();
     for (i, job) in jobs.iter().enumerate() {
         if let Some((recorded_by, external_id)) = &job.ledger {
-            sorted.outcomes.push_for(
-                job.channel_id,
+            sorted.outcomes.push_job(
+                job,
                 false,
-                job.message_id,
-                job.attempt_id,
-                job.attempt,
                 already_recorded(*recorded_by, external_id.clone()),
             );
             continue;
         }
         let Some(channel) = channels.by_id.get(&job.channel_id) else {
             let gone = format!("channel {} no longer exists", job.channel_id);
-            sorted.outcomes.push_for(
-                job.channel_id,
+            sorted.outcomes.push_job(
+                job,
                 true,
-                job.message_id,
-                job.attempt_id,
-                job.attempt,
                 unusable_channel(Class::Permanent, State::Failed, gone),
             );
             continue;
@@ -87,12 +81,9 @@ pub fn sort(transport: &mut Transport, channels: &Channels, jobs: &[Job]) -> Sor
             });
         match built {
             Ok((client, out)) => sorted.requests.push((i, client, out)),
-            Err(error) => sorted.outcomes.push_for(
-                job.channel_id,
+            Err(error) => sorted.outcomes.push_job(
+                job,
                 true,
-                job.message_id,
-                job.attempt_id,
-                job.attempt,
                 unusable_channel(Class::Permanent, State::Failed, error),
             ),
         }
@@ -149,14 +140,7 @@ pub fn decide_all(
                 verdict.error.as_deref().unwrap_or("")
             );
         }
-        outcomes.push_for(
-            job.channel_id,
-            true,
-            job.message_id,
-            job.attempt_id,
-            job.attempt,
-            verdict,
-        );
+        outcomes.push_job(job, true, verdict);
     }
 }
 
