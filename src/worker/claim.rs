@@ -86,8 +86,11 @@ WITH ch AS (
            coalesce(m.budget_started_at, m.created_at) AS budget_started_at, m.first_attempt_at,
            m.attempts::int8 - m.budget_base AS budget_attempt, m.next_attempt_at
 ), attempt AS (
-    INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, effect_key_sent, worker_pid)
-    SELECT c.id, c.tenant, c.attempts, 'send', c.key_sent, $4 FROM claimed c
+    -- An attempt starts when it is claimed, not when the claim's transaction began: the
+    -- sweep and the wait for the claim lock come first, and an attempt of another worker
+    -- may be recorded in between.
+    INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, effect_key_sent, worker_pid, started_at)
+    SELECT c.id, c.tenant, c.attempts, 'send', c.key_sent, $4, pg_catalog.clock_timestamp() FROM claimed c
     RETURNING id, message_id
 )
 SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.key_sent, c.payload::text, c.headers::text,
