@@ -10,7 +10,8 @@
 //!
 //! Run: `cargo test -p outbox_e2e --release --test channel_tenants`.
 
-use outbox_e2e::cluster::{code_of, create_channel, ident, unique, wait_for_state, Cluster};
+use outbox_e2e::cluster::{unique, wait_for_state, Cluster};
+use outbox_e2e::helpers::{code_of, create_channel, ident, session_as};
 use outbox_e2e::sim::Simulator;
 use postgres::Client;
 use std::time::Duration;
@@ -43,10 +44,7 @@ impl<'a> Writer<'a> {
     }
 
     fn session(&self) -> Client {
-        let mut c = self.cluster.connect();
-        c.batch_execute(&format!("SET ROLE {}", ident(&self.role)))
-            .expect("set role");
-        c
+        session_as(self.cluster, &self.role)
     }
 
     fn enqueue(&self, channel: &str, headers: Option<&str>) -> Result<i64, postgres::Error> {

@@ -24,8 +24,9 @@
 //! instead. Every server-wide setting changed here is reset by a guard, also on failure.
 
 use outbox_e2e::cluster::{poll, unique, wait_for_workers, Cluster};
+use outbox_e2e::helpers::{arm_fault, create_channel, try_enqueue, QUIET};
 use outbox_e2e::sim::{Action, RandomFaults, Received, Simulator};
-use postgres::{Client, GenericClient, NoTls};
+use postgres::{Client, NoTls};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -38,9 +39,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// How long a message may take to reach the state it is expected to reach (recovery after a
 /// crash restart included).
-const SETTLE: Duration = Duration::from_secs(60);
-/// How long a negative check ("nothing more is sent") watches.
-const QUIET: Duration = Duration::from_millis(1500);
+const CRASH_SETTLE: Duration = Duration::from_secs(60);
 /// Retry policy of the matrix channels: fast and predictable.
 const FAST_RETRY: &str = r#"{"base_ms": 200, "max_ms": 1000, "jitter": "none"}"#;
 const RUN_COMMAND: &str =
@@ -129,15 +128,6 @@ fn kill_9(pid: i32) -> bool {
         .unwrap_or(false)
 }
 
-fn create_channel(c: &mut Client, name: &str, endpoint: &str, options: &Value) {
-    let options = options.to_string();
-    c.execute(
-        "SELECT outbox.create_channel($1::text, $2::text, $3::text::jsonb)",
-        &[&name, &endpoint, &options],
-    )
-    .unwrap_or_else(|e| panic!("create_channel({name}, {endpoint}, {options}): {e}"));
-}
-
 fn alter_channel(c: &mut Client, name: &str, options: &Value) {
     let options = options.to_string();
     c.execute(
@@ -145,15 +135,6 @@ fn alter_channel(c: &mut Client, name: &str, options: &Value) {
         &[&name, &options],
     )
     .unwrap_or_else(|e| panic!("alter_channel({name}, {options}): {e}"));
-}
-
-fn enqueue<C: GenericClient>(c: &mut C, channel: &str, key: &str) -> Result<i64, postgres::Error> {
-    let payload = json!({"key": key, "text": "prove it"}).to_string();
-    Ok(c.query_one(
-        "SELECT outbox.enqueue($1::text, $2::text::jsonb, $3::text)",
-        &[&channel, &payload, &key],
-    )?
-    .get(0))
 }
 
 /// One message of a scenario: its channel (one channel per kind and scenario), key and id.
@@ -185,7 +166,7 @@ fn make_channels(
                 c,
                 &ch,
                 &endpoint(&ch),
-                &kind.options(sim, &ch, retry, extra),
+                &kind.options(sim, &ch, retry, extra).to_string(),
             );
             (kind, ch)
         })
@@ -203,7 +184,8 @@ fn enqueue_all(c: &mut Client, chans: &[(Kind, String)], keys: Option<&[String]>
                 || unique(&format!("key_{}", kind.short())),
                 |k| k[i].clone(),
             );
-            let id = enqueue(&mut tx, ch, &key).unwrap_or_else(|e| panic!("enqueue on {ch}: {e}"));
+            let id =
+                try_enqueue(&mut tx, ch, &key).unwrap_or_else(|e| panic!("enqueue on {ch}: {e}"));
             Lane {
                 kind: *kind,
                 ch: ch.clone(),
@@ -239,40 +221,6 @@ fn attempt_owners(c: &mut Client, ids: &[i64]) -> Vec<i32> {
     pids.sort_unstable();
     pids.dedup();
     pids
-}
-
-/// ALTER SYSTEM SET/RESET + reload, as two statements (ALTER SYSTEM refuses to run in the
-/// implicit transaction block of a multi-statement query).
-fn set_fault(cluster: &Cluster, point: Option<&str>) -> Result<(), postgres::Error> {
-    let mut c = Client::connect(&cluster.conninfo(), NoTls)?;
-    match point {
-        Some(p) => c.batch_execute(&format!("ALTER SYSTEM SET outbox.fault_injection = '{p}'"))?,
-        None => c.batch_execute("ALTER SYSTEM RESET outbox.fault_injection")?,
-    }
-    c.batch_execute("SELECT pg_reload_conf()")
-}
-
-/// Arms a fault-injection point; resets it when dropped (also while a panic unwinds).
-struct FaultGuard<'a>(&'a Cluster);
-
-fn arm_fault<'a>(cluster: &'a Cluster, point: &str) -> FaultGuard<'a> {
-    let guard = FaultGuard(cluster);
-    set_fault(cluster, Some(point)).unwrap_or_else(|e| panic!("arm {point}: {e}"));
-    // The workers reload at their next loop.
-    std::thread::sleep(Duration::from_millis(700));
-    guard
-}
-
-impl Drop for FaultGuard<'_> {
-    fn drop(&mut self) {
-        for _ in 0..100 {
-            if set_fault(self.0, None).is_ok() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        std::thread::sleep(Duration::from_millis(700));
-    }
 }
 
 /// The message ids a `fault injection POINT:` log line names as in flight.
@@ -588,7 +536,7 @@ fn settle_and_judge(
 ) -> Vec<Row> {
     for lane in lanes {
         let want = expect(lane.kind).state;
-        poll(cluster, SETTLE, |c| {
+        poll(cluster, CRASH_SETTLE, |c| {
             Ok(state_attempts(c, lane.id)?.filter(|(s, _)| s == want))
         });
     }
@@ -909,7 +857,9 @@ fn client_dies(scenario: &str, how: ClientKill) -> Vec<Row> {
     let ids: Vec<i64> = chans
         .iter()
         .zip(&keys)
-        .map(|((_, ch), key)| enqueue(&mut app, ch, key).expect("enqueue in the open transaction"))
+        .map(|((_, ch), key)| {
+            try_enqueue(&mut app, ch, key).expect("enqueue in the open transaction")
+        })
         .collect();
     // Three poll intervals: a worker that could see the rows would have claimed them.
     std::thread::sleep(Duration::from_millis(1500));
@@ -1049,7 +999,7 @@ fn fault_point(scenario: &str, point: &str, expect: &dyn Fn(Kind) -> Expect) -> 
     let lanes = enqueue_all(&mut c, &chans, None);
     drop(c);
     // Claimed, the worker died at the point, and the restarted worker recovered the lease.
-    let recovered = poll(&cluster, SETTLE, |c| {
+    let recovered = poll(&cluster, CRASH_SETTLE, |c| {
         for lane in &lanes {
             match state_attempts(c, lane.id)? {
                 Some((s, n)) if n >= 1 && s != "sending" => {}
@@ -1061,7 +1011,7 @@ fn fault_point(scenario: &str, point: &str, expect: &dyn Fn(Kind) -> Expect) -> 
     drop(guard);
     assert!(
         recovered.is_some(),
-        "{point}: the messages were not claimed and recovered within {SETTLE:?}; see {}",
+        "{point}: the messages were not claimed and recovered within {CRASH_SETTLE:?}; see {}",
         cluster.log_path().display()
     );
     let fired = fault_fired_for(&cluster.log_since(mark), point);
@@ -1133,7 +1083,7 @@ fn after_claim_kill9(scenario: &str) -> Vec<Row> {
     let lanes = enqueue_all(&mut c, &chans, None);
     let ids: Vec<i64> = lanes.iter().map(|l| l.id).collect();
     // Claimed: state sending, attempt row written; the worker now hangs in connect().
-    let claimed = poll(&cluster, SETTLE, |c| {
+    let claimed = poll(&cluster, CRASH_SETTLE, |c| {
         for id in &ids {
             if state_attempts(c, *id)?.map(|(s, _)| s) != Some("sending".into()) {
                 return Ok(None);
@@ -1194,7 +1144,7 @@ fn after_send_kill9(scenario: &str) -> Vec<Row> {
     let lanes = enqueue_all(&mut c, &chans, None);
     for lane in &lanes {
         assert!(
-            sim.wait_for_stored(&lane.ch, 1, SETTLE),
+            sim.wait_for_stored(&lane.ch, 1, CRASH_SETTLE),
             "the provider did not get message {}",
             lane.id
         );
@@ -1243,7 +1193,7 @@ fn before_commit_immediate_stop(scenario: &str) -> Vec<Row> {
     }
     let lanes = enqueue_all(&mut c, &chans, None);
     let ids: Vec<i64> = lanes.iter().map(|l| l.id).collect();
-    let claimed = poll(&cluster, SETTLE, |c| {
+    let claimed = poll(&cluster, CRASH_SETTLE, |c| {
         for id in &ids {
             if state_attempts(c, *id)?.map(|(s, _)| s) != Some("sending".into()) {
                 return Ok(None);
@@ -1273,7 +1223,7 @@ fn before_commit_immediate_stop(scenario: &str) -> Vec<Row> {
         );
     }
     // The provider answers (stored, 200) ...
-    let answered = poll(&cluster, SETTLE, |_| {
+    let answered = poll(&cluster, CRASH_SETTLE, |_| {
         Ok(lanes
             .iter()
             .all(|l| sim.sends(&l.ch).iter().any(|r| r.status == Some(200)))
@@ -1468,7 +1418,7 @@ fn restart_during_backoff(scenario: &str) -> Vec<Row> {
         .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
         .collect())
     };
-    let in_backoff = poll(&cluster, SETTLE, |c| {
+    let in_backoff = poll(&cluster, CRASH_SETTLE, |c| {
         let s = schedule(c)?;
         Ok((s.len() == 3 && s.iter().all(|m| m.0 == "queued" && m.1 == 1)).then_some(s))
     })
@@ -1729,7 +1679,7 @@ fn spawn_enqueuer(
                     Some(c) => (|| -> Result<(), postgres::Error> {
                         let mut tx = c.transaction()?;
                         for (ch, key) in chunk {
-                            enqueue(&mut tx, ch, key)?;
+                            try_enqueue(&mut tx, ch, key)?;
                         }
                         tx.commit()
                     })()

@@ -7,6 +7,7 @@
 //! provider simulator. Run with `--test-threads=1`.
 
 use outbox_e2e::cluster::{state_of, unique, wait_for_state, wait_until, Cluster};
+use outbox_e2e::helpers::{count, create_channel, enqueue, try_enqueue};
 use outbox_e2e::sim::Simulator;
 use postgres::error::DbError;
 use postgres::{Client, Config, GenericClient, NoTls};
@@ -22,45 +23,9 @@ const DELIVERY: Duration = Duration::from_secs(30);
 /// The options of the channels of this file: the provider gets the effect key and answers
 /// the external id in its body.
 const OPTIONS: &str = r#"{"idempotency_header": "Idempotency-Key", "external_id": "/id"}"#;
-const PAYLOAD: &str = r#"{"to": "user-7", "text": "hello"}"#;
-
 // ---------------------------------------------------------------------------------------
 // helpers
 // ---------------------------------------------------------------------------------------
-
-fn create_channel(c: &mut impl GenericClient, name: &str, endpoint: &str, options: &str) {
-    c.execute(
-        "SELECT outbox.create_channel($1, $2, $3::text::jsonb)",
-        &[&name, &endpoint, &options],
-    )
-    .unwrap_or_else(|e| panic!("create_channel {name}: {e}"));
-}
-
-fn try_enqueue(
-    c: &mut impl GenericClient,
-    channel: &str,
-    key: &str,
-) -> Result<i64, postgres::Error> {
-    c.query_one(
-        "SELECT outbox.enqueue($1, $2::text::jsonb, $3)",
-        &[&channel, &PAYLOAD, &key],
-    )
-    .map(|r| r.get(0))
-}
-
-fn enqueue(c: &mut impl GenericClient, channel: &str, key: &str) -> i64 {
-    try_enqueue(c, channel, key).unwrap_or_else(|e| panic!("enqueue on {channel}: {e}"))
-}
-
-fn count(
-    c: &mut impl GenericClient,
-    sql: &str,
-    params: &[&(dyn postgres::types::ToSql + Sync)],
-) -> i64 {
-    c.query_one(sql, params)
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .get(0)
-}
 
 fn messages_with_key(c: &mut impl GenericClient, key: &str) -> i64 {
     count(
@@ -120,7 +85,7 @@ fn take_notices(n: &Notices) -> Vec<DbError> {
     std::mem::take(&mut *n.lock().unwrap())
 }
 
-fn describe(notices: &[DbError]) -> Vec<String> {
+fn describe_notices(notices: &[DbError]) -> Vec<String> {
     notices
         .iter()
         .map(|n| format!("{}: {} (hint: {:?})", n.severity(), n.message(), n.hint()))
@@ -436,7 +401,7 @@ fn concurrent_enqueue_of_same_key_first_commits_both_get_same_id() {
     assert!(
         b.notices.is_empty(),
         "session B got notices for an identical payload: {:?}",
-        describe(&b.notices)
+        describe_notices(&b.notices)
     );
 
     assert_eq!(
@@ -490,7 +455,7 @@ fn concurrent_enqueue_of_same_key_first_rolls_back_second_gets_fresh_id() {
     assert!(
         b.notices.is_empty(),
         "session B got notices: {:?}",
-        describe(&b.notices)
+        describe_notices(&b.notices)
     );
 
     assert_eq!(
@@ -915,7 +880,7 @@ fn without_preload_create_extension_warns_and_enqueue_still_queues() {
         warnings.len(),
         1,
         "CREATE EXTENSION must warn once that no worker will deliver; notices: {:?}",
-        describe(&got)
+        describe_notices(&got)
     );
     let w = warnings[0];
     assert!(
@@ -950,7 +915,7 @@ fn without_preload_create_extension_warns_and_enqueue_still_queues() {
         not_preloaded_warnings(&got2).len(),
         1,
         "enqueue without the preload must warn (once per session); notices: {:?}",
-        describe(&got2)
+        describe_notices(&got2)
     );
 
     // Nothing delivers here: the messages stay queued and the provider gets nothing.

@@ -25,8 +25,9 @@
 //! next test's metrics, and its roles and bindings are dropped.
 
 use openmetrics_parser::prometheus::parse_prometheus;
-use outbox_e2e::cluster::{
-    closed_port, code_of, create_channel, ident, poll, unique, wait_for_workers, Cluster,
+use outbox_e2e::cluster::{poll, unique, wait_for_workers, Cluster};
+use outbox_e2e::helpers::{
+    closed_port, code_of, count, create_channel, describe, ident, serial, set_role, short,
     CONTRACT_VIEWS,
 };
 use outbox_e2e::sim::Simulator;
@@ -34,11 +35,11 @@ use postgres::types::ToSql;
 use postgres::{Client, GenericClient, NoTls};
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashSet};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// How long a message may take to reach a state it is expected to reach.
-const SETTLE: Duration = Duration::from_secs(60);
+/// How long a message may take to reach a state it is expected to reach (longer than the
+/// shared SETTLE: the queue may hold the whole fuzz run).
+const HOSTILE_SETTLE: Duration = Duration::from_secs(60);
 /// Default number of fuzz calls (superuser and writer together).
 const FUZZ_ITERATIONS: u64 = 3000;
 /// Words whose presence in the server log means a backend crashed or was killed.
@@ -53,43 +54,6 @@ const CRASH_WORDS: [&str; 5] = [
 // ---------------------------------------------------------------------------------------
 // Helpers (local to this file)
 // ---------------------------------------------------------------------------------------
-
-type Params<'a> = [&'a (dyn ToSql + Sync)];
-
-/// One test at a time: both check that the workers keep their PIDs and read the server log.
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn describe(e: &postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(d) => format!(
-            "{} {}: {}{}{}",
-            d.severity(),
-            d.code().code(),
-            short(d.message()),
-            d.detail()
-                .map(|x| format!(" (detail: {})", short(x)))
-                .unwrap_or_default(),
-            d.hint()
-                .map(|x| format!(" (hint: {})", short(x)))
-                .unwrap_or_default()
-        ),
-        None => format!("not a server error (connection lost?): {e}"),
-    }
-}
-
-/// A value for a failure message: debug-quoted, cut after 80 characters, with its size.
-fn short(s: &str) -> String {
-    let chars = s.chars().count();
-    if chars <= 80 {
-        format!("{s:?}")
-    } else {
-        let head: String = s.chars().take(80).collect();
-        format!("{head:?}… ({chars} characters, {} bytes)", s.len())
-    }
-}
 
 /// SQLSTATEs no bad input may produce: internal errors, system errors, a RAISE without an
 /// error code, a statement that ran into the timeout, a lost backend, resource exhaustion.
@@ -117,12 +81,6 @@ fn has_ascii_control(s: &str) -> bool {
 /// A C1 control (U+0080 to U+009F): a control character outside ASCII.
 fn has_c1_control(s: &str) -> bool {
     s.chars().any(|c| c.is_control() && !c.is_ascii())
-}
-
-fn count(c: &mut Client, sql: &str, params: &Params<'_>) -> i64 {
-    c.query_one(sql, params)
-        .unwrap_or_else(|e| panic!("{sql}: {}", describe(&e)))
-        .get(0)
 }
 
 /// Lines of the server log that say a backend crashed or was killed.
@@ -264,8 +222,7 @@ fn session(cluster: &Cluster, role: Option<&str>) -> Client {
     c.batch_execute("SET statement_timeout = '60s'")
         .expect("statement_timeout");
     if let Some(r) = role {
-        c.batch_execute(&format!("SET ROLE {}", ident(r)))
-            .unwrap_or_else(|e| panic!("SET ROLE {r}: {}", describe(&e)));
+        set_role(&mut c, r);
     }
     c
 }
@@ -1327,7 +1284,7 @@ fn injection_strings_are_stored_verbatim_or_refused_cleanly() {
     // The hostile messages settle: none stays queued or in flight on a running channel.
     let tagc = tag.clone();
     let mut last = Vec::new();
-    let settled = poll(&cluster, SETTLE, |c| {
+    let settled = poll(&cluster, HOSTILE_SETTLE, |c| {
         last = c
             .query(
                 "SELECT m.id, m.state::text, coalesce(m.last_error, '') FROM outbox._messages m
@@ -1341,7 +1298,7 @@ fn injection_strings_are_stored_verbatim_or_refused_cleanly() {
         Ok(last.is_empty().then_some(()))
     });
     ck.check(settled.is_some(), || {
-        format!("hostile messages still queued or sending after {SETTLE:?}: {last:?}")
+        format!("hostile messages still queued or sending after {HOSTILE_SETTLE:?}: {last:?}")
     });
     // What the provider got for each delivered hostile payload is that payload.
     let bodies: Vec<Value> = sim
@@ -1394,8 +1351,8 @@ fn injection_strings_are_stored_verbatim_or_refused_cleanly() {
         )
         .unwrap_or_else(|e| panic!("a normal enqueue after the hostile input: {}", describe(&e)))
         .get(0);
-    ck.check(sim.wait_for_stored(&fresh, 1, SETTLE), || {
-        format!("a normal message ({id}) enqueued after the hostile input was not delivered within {SETTLE:?}")
+    ck.check(sim.wait_for_stored(&fresh, 1, HOSTILE_SETTLE), || {
+        format!("a normal message ({id}) enqueued after the hostile input was not delivered within {HOSTILE_SETTLE:?}")
     });
 
     let after = wait_for_workers(&cluster, &[]);
@@ -2490,9 +2447,9 @@ fn fuzzing_every_public_function_never_breaks_the_server() {
         )
         .unwrap_or_else(|e| panic!("a normal enqueue after the fuzz: {}", describe(&e)))
         .get(0);
-    if !sim.wait_for_stored(&final_ch, 1, SETTLE) {
+    if !sim.wait_for_stored(&final_ch, 1, HOSTILE_SETTLE) {
         problems.push(format!(
-            "a normal message ({id}) enqueued after the fuzz was not delivered within {SETTLE:?}"
+            "a normal message ({id}) enqueued after the fuzz was not delivered within {HOSTILE_SETTLE:?}"
         ));
     }
     let crashes = crash_lines(&cluster.log_since(mark));

@@ -22,15 +22,14 @@
 
 use openmetrics_parser::prometheus::parse_prometheus;
 use openmetrics_parser::{MetricsExposition, PrometheusType, PrometheusValue};
-use outbox_e2e::cluster::{create_channel, poll, unique, wait_for_workers, wait_until, Cluster};
+use outbox_e2e::cluster::{unique, wait_for_workers, wait_until, Cluster};
+use outbox_e2e::helpers::{
+    create_channel, enqueue, serial, set_setting_seen, wait_state, SettingsGuard, SETTLE,
+};
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::{Client, IsolationLevel, NoTls, SimpleQueryMessage};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
-
-/// How long a message may take to reach a state it is expected to reach.
-const SETTLE: Duration = Duration::from_secs(30);
 
 type Exposition = MetricsExposition<PrometheusType, PrometheusValue>;
 
@@ -38,98 +37,9 @@ type Exposition = MetricsExposition<PrometheusType, PrometheusValue>;
 // Helpers (local to this file)
 // ---------------------------------------------------------------------------------------
 
-/// One test at a time: alert thresholds are server-wide and one test restarts the server.
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn enqueue(c: &mut Client, channel: &str, key: &str) -> i64 {
-    let payload = format!(r#"{{"to": "user-7", "key": "{key}"}}"#);
-    c.query_one(
-        "SELECT outbox.enqueue($1::text, $2::text::jsonb, $3::text)",
-        &[&channel, &payload, &key],
-    )
-    .unwrap_or_else(|e| panic!("enqueue on {channel:?} with key {key}: {e}"))
-    .get(0)
-}
-
 fn state(c: &mut Client, id: i64) -> Result<Option<String>, postgres::Error> {
     Ok(c.query_one("SELECT outbox.status($1)::text", &[&id])?
         .get(0))
-}
-
-/// Waits until message `id` is in `want`; panics with the last state seen.
-fn wait_state(cluster: &Cluster, id: i64, want: &str) {
-    let mut last = None;
-    let ok = poll(cluster, SETTLE, |c| {
-        last = state(c, id)?;
-        Ok((last.as_deref() == Some(want)).then_some(()))
-    });
-    assert!(
-        ok.is_some(),
-        "message {id} did not become {want} within {SETTLE:?}; last seen: {last:?}; see {}",
-        cluster.log_path().display()
-    );
-}
-
-/// Sets a sighup setting server-wide (ALTER SYSTEM SET, then pg_reload_conf() as a
-/// separate statement: ALTER SYSTEM cannot run in a transaction block), then waits until
-/// this connection sees it.
-fn set_setting(c: &mut Client, name: &str, value: &str) {
-    c.batch_execute(&format!("ALTER SYSTEM SET {name} = '{value}'"))
-        .unwrap_or_else(|e| panic!("ALTER SYSTEM SET {name} = {value}: {e:?}"));
-    c.batch_execute("SELECT pg_reload_conf()")
-        .unwrap_or_else(|e| panic!("pg_reload_conf(): {e:?}"));
-    let seen = wait_until(Duration::from_secs(10), || {
-        c.query_one("SELECT current_setting($1)", &[&name])
-            .map(|r| r.get::<_, String>(0) == value)
-            .unwrap_or(false)
-    });
-    assert!(seen, "{name} = {value} not visible after pg_reload_conf()");
-}
-
-/// ALTER SYSTEM RESET + reload, two statements.
-fn reset_setting(cluster: &Cluster, name: &str) -> Result<(), postgres::Error> {
-    let mut c = Client::connect(&cluster.conninfo(), NoTls)?;
-    c.batch_execute(&format!("ALTER SYSTEM RESET {name}"))?;
-    c.batch_execute("SELECT pg_reload_conf()")
-}
-
-/// Resets server-wide settings when dropped, so that a failing test does not leave the
-/// shared cluster changed. Errors are only reported: it may run while a panic unwinds.
-struct SettingsGuard<'a> {
-    cluster: &'a Cluster,
-    names: Vec<&'static str>,
-}
-
-impl<'a> SettingsGuard<'a> {
-    fn new(cluster: &'a Cluster, names: &[&'static str]) -> Self {
-        SettingsGuard {
-            cluster,
-            names: names.to_vec(),
-        }
-    }
-}
-
-impl Drop for SettingsGuard<'_> {
-    fn drop(&mut self) {
-        for name in &self.names {
-            let mut done = false;
-            for _ in 0..50 {
-                if reset_setting(self.cluster, name).is_ok() {
-                    done = true;
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            if !done {
-                eprintln!("could not reset {name}");
-            }
-        }
-        // Let every backend and the workers reload before the next test.
-        std::thread::sleep(Duration::from_millis(700));
-    }
 }
 
 /// One row of `outbox.alerts`, with `since` as "seconds ago" (now() - since).
@@ -318,7 +228,7 @@ fn queue_age_alert_is_raised_by_a_stuck_channel_and_clears_when_it_drains() {
     wait_for_workers(&cluster, &[]);
     let _settings = SettingsGuard::new(&cluster, &["outbox.alert_queue_age_s"]);
     let mut c = cluster.connect();
-    set_setting(&mut c, "outbox.alert_queue_age_s", "1");
+    set_setting_seen(&mut c, "outbox.alert_queue_age_s", "1");
 
     let sim = Simulator::start();
     let ch = unique("obs_qage");
@@ -443,7 +353,7 @@ fn error_streak_alert_follows_503s_and_clears_on_delivery() {
     wait_for_workers(&cluster, &[]);
     let _settings = SettingsGuard::new(&cluster, &["outbox.alert_error_streak"]);
     let mut c = cluster.connect();
-    set_setting(&mut c, "outbox.alert_error_streak", "3");
+    set_setting_seen(&mut c, "outbox.alert_error_streak", "3");
 
     let sim = Simulator::start();
     let ch = unique("obs_streak");

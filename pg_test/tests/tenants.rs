@@ -27,19 +27,18 @@
 //! fails. The tests take one lock, so they run one at a time whatever `--test-threads`
 //! says: test 7 plants a trigger on `outbox._messages` and test 9 stops the workers.
 
-use outbox_e2e::cluster::{
-    code_of, create_channel, ident, state_of, unique, wait_for_state, wait_for_workers, Cluster,
+use outbox_e2e::cluster::{state_of, unique, wait_for_state, wait_for_workers, Cluster};
+use outbox_e2e::helpers::{
+    code_of, count, create_channel, describe, ident, serial, session_as, try_enqueue_payload,
+    wait_state, Params, SETTLE,
 };
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::types::ToSql;
 use postgres::{Client, NoTls};
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-/// How long a message may take to reach a state it is expected to reach.
-const SETTLE: Duration = Duration::from_secs(30);
 /// How long a negative check ("the worker does nothing") watches.
-const QUIET: Duration = Duration::from_secs(3);
+const LONG_QUIET: Duration = Duration::from_secs(3);
 /// The channels of this file: the provider gets the effect key and answers an external id.
 const OPTIONS: &str = r#"{"idempotency_header": "Idempotency-Key", "external_id": "/id"}"#;
 /// The roles `CREATE EXTENSION` creates (docs/security.md, "Roles").
@@ -54,38 +53,9 @@ const EXTENSION_ROLES: [&str; 4] = [
 // Helpers (local to this file)
 // ---------------------------------------------------------------------------------------
 
-type Params<'a> = [&'a (dyn ToSql + Sync)];
-
-/// One test at a time: test 7 plants a trigger on the message table and test 9 stops the
-/// workers, which would stall the deliveries every other test waits for.
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// A quoted SQL string literal.
 fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
-}
-
-/// The SQLSTATE of an error, or a marker saying there was none (a broken connection).
-/// An error as the server reported it: severity, SQLSTATE, message, detail and hint.
-fn describe(e: &postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(d) => format!(
-            "{} {}: {}{}{}",
-            d.severity(),
-            d.code().code(),
-            d.message(),
-            d.detail()
-                .map(|x| format!(" (detail: {x})"))
-                .unwrap_or_default(),
-            d.hint()
-                .map(|x| format!(" (hint: {x})"))
-                .unwrap_or_default()
-        ),
-        None => format!("not a server error (connection lost?): {e}"),
-    }
 }
 
 /// `Err(problem)` unless `r` failed with SQLSTATE `want`.
@@ -166,12 +136,6 @@ fn error_text_without_id(e: &postgres::Error, id: i64) -> String {
     }
 }
 
-fn count(c: &mut Client, sql: &str, params: &Params<'_>, who: &str) -> i64 {
-    c.query_one(sql, params)
-        .unwrap_or_else(|e| panic!("{who}: {sql}: {}", describe(&e)))
-        .get(0)
-}
-
 /// A name for a tenant; the `_t` suffix keeps one tenant's name from being a prefix of
 /// another's, so that a substring search for it finds that tenant alone.
 fn tenant_name(label: &str) -> String {
@@ -186,11 +150,8 @@ struct Session {
 
 impl Session {
     fn new(cluster: &Cluster, role: &str) -> Session {
-        let mut c = cluster.connect();
-        c.batch_execute(&format!("SET ROLE {}", ident(role)))
-            .unwrap_or_else(|e| panic!("SET ROLE {role}: {}", describe(&e)));
         Session {
-            c,
+            c: session_as(cluster, role),
             who: role.to_string(),
         }
     }
@@ -221,12 +182,7 @@ impl Session {
 
     fn try_enqueue(&mut self, channel: &str, key: &str) -> Result<i64, postgres::Error> {
         let payload = format!(r#"{{"tenant_test": "{key}"}}"#);
-        self.c
-            .query_one(
-                "SELECT outbox.enqueue($1::text, $2::text::jsonb, $3::text)",
-                &[&channel, &payload, &key],
-            )
-            .map(|r| r.get(0))
+        try_enqueue_payload(&mut self.c, channel, &payload, key)
     }
 
     fn enqueue(&mut self, channel: &str, key: &str) -> i64 {
@@ -240,8 +196,10 @@ impl Session {
     }
 
     fn count(&mut self, sql: &str, params: &Params<'_>) -> i64 {
-        let who = self.who.clone();
-        count(&mut self.c, sql, params, &who)
+        self.c
+            .query_one(sql, params)
+            .unwrap_or_else(|e| panic!("{}: {sql}: {}", self.who, describe(&e)))
+            .get(0)
     }
 
     fn status(&mut self, id: i64) -> Result<Option<String>, postgres::Error> {
@@ -270,17 +228,6 @@ fn unbind(c: &mut Client, role: &str, tenant: &str) -> Result<u64, postgres::Err
         "SELECT outbox.unbind_tenant($1::text::name, $2::text)",
         &[&role, &tenant],
     )
-}
-
-/// Waits until message `id` is in `state`; panics with the last state seen.
-fn wait_state(cluster: &Cluster, id: i64, state: &str) {
-    if !wait_for_state(cluster, id, state, SETTLE) {
-        panic!(
-            "message {id} did not become {state} within {SETTLE:?}; last seen: {:?}; see {}",
-            state_of(cluster, id),
-            cluster.log_path().display()
-        );
-    }
 }
 
 /// Panics with a clear message when the roles `CREATE EXTENSION` creates are missing.
@@ -603,8 +550,8 @@ fn check_reads(
             continue;
         }
         // All of its own rows: as many as the superuser sees.
-        let su_own = count(su, &by_ids, &[&own_ids], "superuser");
-        let su_other = count(su, &by_ids, &[&other_ids], "superuser");
+        let su_own = count(su, &by_ids, &[&own_ids]);
+        let su_other = count(su, &by_ids, &[&other_ids]);
         assert!(
             su_own > 0 && su_other > 0,
             "fixture: the superuser sees {su_own} rows of tenant {own} and {su_other} of tenant {other} in outbox.{}; the setup should have produced rows of both",
@@ -765,7 +712,6 @@ fn snapshot(su: &mut Client, ids: &[i64]) -> (Vec<String>, i64, i64, i64) {
             su,
             &format!("SELECT count(*) FROM outbox.{table} WHERE {col} = ANY($1::int8[])"),
             &[&ids],
-            "superuser",
         )
     };
     (
@@ -1858,7 +1804,6 @@ fn binding_log_rows(su: &mut Client, action: &str, role: &str, tenant: &str) -> 
             AND ($1 <> 'bind' OR o.action NOT LIKE '%unbind%')
             AND strpos(o::text, $2) > 0 AND strpos(o::text, $3) > 0",
         &[&action, &role, &tenant],
-        "superuser",
     )
 }
 
@@ -2297,7 +2242,6 @@ CREATE TRIGGER {PROBE_TRIGGER} AFTER UPDATE ON outbox._messages
         &mut su,
         "SELECT count(*) FROM pg_roles WHERE rolname = $1",
         &[&guard.evil_role],
-        "superuser",
     );
     if evil_exists != 0 {
         problems.push(format!(
@@ -2521,12 +2465,12 @@ fn a_superuser_or_missing_outbox_role_stops_the_worker_and_says_so_once() {
             .expect("enqueue while outbox.role is wrong")
             .get(0);
         held.push(id);
-        std::thread::sleep(QUIET);
+        std::thread::sleep(LONG_QUIET);
         let state = state_of(&cluster, id);
         assert_eq!(
             state.as_deref(),
             Some("queued"),
-            "with outbox.role = {value} ({what}) the worker must do nothing, but message {id} is {state:?} after {QUIET:?}"
+            "with outbox.role = {value} ({what}) the worker must do nothing, but message {id} is {state:?} after {LONG_QUIET:?}"
         );
         assert_eq!(
             sim.send_count(&ch),
@@ -2627,7 +2571,6 @@ fn writing_functions_are_security_definer_and_tenant_tables_have_row_level_secur
             &mut su,
             "SELECT count(*) FROM pg_policies WHERE schemaname = 'outbox' AND tablename = $1",
             &[&t],
-            "superuser",
         );
         if policies < 2 {
             problems.push(format!(

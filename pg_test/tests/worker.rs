@@ -7,40 +7,19 @@
 //! between tests; every server-wide setting a test changes is reset by a guard, also when
 //! the test fails.
 
-use outbox_e2e::cluster::{create_channel, poll, unique, wait_for_workers, Cluster};
+use outbox_e2e::cluster::{poll, unique, wait_for_workers, Cluster};
+use outbox_e2e::helpers::{
+    arm_fault, count, create_channel, enqueue_payload, enqueue_with, reset_setting, set_setting,
+    SettingsGuard, QUIET, SETTLE,
+};
 use outbox_e2e::sim::{Action, Received, Simulator};
-use postgres::{Client, GenericClient, NoTls};
+use postgres::{Client, NoTls};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
-
-/// How long a message may take to reach a state it is expected to reach.
-const SETTLE: Duration = Duration::from_secs(30);
-/// How long a negative check ("nothing more is sent") watches.
-const QUIET: Duration = Duration::from_millis(1500);
 
 // ---------------------------------------------------------------------------------------
 // Helpers (local to this file)
 // ---------------------------------------------------------------------------------------
-
-fn enqueue_with<C: GenericClient>(
-    c: &mut C,
-    channel: &str,
-    payload: &str,
-    key: &str,
-    ordering_key: Option<&str>,
-    headers: Option<&str>,
-) -> i64 {
-    c.query_one(
-        "SELECT outbox.enqueue($1::text, $2::text::jsonb, $3::text, $4::text, NULL::timestamptz, $5::text::jsonb)",
-        &[&channel, &payload, &key, &ordering_key, &headers],
-    )
-    .unwrap_or_else(|e| panic!("enqueue on {channel} with key {key}: {e}"))
-    .get(0)
-}
-
-fn enqueue<C: GenericClient>(c: &mut C, channel: &str, payload: &str, key: &str) -> i64 {
-    enqueue_with(c, channel, payload, key, None, None)
-}
 
 fn effect_key(c: &mut Client, source: &str, op: &str) -> String {
     c.query_one(
@@ -143,66 +122,15 @@ fn wait_msg(
     })
 }
 
-fn wait_state(cluster: &Cluster, id: i64, state: &str) -> Msg {
+/// Waits until message `id` is in `state` and returns it; panics with the last state seen.
+fn wait_message(cluster: &Cluster, id: i64, state: &str) -> Msg {
     wait_msg(cluster, id, SETTLE, state, |m| m.state == state)
-}
-
-/// Resets a server-wide setting (ALTER SYSTEM RESET + reload) when dropped, so that a
-/// failing test does not leave the shared cluster changed. Errors are ignored on purpose:
-/// it may run while a panic unwinds.
-struct SettingGuard<'a> {
-    cluster: &'a Cluster,
-    name: &'static str,
-}
-
-impl<'a> SettingGuard<'a> {
-    fn new(cluster: &'a Cluster, name: &'static str) -> Self {
-        SettingGuard { cluster, name }
-    }
-}
-
-/// ALTER SYSTEM RESET + reload. Two separate statements: ALTER SYSTEM refuses to run in
-/// the implicit transaction block of a multi-statement simple query.
-fn reset_setting(cluster: &Cluster, name: &str) -> Result<(), postgres::Error> {
-    let mut c = Client::connect(&cluster.conninfo(), NoTls)?;
-    c.batch_execute(&format!("ALTER SYSTEM RESET {name}"))?;
-    c.batch_execute("SELECT pg_reload_conf()")
-}
-
-impl Drop for SettingGuard<'_> {
-    fn drop(&mut self) {
-        for _ in 0..50 {
-            if reset_setting(self.cluster, self.name).is_ok() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        // The workers reload at their next loop.
-        std::thread::sleep(Duration::from_millis(700));
-    }
-}
-
-/// Sets a sighup setting server-wide and reloads (separate statements, see
-/// [`reset_setting`]).
-fn set_setting(c: &mut Client, name: &str, value: &str) {
-    c.batch_execute(&format!("ALTER SYSTEM SET {name} = '{value}'"))
-        .unwrap_or_else(|e| panic!("ALTER SYSTEM SET {name} = {value}: {e:?}"));
-    c.batch_execute("SELECT pg_reload_conf()")
-        .unwrap_or_else(|e| panic!("pg_reload_conf(): {e:?}"));
-}
-
-/// Arms `outbox.fault_injection` and waits until the workers have reloaded (what
-/// `Cluster::set_fault` does, kept here so this file's reset guard and setter share one
-/// code path).
-fn set_fault(cluster: &Cluster, point: &str) {
-    set_setting(&mut cluster.connect(), "outbox.fault_injection", point);
-    std::thread::sleep(Duration::from_millis(700));
 }
 
 /// Sets `outbox.lease_ms` to its least (1 s) until the guard is dropped, and waits until
 /// the workers have reloaded.
-fn short_lease<'a>(cluster: &'a Cluster, c: &mut Client) -> SettingGuard<'a> {
-    let guard = SettingGuard::new(cluster, "outbox.lease_ms");
+fn short_lease<'a>(cluster: &'a Cluster, c: &mut Client) -> SettingsGuard<'a> {
+    let guard = SettingsGuard::new(cluster, &["outbox.lease_ms"]);
     set_setting(c, "outbox.lease_ms", "1000");
     std::thread::sleep(Duration::from_millis(700));
     guard
@@ -217,13 +145,6 @@ fn with_two_workers() -> Cluster {
         "needs two workers (OUTBOX_WORKERS=2, as scripts/test.sh sets)"
     );
     cluster
-}
-
-/// The single number a counting query returns.
-fn count(c: &mut Client, sql: &str, params: &[&(dyn postgres::types::ToSql + Sync)]) -> i64 {
-    c.query_one(sql, params)
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
-        .get(0)
 }
 
 /// How many messages of `channel` are in each state.
@@ -332,7 +253,7 @@ fn commit_is_delivered_with_ledger_attempt_and_headers() {
         id
     };
 
-    let m = wait_state(&cluster, id, "delivered");
+    let m = wait_message(&cluster, id, "delivered");
     assert!(sim.wait_for_stored(&ch, 1, Duration::from_secs(5)));
     let stored = sim.stored(&ch);
     assert_eq!(stored.len(), 1, "the provider stored exactly one message");
@@ -415,13 +336,13 @@ fn reenqueue_returns_same_id_and_ledger_blocks_resend_after_row_deleted() {
     );
     let key = effect_key(&mut c, &unique("turn"), "send_reply");
     let payload = r#"{"text": "once"}"#;
-    let id = enqueue(&mut c, &ch, payload, &key);
-    wait_state(&cluster, id, "delivered");
+    let id = enqueue_payload(&mut c, &ch, payload, &key);
+    wait_message(&cluster, id, "delivered");
     assert_eq!(sim.send_count(&ch), 1);
     let ext = sim.stored(&ch)[0].external_id.clone();
 
     // The same effect again: the same message, nothing new.
-    let again = enqueue(&mut c, &ch, payload, &key);
+    let again = enqueue_payload(&mut c, &ch, payload, &key);
     assert_eq!(again, id, "re-enqueue of a delivered effect returns its id");
     let n: i64 = c
         .query_one(
@@ -448,9 +369,9 @@ fn reenqueue_returns_same_id_and_ledger_blocks_resend_after_row_deleted() {
         "status() of a removed message whose effect is in the ledger"
     );
 
-    let new_id = enqueue(&mut c, &ch, payload, &key);
+    let new_id = enqueue_payload(&mut c, &ch, payload, &key);
     assert_ne!(new_id, id, "the removed message is not found: a new row");
-    let m = wait_state(&cluster, new_id, "delivered");
+    let m = wait_message(&cluster, new_id, "delivered");
     std::thread::sleep(QUIET);
     assert_eq!(
         sim.send_count(&ch),
@@ -553,7 +474,7 @@ fn ordering_key_waits_for_a_failing_first_message() {
     }
 
     for id in &ids {
-        wait_state(&cluster, *id, "delivered");
+        wait_message(&cluster, *id, "delivered");
     }
     let m1 = message(&mut c, ids[0]).unwrap().unwrap();
     assert_eq!(m1.attempts, 3, "503, 503, then accepted");
@@ -638,7 +559,7 @@ fn kill_9_mid_batch_on_deduping_channel_stores_each_effect_once() {
         let ids = keys
             .iter()
             .enumerate()
-            .map(|(i, k)| enqueue(&mut tx, &ch, &format!(r#"{{"n": {i}}}"#), k))
+            .map(|(i, k)| enqueue_payload(&mut tx, &ch, &format!(r#"{{"n": {i}}}"#), k))
             .collect();
         tx.commit().unwrap();
         ids
@@ -774,10 +695,9 @@ fn run_fault(point: &str, dedupe: bool) -> (Simulator, String, i64, String) {
     };
     create_channel(&mut c, &ch, &sim.send_url(&ch), options);
 
-    let guard = SettingGuard::new(&cluster, "outbox.fault_injection");
     let mark = cluster.log_mark();
-    set_fault(&cluster, point);
-    let id = enqueue(&mut c, &ch, r#"{"text": "fault"}"#, &unique("fault"));
+    let guard = arm_fault(&cluster, point);
+    let id = enqueue_payload(&mut c, &ch, r#"{"text": "fault"}"#, &unique("fault"));
     drop(c);
     // Claimed (attempt 1), the worker died, and the restarted worker recovered it.
     wait_msg(&cluster, id, SETTLE, "recovered (not sending)", |m| {
@@ -816,7 +736,7 @@ fn run_fault(point: &str, dedupe: bool) -> (Simulator, String, i64, String) {
 fn assert_recovered_and_delivered_once(point: &str, expected_sends: usize) {
     let cluster = Cluster::from_env();
     let (sim, ch, id, _log) = run_fault(point, true);
-    let m = wait_state(&cluster, id, "delivered");
+    let m = wait_message(&cluster, id, "delivered");
     let stored = sim.stored(&ch);
     assert_eq!(stored.len(), 1, "{point}: stored exactly once");
     assert_eq!(
@@ -884,7 +804,7 @@ fn fault_crash_before_commit_on_deduping_channel_is_delivered_once() {
 fn assert_uncertain_never_resent(point: &str, sends_left_by_crash: usize) {
     let cluster = Cluster::from_env();
     let (sim, ch, id, _log) = run_fault(point, false);
-    let m = wait_state(&cluster, id, "uncertain");
+    let m = wait_message(&cluster, id, "uncertain");
     assert_eq!(m.last_error_class.as_deref(), Some("ambiguous"));
     assert_eq!(
         sim.send_count(&ch),
@@ -949,7 +869,7 @@ fn sighup_changes_batch_size_without_restart() {
     let cluster = Cluster::from_env();
     let pids_before = wait_for_workers(&cluster, &[]);
     let mut c = cluster.connect();
-    let guard = SettingGuard::new(&cluster, "outbox.batch_size");
+    let guard = SettingsGuard::new(&cluster, &["outbox.batch_size"]);
     let mark = cluster.log_mark();
     set_setting(&mut c, "outbox.batch_size", "3");
 
@@ -977,13 +897,13 @@ fn sighup_changes_batch_size_without_restart() {
     let ids: Vec<i64> = {
         let mut tx = c.transaction().unwrap();
         let ids = (0..9)
-            .map(|i| enqueue(&mut tx, &ch, &format!(r#"{{"n": {i}}}"#), &unique("batch")))
+            .map(|i| enqueue_payload(&mut tx, &ch, &format!(r#"{{"n": {i}}}"#), &unique("batch")))
             .collect();
         tx.commit().unwrap();
         ids
     };
     for id in &ids {
-        wait_state(&cluster, *id, "delivered");
+        wait_message(&cluster, *id, "delivered");
     }
     assert_eq!(sim.stored(&ch).len(), 9);
     let mut claims: HashMap<(Option<i32>, i64), usize> = HashMap::new();
@@ -1152,7 +1072,7 @@ fn a_deep_backlog_on_one_channel_does_not_starve_another() {
     );
     let ids: Vec<i64> = quiet
         .iter()
-        .map(|q| enqueue(&mut c, q, r#"{"n": "alone"}"#, &unique("w_quiet_k")))
+        .map(|q| enqueue_payload(&mut c, q, r#"{"n": "alone"}"#, &unique("w_quiet_k")))
         .collect();
     let delivered = poll(&cluster, SETTLE, |c| {
         let done: i64 = c
@@ -1215,7 +1135,7 @@ fn a_message_committed_late_with_an_older_due_time_is_claimed_during_a_backlog()
     let mut late_conn = cluster.connect();
     let mut late_tx = late_conn.transaction().unwrap();
     let late_key = unique("w_late_k");
-    let late = enqueue(&mut late_tx, &busy, r#"{"n": "late"}"#, &late_key);
+    let late = enqueue_payload(&mut late_tx, &busy, r#"{"n": "late"}"#, &late_key);
     std::thread::sleep(Duration::from_millis(20));
     enqueue_backlog(&mut c, &busy, BACKLOG);
     c.execute("SELECT outbox.resume_channel($1)", &[&busy])
@@ -1289,17 +1209,17 @@ fn retention_purges_old_delivered_and_keeps_everything_else() {
     .unwrap();
 
     let ok_key = unique("ret_ok");
-    let delivered = enqueue(&mut c, &ok_ch, r#"{"r": 1}"#, &ok_key);
-    let failed = enqueue(&mut c, &fail_ch, r#"{"r": 2}"#, &unique("ret_fail"));
-    let held = enqueue(&mut c, &held_ch, r#"{"r": 3}"#, &unique("ret_held"));
-    let dm = wait_state(&cluster, delivered, "delivered");
-    let fm = wait_state(&cluster, failed, "failed");
+    let delivered = enqueue_payload(&mut c, &ok_ch, r#"{"r": 1}"#, &ok_key);
+    let failed = enqueue_payload(&mut c, &fail_ch, r#"{"r": 2}"#, &unique("ret_fail"));
+    let held = enqueue_payload(&mut c, &held_ch, r#"{"r": 3}"#, &unique("ret_held"));
+    let dm = wait_message(&cluster, delivered, "delivered");
+    let fm = wait_message(&cluster, failed, "failed");
     assert_eq!(fm.last_http_status, Some(401));
     assert_eq!(fm.last_error_class.as_deref(), Some("permanent"));
     assert_eq!(attempts(&mut c, delivered).len(), 1);
     assert_eq!(attempts(&mut c, failed).len(), 1);
 
-    let _guard = SettingGuard::new(&cluster, "outbox.retention");
+    let _guard = SettingsGuard::new(&cluster, &["outbox.retention"]);
     set_setting(&mut c, "outbox.retention", "1");
 
     let gone = poll(&cluster, Duration::from_secs(40), |c| {
@@ -1411,9 +1331,9 @@ fn bad_rows_never_stop_the_worker() {
         t.commit().expect("commit");
         id
     };
-    let dns = enqueue(&mut c, &dns_ch, r#"{"x": 2}"#, &unique("dns"));
+    let dns = enqueue_payload(&mut c, &dns_ch, r#"{"x": 2}"#, &unique("dns"));
 
-    let m = wait_state(&cluster, bad, "failed");
+    let m = wait_message(&cluster, bad, "failed");
     assert_eq!(m.last_error_class.as_deref(), Some("permanent"));
     let err = m.last_error.clone().unwrap_or_default();
     assert!(
@@ -1443,7 +1363,7 @@ fn bad_rows_never_stop_the_worker() {
     // as numbers, and these have none. It is delivered like any other.
     let timeless = {
         let mut tx = c.transaction().unwrap();
-        let id = enqueue(&mut tx, &good_ch, r#"{"x": 5}"#, &unique("timeless"));
+        let id = enqueue_payload(&mut tx, &good_ch, r#"{"x": 5}"#, &unique("timeless"));
         tx.execute(
             "UPDATE outbox._messages SET next_attempt_at = '-infinity', created_at = '-infinity'
               WHERE id = $1",
@@ -1453,7 +1373,7 @@ fn bad_rows_never_stop_the_worker() {
         tx.commit().unwrap();
         id
     };
-    wait_state(&cluster, timeless, "delivered");
+    wait_message(&cluster, timeless, "delivered");
 
     // Counters at the ends of their range, a lease without an end, headers that are not an
     // object, and a channel whose options were changed by hand, all written in one
@@ -1461,11 +1381,11 @@ fn bad_rows_never_stop_the_worker() {
     // claim with 'integer out of range' and both workers restarted every second.
     let (at_max, base_min, no_lease, hdr_array, bad_opts) = {
         let mut tx = c.transaction().unwrap();
-        let at_max = enqueue(&mut tx, &good_ch, r#"{"x": 6}"#, &unique("at_max"));
-        let base_min = enqueue(&mut tx, &good_ch, r#"{"x": 7}"#, &unique("base_min"));
-        let no_lease = enqueue(&mut tx, &good_ch, r#"{"x": 8}"#, &unique("no_lease"));
-        let hdr_array = enqueue(&mut tx, &good_ch, r#"{"x": 9}"#, &unique("hdr_array"));
-        let bad_opts = enqueue(&mut tx, &dns_ch, r#"{"x": 10}"#, &unique("bad_opts"));
+        let at_max = enqueue_payload(&mut tx, &good_ch, r#"{"x": 6}"#, &unique("at_max"));
+        let base_min = enqueue_payload(&mut tx, &good_ch, r#"{"x": 7}"#, &unique("base_min"));
+        let no_lease = enqueue_payload(&mut tx, &good_ch, r#"{"x": 8}"#, &unique("no_lease"));
+        let hdr_array = enqueue_payload(&mut tx, &good_ch, r#"{"x": 9}"#, &unique("hdr_array"));
+        let bad_opts = enqueue_payload(&mut tx, &dns_ch, r#"{"x": 10}"#, &unique("bad_opts"));
         for (sql, id) in [
             ("UPDATE outbox._messages SET attempts = 2147483647 WHERE id = $1", at_max),
             ("UPDATE outbox._messages SET attempts = 5, budget_base = -2147483648 WHERE id = $1", base_min),
@@ -1484,17 +1404,17 @@ fn bad_rows_never_stop_the_worker() {
         tx.commit().unwrap();
         (at_max, base_min, no_lease, hdr_array, bad_opts)
     };
-    let m = wait_state(&cluster, at_max, "delivered");
+    let m = wait_message(&cluster, at_max, "delivered");
     assert_eq!(
         m.attempts,
         i32::MAX,
         "the counter stays at its limit: {m:?}"
     );
-    wait_state(&cluster, base_min, "delivered");
+    wait_message(&cluster, base_min, "delivered");
     // In flight with no end to its lease: taken back as an interrupted attempt, not resent.
-    let m = wait_state(&cluster, no_lease, "uncertain");
+    let m = wait_message(&cluster, no_lease, "uncertain");
     assert_eq!(m.last_error_class.as_deref(), Some("ambiguous"), "{m:?}");
-    let m = wait_state(&cluster, hdr_array, "failed");
+    let m = wait_message(&cluster, hdr_array, "failed");
     assert!(
         m.last_error
             .as_deref()
@@ -1502,7 +1422,7 @@ fn bad_rows_never_stop_the_worker() {
             .contains("must be a JSON object"),
         "{m:?}"
     );
-    let m = wait_state(&cluster, bad_opts, "failed");
+    let m = wait_message(&cluster, bad_opts, "failed");
     assert!(
         m.last_error
             .as_deref()
@@ -1533,10 +1453,10 @@ fn bad_rows_never_stop_the_worker() {
         .unwrap();
 
     // After those, normal work goes on, on another channel and on the bad header's channel.
-    let good = enqueue(&mut c, &good_ch, r#"{"x": 3}"#, &unique("good"));
-    let also = enqueue(&mut c, &bad_hdr_ch, r#"{"x": 4}"#, &unique("good2"));
-    let g = wait_state(&cluster, good, "delivered");
-    wait_state(&cluster, also, "delivered");
+    let good = enqueue_payload(&mut c, &good_ch, r#"{"x": 3}"#, &unique("good"));
+    let also = enqueue_payload(&mut c, &bad_hdr_ch, r#"{"x": 4}"#, &unique("good2"));
+    let g = wait_message(&cluster, good, "delivered");
+    wait_message(&cluster, also, "delivered");
     assert_eq!(sim.stored(&good_ch).len(), 4);
     assert!(
         sim.stored(&good_ch)
@@ -1695,7 +1615,7 @@ fn a_request_slower_than_the_lease_but_within_its_timeout_keeps_its_lease() {
     );
     let _lease = short_lease(&cluster, &mut c);
 
-    let id = enqueue(&mut c, &ch, r#"{"to": "slow"}"#, &unique("k"));
+    let id = enqueue_payload(&mut c, &ch, r#"{"to": "slow"}"#, &unique("k"));
     let m = wait_msg(&cluster, id, SETTLE, "delivered", |m| {
         m.state == "delivered"
     });
@@ -1812,7 +1732,7 @@ fn an_ordering_key_waits_while_an_earlier_message_is_uncertain() {
         tx.commit().unwrap();
         (first, second)
     };
-    wait_state(&cluster, first, "uncertain");
+    wait_message(&cluster, first, "uncertain");
     std::thread::sleep(QUIET);
     let waiting = message(&mut c, second).unwrap().unwrap();
     assert_eq!(
@@ -1830,7 +1750,7 @@ fn an_ordering_key_waits_while_an_earlier_message_is_uncertain() {
         &[&first],
     )
     .unwrap();
-    wait_state(&cluster, second, "delivered");
+    wait_message(&cluster, second, "delivered");
     let seqs: Vec<i64> = sim
         .stored(&ch)
         .iter()
@@ -1862,7 +1782,7 @@ fn not_before_holds_a_message_until_its_time() {
     std::thread::sleep(Duration::from_millis(1200));
     assert_eq!(sim.send_count(&ch), 0, "sent before not_before");
     assert_eq!(message(&mut c, id).unwrap().unwrap().state, "queued");
-    wait_state(&cluster, id, "delivered");
+    wait_message(&cluster, id, "delivered");
     let on_time: bool = c
         .query_one(
             "SELECT a.started_at >= m.not_before FROM outbox._messages m
@@ -1898,15 +1818,21 @@ fn an_effect_key_reused_with_another_payload_warns_and_returns_the_first_message
     c.execute("SELECT outbox.pause_channel($1, 'nothing is sent')", &[&ch])
         .unwrap();
     let key = unique("reuse");
-    let first = enqueue(&mut c, &ch, r#"{"amount": 10}"#, &key);
-    assert_eq!(enqueue(&mut c, &ch, r#"{"amount": 10}"#, &key), first);
+    let first = enqueue_payload(&mut c, &ch, r#"{"amount": 10}"#, &key);
+    assert_eq!(
+        enqueue_payload(&mut c, &ch, r#"{"amount": 10}"#, &key),
+        first
+    );
     assert!(
         warnings.lock().unwrap().is_empty(),
         "{:?}",
         warnings.lock().unwrap()
     );
 
-    assert_eq!(enqueue(&mut c, &ch, r#"{"amount": 20}"#, &key), first);
+    assert_eq!(
+        enqueue_payload(&mut c, &ch, r#"{"amount": 20}"#, &key),
+        first
+    );
     let got = warnings.lock().unwrap().clone();
     assert_eq!(got.len(), 1, "{got:?}");
     let (severity, text, detail) = &got[0];
