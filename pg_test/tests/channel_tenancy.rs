@@ -8,7 +8,7 @@
 //!    channel's key headers (22023, naming the header, nothing written); a row that holds
 //!    one anyway (written by hand) is not sent with it.
 //!
-//! Run: `cargo test -p outbox_e2e --release --test channel_tenants`.
+//! Run: `cargo test -p outbox_e2e --release --test channel_tenancy`.
 
 use outbox_e2e::cluster::{unique, wait_for_state, Cluster};
 use outbox_e2e::helpers::{code_of, create_channel, ident, session_as};
