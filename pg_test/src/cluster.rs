@@ -171,24 +171,6 @@ impl Cluster {
         assert!(status.success(), "kill -9 {pid} failed");
     }
 
-    /// Sets `outbox.fault_injection` server-wide and waits until the worker has reloaded.
-    pub fn set_fault(&self, point: &str) {
-        let mut c = self.connect();
-        // ALTER SYSTEM cannot run in a transaction block: one statement per call.
-        if point == "none" {
-            c.batch_execute("ALTER SYSTEM RESET outbox.fault_injection")
-                .expect("reset fault");
-        } else {
-            c.batch_execute(&format!(
-                "ALTER SYSTEM SET outbox.fault_injection = '{point}'"
-            ))
-            .expect("set fault");
-        }
-        c.batch_execute("SELECT pg_reload_conf()").expect("reload");
-        // The worker reloads at its next loop; give it one poll interval.
-        std::thread::sleep(Duration::from_millis(700));
-    }
-
     pub fn log_path(&self) -> PathBuf {
         self.base.join("postgres.log")
     }
@@ -248,15 +230,6 @@ pub fn poll<T>(
     }
 }
 
-/// `outbox.create_channel(name, endpoint, options)`; options are JSON text.
-pub fn create_channel(c: &mut Client, name: &str, endpoint: &str, options: &str) {
-    c.execute(
-        "SELECT outbox.create_channel($1::text, $2::text, $3::text::jsonb)",
-        &[&name, &endpoint, &options],
-    )
-    .unwrap_or_else(|e| panic!("create_channel({name}, {endpoint}, {options}): {e}"));
-}
-
 /// Waits until all `outbox.workers` delivery workers run and have finished their start; when
 /// `old` is given, until none of them is one of those processes (after a crash restart).
 /// Returns their PIDs.
@@ -281,37 +254,4 @@ pub fn wait_for_workers(cluster: &Cluster, old: &[i32]) -> Vec<i32> {
             cluster.log_path().display()
         )
     })
-}
-
-/// The views of the contract, in schema `outbox`.
-pub const CONTRACT_VIEWS: [&str; 8] = [
-    "channels",
-    "messages",
-    "attempts",
-    "ledger",
-    "work_queue",
-    "operator_log",
-    "metrics",
-    "alerts",
-];
-
-/// A loopback port nothing listens on (bound and released): a connection to it is refused.
-pub fn closed_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or(9)
-}
-
-/// A quoted SQL identifier.
-pub fn ident(s: &str) -> String {
-    format!("\"{}\"", s.replace('"', "\"\""))
-}
-
-/// The SQLSTATE of an error, or a note that the server sent none (a lost connection).
-pub fn code_of(e: &postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(d) => d.code().code().to_string(),
-        None => format!("<no SQLSTATE: {e}>"),
-    }
 }

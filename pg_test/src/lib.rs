@@ -6,6 +6,9 @@
 //!   dedupe by idempotency key) and inspect what it received; the `provider-sim` binary
 //!   runs it standalone for the demo.
 //! - [`cluster`]: the real PostgreSQL cluster started by `scripts/cluster.sh`.
+//! - [`helpers`]: what the tests share besides the cluster: enqueue, count, wait for a
+//!   state, error text, roles, server-wide settings and fault points reset on drop.
 
 pub mod cluster;
+pub mod helpers;
 pub mod sim;

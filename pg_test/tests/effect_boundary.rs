@@ -13,22 +13,13 @@
 //!
 //! Run: `cargo test -p outbox_e2e --release --test effect_boundary`.
 
-use outbox_e2e::cluster::{
-    code_of, create_channel, unique, wait_for_state, wait_for_workers, Cluster,
-};
+use outbox_e2e::cluster::{unique, wait_for_state, wait_for_workers, Cluster};
+use outbox_e2e::helpers::{code_of, count, create_channel, serial};
 use outbox_e2e::sim::Simulator;
 use postgres::Client;
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(40);
-
-/// One test at a time: test 3 plants an operator in `public` that every session of the
-/// database could resolve.
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// An application schema `s` with a role `s_fx` that effects run as (a writer, bound to no
 /// tenant), a table the effects write what they saw into, and a paused channel for the
@@ -170,10 +161,6 @@ fn last_error(c: &mut Client, id: i64) -> String {
     .get(0)
 }
 
-fn count(c: &mut Client, sql: &str, tenant: &str) -> i64 {
-    c.query_one(sql, &[&tenant]).expect("count").get(0)
-}
-
 #[test]
 fn an_effect_sees_and_enqueues_for_its_message_tenant_alone() {
     let _serial = serial();
@@ -213,12 +200,12 @@ fn an_effect_sees_and_enqueues_for_its_message_tenant_alone() {
     let children =
         "SELECT count(*) FROM outbox._messages WHERE tenant = $1 AND effect_key LIKE '%-child'";
     assert_eq!(
-        count(&mut c, children, &a),
+        count(&mut c, children, &[&a]),
         1,
         "the enqueue inside the effect wrote into tenant {a}"
     );
     assert_eq!(
-        count(&mut c, children, "default"),
+        count(&mut c, children, &[&"default"]),
         0,
         "nothing was written into tenant default"
     );
@@ -253,7 +240,7 @@ fn an_effect_that_names_another_tenant_is_refused() {
     let escaped =
         "SELECT count(*) FROM outbox._messages WHERE tenant = $1 AND effect_key LIKE '%-escape'";
     assert_eq!(
-        count(&mut c, escaped, &b),
+        count(&mut c, escaped, &[&b]),
         0,
         "nothing was written into tenant {b}"
     );

@@ -3,20 +3,12 @@
 //! not at all.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
+use outbox_e2e::helpers::arm_fault;
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::Client;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(40);
-
-/// Resets `outbox.fault_injection` when dropped, even if the test fails.
-struct FaultGuard<'a>(&'a Cluster);
-
-impl Drop for FaultGuard<'_> {
-    fn drop(&mut self) {
-        self.0.set_fault("none");
-    }
-}
 
 /// The application's side: a task table, an effect function that creates a task, a
 /// least-privilege role it runs as, and a flaky function for retries.
@@ -173,8 +165,7 @@ fn three_effect_turn_survives_every_crash_point_exactly_once() {
         sql_channel(&mut c, &task, &format!("{s}.create_task"), &role);
         http_channel(&mut c, &sim, &email);
         let turn = unique("turn");
-        let guard = FaultGuard(&cluster);
-        cluster.set_fault(point);
+        let guard = arm_fault(&cluster, point);
         let ids = run_turn(&mut c, &turn, &reply, &task, &email);
         // The turn is re-run after the crash (the application retries its own step): the
         // same keys yield the same messages.
@@ -236,8 +227,7 @@ fn crash_before_commit_rolls_the_effect_back_with_its_ledger_entry() {
     );
     let key = unique("k");
     let mark = cluster.log_mark();
-    let guard = FaultGuard(&cluster);
-    cluster.set_fault("crash_before_commit");
+    let guard = arm_fault(&cluster, "crash_before_commit");
     let id: i64 = c
         .query_one(
             "SELECT outbox.enqueue($1, '{\"title\": \"once\"}'::jsonb, $2)",

@@ -6,9 +6,8 @@
 //! The tests change the setting server-wide with ALTER SYSTEM and put it back when they
 //! end, even when they fail. Run with `--test-threads=1`.
 
-use outbox_e2e::cluster::{
-    create_channel, unique, wait_for_state, wait_for_workers, wait_until, Cluster,
-};
+use outbox_e2e::cluster::{unique, wait_for_state, wait_for_workers, wait_until, Cluster};
+use outbox_e2e::helpers::{create_channel, enqueue};
 use outbox_e2e::sim::Simulator;
 use postgres::Client;
 use std::time::Duration;
@@ -68,15 +67,6 @@ fn sqlstate_of(
             .map(|d| format!("{} {}", d.code().code(), d.detail().unwrap_or_default()))
             .unwrap_or_else(|| format!("not a database error: {e}")),
     }
-}
-
-fn enqueue(c: &mut Client, channel: &str) -> i64 {
-    c.query_one(
-        "SELECT outbox.enqueue($1::text, '{\"x\": 1}'::jsonb, $2::text)",
-        &[&channel, &unique("guard")],
-    )
-    .expect("enqueue")
-    .get(0)
 }
 
 #[test]
@@ -184,7 +174,7 @@ fn a_narrowed_list_stops_the_send_and_a_widened_one_lets_the_retry_through() {
     create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
 
     let narrowed = AllowedHosts::set(&cluster, "api.example.com");
-    let id = enqueue(&mut c, &ch);
+    let id = enqueue(&mut c, &ch, &unique("guard"));
     assert!(
         wait_for_state(&cluster, id, "failed", T),
         "refused send ends failed"

@@ -8,7 +8,8 @@
 //!
 //! Run: `cargo test -p outbox_e2e --release --test interrupts`.
 
-use outbox_e2e::cluster::{code_of, create_channel, unique, Cluster};
+use outbox_e2e::cluster::{unique, Cluster};
+use outbox_e2e::helpers::{code_of, create_channel};
 use postgres::Client;
 use std::net::TcpListener;
 use std::time::{Duration, Instant};

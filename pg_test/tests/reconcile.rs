@@ -3,21 +3,13 @@
 //! provider dedupes, a read-only lookup where it can be asked, `uncertain` otherwise — and
 //! the operator's actions are checked against the provider and the audit log.
 
-use outbox_e2e::cluster::{create_channel, unique, wait_for_state, wait_until, Cluster};
+use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
+use outbox_e2e::helpers::{create_channel, enqueue};
 use outbox_e2e::sim::{Action, LookupAction, Simulator};
 use postgres::Client;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(30);
-
-fn enqueue(c: &mut Client, channel: &str, key: &str) -> i64 {
-    c.query_one(
-        "SELECT outbox.enqueue($1, $2::text::jsonb, $3)",
-        &[&channel, &r#"{"to": "user-1", "text": "hello"}"#, &key],
-    )
-    .expect("enqueue")
-    .get(0)
-}
 
 fn attempts_of(c: &mut Client, id: i64, kind: &str) -> i64 {
     c.query_one(

@@ -8,7 +8,8 @@
 //! `OUTBOX_PGPORT`): `cargo test -p outbox_e2e --release --test response_limits --
 //! --test-threads=1 --nocapture`.
 
-use outbox_e2e::cluster::{code_of, create_channel, unique, wait_for_state, wait_until, Cluster};
+use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
+use outbox_e2e::helpers::{code_of, create_channel};
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::Client;
 use std::sync::atomic::{AtomicBool, Ordering};

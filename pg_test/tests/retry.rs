@@ -6,7 +6,8 @@
 //!
 //! Run: `cargo test -p outbox_e2e --release --test retry -- --test-threads=1`.
 
-use outbox_e2e::cluster::{create_channel, unique, wait_for_state, wait_until, Cluster};
+use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
+use outbox_e2e::helpers::{create_channel, enqueue};
 use outbox_e2e::sim::{Action, Received, Simulator};
 use postgres::Client;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -16,16 +17,6 @@ const LONG: Duration = Duration::from_secs(30);
 // ---------------------------------------------------------------------------------------
 // helpers (local to this file)
 // ---------------------------------------------------------------------------------------
-
-fn enqueue(c: &mut Client, channel: &str, key: &str) -> i64 {
-    let payload = format!(r#"{{"to": "user-7", "key": "{key}"}}"#);
-    c.query_one(
-        "SELECT outbox.enqueue($1, $2::text::jsonb, $3)",
-        &[&channel, &payload, &key],
-    )
-    .unwrap_or_else(|e| panic!("enqueue on {channel}: {e}"))
-    .get(0)
-}
 
 /// One row of `outbox.attempts`; times in unix ms.
 #[derive(Debug, Clone)]

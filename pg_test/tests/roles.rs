@@ -11,15 +11,9 @@
 //!
 //! Run: `cargo test -p outbox_e2e --release --test roles`.
 
-use outbox_e2e::cluster::{code_of, ident, unique, Cluster};
+use outbox_e2e::cluster::{unique, Cluster};
+use outbox_e2e::helpers::{code_of, ident, serial, session_as};
 use postgres::{Client, NoTls};
-use std::sync::{Mutex, MutexGuard};
-
-/// One test at a time: test 2 changes the extension's cluster-wide roles for a moment.
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 #[test]
 fn a_new_role_with_a_dropped_role_name_inherits_no_binding() {
@@ -35,9 +29,7 @@ fn a_new_role_with_a_dropped_role_name_inherits_no_binding() {
         .expect("a bound role can be dropped");
     su.batch_execute(&create).expect("the same name again");
 
-    let mut app = cluster.connect();
-    app.batch_execute(&format!("SET ROLE {}", ident(&role)))
-        .expect("set role");
+    let mut app = session_as(&cluster, &role);
     let e = app
         .query_one("SELECT outbox.enqueue('x', '{}'::jsonb, 'k')", &[])
         .expect_err("the new role is bound to no tenant");

@@ -6,8 +6,9 @@
 //!
 //! Run: `cargo test -p outbox_e2e --release --test secrets`.
 
-use outbox_e2e::cluster::{
-    closed_port, create_channel, ident, unique, wait_for_state, Cluster, CONTRACT_VIEWS,
+use outbox_e2e::cluster::{unique, wait_for_state, Cluster};
+use outbox_e2e::helpers::{
+    closed_port, create_channel, enqueue, ident, session_as, CONTRACT_VIEWS,
 };
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::Client;
@@ -34,20 +35,9 @@ fn channel(c: &mut Client, ch: &str, endpoint: &str, options: &str) {
     create_channel(c, ch, endpoint, &options);
 }
 
-fn enqueue(c: &mut Client, ch: &str) -> i64 {
-    c.query_one(
-        "SELECT outbox.enqueue($1, '{\"text\": \"hi\"}'::jsonb, $2)",
-        &[&ch, &unique("sec_key")],
-    )
-    .expect("enqueue")
-    .get(0)
-}
-
 /// Everything `role` reads in the views it may read, as text.
 fn everything_visible_to(cluster: &Cluster, role: &str) -> String {
-    let mut c = cluster.connect();
-    c.batch_execute(&format!("SET ROLE {}", ident(role)))
-        .expect("set role");
+    let mut c = session_as(cluster, role);
     let mut text = String::new();
     for view in CONTRACT_VIEWS {
         let readable: bool = c
@@ -131,12 +121,18 @@ fn url_header_and_lookup_secrets_appear_in_no_view_and_no_log_line() {
     );
 
     let ids = [
-        (enqueue(&mut su, &ok), "delivered"),
-        (enqueue(&mut su, &failed), "failed"),
-        (enqueue(&mut su, &exhausted), "exhausted"),
-        (enqueue(&mut su, &hang), "uncertain"),
-        (enqueue(&mut su, &ambiguous), "uncertain"),
-        (enqueue(&mut su, &refused), "exhausted"),
+        (enqueue(&mut su, &ok, &unique("sec_key")), "delivered"),
+        (enqueue(&mut su, &failed, &unique("sec_key")), "failed"),
+        (
+            enqueue(&mut su, &exhausted, &unique("sec_key")),
+            "exhausted",
+        ),
+        (enqueue(&mut su, &hang, &unique("sec_key")), "uncertain"),
+        (
+            enqueue(&mut su, &ambiguous, &unique("sec_key")),
+            "uncertain",
+        ),
+        (enqueue(&mut su, &refused, &unique("sec_key")), "exhausted"),
     ];
     for (id, state) in ids {
         assert!(

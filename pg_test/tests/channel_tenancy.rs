@@ -8,9 +8,10 @@
 //!    channel's key headers (22023, naming the header, nothing written); a row that holds
 //!    one anyway (written by hand) is not sent with it.
 //!
-//! Run: `cargo test -p outbox_e2e --release --test channel_tenants`.
+//! Run: `cargo test -p outbox_e2e --release --test channel_tenancy`.
 
-use outbox_e2e::cluster::{code_of, create_channel, ident, unique, wait_for_state, Cluster};
+use outbox_e2e::cluster::{unique, wait_for_state, Cluster};
+use outbox_e2e::helpers::{code_of, create_channel, ident, session_as};
 use outbox_e2e::sim::Simulator;
 use postgres::Client;
 use std::time::Duration;
@@ -43,10 +44,7 @@ impl<'a> Writer<'a> {
     }
 
     fn session(&self) -> Client {
-        let mut c = self.cluster.connect();
-        c.batch_execute(&format!("SET ROLE {}", ident(&self.role)))
-            .expect("set role");
-        c
+        session_as(self.cluster, &self.role)
     }
 
     fn enqueue(&self, channel: &str, headers: Option<&str>) -> Result<i64, postgres::Error> {

@@ -1,0 +1,355 @@
+//! Sections 1-3: a rolled-back enqueue leaves nothing, a message is invisible and unsent until
+//! COMMIT, the same effect key from two sessions at once.
+
+use super::*;
+
+// ---------------------------------------------------------------------------------------
+// 1. rollback
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn enqueue_in_rolled_back_transaction_leaves_nothing() {
+    let cluster = Cluster::from_env();
+    let sim = Simulator::start();
+    let ch = unique("fnd_rollback");
+    let mut c = cluster.connect();
+    create_channel(&mut c, &ch, &sim.send_url(&ch), OPTIONS);
+
+    let key = unique("rolled_back");
+    let mut tx = c.transaction().unwrap();
+    let id = enqueue(&mut tx, &ch, &key);
+    assert!(id > 0, "enqueue returned {id}");
+    assert_eq!(
+        messages_with_key(&mut tx, &key),
+        1,
+        "the enqueuing transaction sees its own message"
+    );
+    tx.rollback().unwrap();
+
+    assert_eq!(
+        messages_with_key(&mut c, &key),
+        0,
+        "message row after ROLLBACK"
+    );
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.messages WHERE id = $1",
+            &[&id]
+        ),
+        0
+    );
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.messages WHERE channel = $1",
+            &[&ch]
+        ),
+        0
+    );
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.attempts WHERE message_id = $1",
+            &[&id]
+        ),
+        0,
+        "attempts of a rolled-back message"
+    );
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.ledger WHERE effect_key = $1",
+            &[&key]
+        ),
+        0,
+        "ledger entry of a rolled-back message"
+    );
+    assert_eq!(
+        status(&mut c, id),
+        None,
+        "status() of an id that never committed"
+    );
+
+    assert!(
+        !sim.wait_for_sends(&ch, 1, Duration::from_secs(2)),
+        "the provider received a rolled-back message: {:?}",
+        sim.sends(&ch)
+    );
+    assert_eq!(sim.send_count(&ch), 0);
+
+    // The control: a committed message on the same channel is delivered, and it alone.
+    let key2 = unique("committed");
+    let id2 = enqueue(&mut c, &ch, &key2);
+    assert_ne!(id2, id);
+    assert!(
+        wait_for_state(&cluster, id2, "delivered", DELIVERY),
+        "committed control message not delivered: {:?}",
+        state_of(&cluster, id2)
+    );
+    assert_eq!(stored_keys(&sim, &ch), vec![Some(key2.clone())]);
+    assert!(!sim.wait_for_sends(&ch, 2, Duration::from_millis(500)));
+    assert_eq!(sent_keys(&sim, &ch), vec![Some(key2)]);
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.attempts WHERE message_id = $1",
+            &[&id]
+        ),
+        0
+    );
+    assert_eq!(status(&mut c, id), None);
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. visibility before COMMIT
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn uncommitted_message_is_invisible_and_unsent_until_commit() {
+    let cluster = Cluster::from_env();
+    let sim = Simulator::start();
+    let ch = unique("fnd_visibility");
+    let mut a = cluster.connect();
+    let mut b = cluster.connect();
+    create_channel(&mut a, &ch, &sim.send_url(&ch), OPTIONS);
+
+    let key = unique("uncommitted");
+    let mut tx = a.transaction().unwrap();
+    let id = enqueue(&mut tx, &ch, &key);
+    assert_eq!(messages_with_key(&mut tx, &key), 1);
+
+    assert_eq!(
+        messages_with_key(&mut b, &key),
+        0,
+        "another session sees an uncommitted message"
+    );
+    assert_eq!(status(&mut b, id), None);
+    // Three poll intervals of the worker: it looked and found nothing it may send.
+    assert!(
+        !sim.wait_for_sends(&ch, 1, Duration::from_millis(1500)),
+        "sent before COMMIT: {:?}",
+        sim.sends(&ch)
+    );
+    assert_eq!(messages_with_key(&mut b, &key), 0);
+    assert_eq!(
+        count(
+            &mut b,
+            "SELECT count(*) FROM outbox.attempts WHERE message_id = $1",
+            &[&id]
+        ),
+        0
+    );
+
+    tx.commit().unwrap();
+    assert_eq!(
+        messages_with_key(&mut b, &key),
+        1,
+        "another session sees the committed message"
+    );
+    assert!(
+        wait_for_state(&cluster, id, "delivered", DELIVERY),
+        "not delivered after COMMIT: {:?}",
+        state_of(&cluster, id)
+    );
+    assert!(sim.wait_for_stored(&ch, 1, Duration::from_secs(5)));
+    assert_eq!(stored_keys(&sim, &ch), vec![Some(key.clone())]);
+    assert_eq!(sim.send_count(&ch), 1);
+    assert_eq!(
+        count(
+            &mut b,
+            "SELECT count(*) FROM outbox.ledger WHERE effect_key = $1 AND message_id = $2",
+            &[&key, &id]
+        ),
+        1
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. the same effect key from two sessions at once
+// ---------------------------------------------------------------------------------------
+
+/// What the second session got: its enqueue's result, its COMMIT's result, its notices.
+struct SecondSession {
+    enqueue: Result<i64, String>,
+    commit: Result<(), String>,
+    notices: Vec<DbError>,
+}
+
+/// Session A enqueues `key` and keeps its transaction open; session B (another thread)
+/// enqueues the same key and must block on the unique index until A ends. `a_commits`
+/// decides how A ends. Returns (A's id, what B got).
+fn race_same_key(cluster: &Cluster, ch: &str, key: &str, a_commits: bool) -> (i64, SecondSession) {
+    let mut a = cluster.connect();
+    let mut watcher = cluster.connect();
+    let (mut b, b_notices) = connect_collecting(&cluster.conninfo());
+    let a_pid: i32 = a.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    let b_pid: i32 = b.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+
+    let mut tx = a.transaction().unwrap();
+    let id_a = enqueue(&mut tx, ch, key);
+
+    let (ch_b, key_b) = (ch.to_string(), key.to_string());
+    let second = thread::spawn(move || {
+        let mut tx = b.transaction().expect("BEGIN in session B");
+        let enqueue = try_enqueue(&mut tx, &ch_b, &key_b).map_err(|e| e.to_string());
+        let commit = if enqueue.is_ok() {
+            tx.commit().map_err(|e| e.to_string())
+        } else {
+            let _ = tx.rollback();
+            Err("not committed: enqueue failed".to_string())
+        };
+        SecondSession {
+            enqueue,
+            commit,
+            notices: take_notices(&b_notices),
+        }
+    });
+
+    // B must be waiting for A's transaction (the unique index), not finished.
+    let blocked = wait_until(Duration::from_secs(20), || {
+        watcher
+            .query_one(
+                "SELECT $1::int4 = ANY (pg_blocking_pids($2::int4))",
+                &[&a_pid, &b_pid],
+            )
+            .map(|r| r.get::<_, bool>(0))
+            .unwrap_or(false)
+    });
+    assert!(
+        blocked,
+        "session B's enqueue of the same key did not block on session A's open transaction (finished: {})",
+        second.is_finished()
+    );
+    let wait_event: Option<String> = watcher
+        .query_one(
+            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1",
+            &[&b_pid],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(wait_event.as_deref(), Some("Lock"));
+    assert!(
+        !second.is_finished(),
+        "session B did not wait for session A"
+    );
+    // While A is open, nobody else sees a row with this key.
+    assert_eq!(messages_with_key(&mut watcher, key), 0);
+
+    if a_commits {
+        tx.commit().expect("COMMIT in session A");
+    } else {
+        tx.rollback().expect("ROLLBACK in session A");
+    }
+    let got = second.join().expect("session B thread panicked");
+    (id_a, got)
+}
+
+#[test]
+fn concurrent_enqueue_of_same_key_first_commits_both_get_same_id() {
+    let cluster = Cluster::from_env();
+    let sim = Simulator::start();
+    let ch = unique("fnd_race_commit");
+    let mut c = cluster.connect();
+    create_channel(&mut c, &ch, &sim.send_url(&ch), OPTIONS);
+    let key = unique("race_commit");
+
+    let (id_a, b) = race_same_key(&cluster, &ch, &key, true);
+    let id_b = b.enqueue.clone().expect("session B's enqueue failed");
+    assert_eq!(b.commit, Ok(()), "session B's COMMIT");
+    assert_eq!(id_b, id_a, "both sessions must get the same message id");
+    assert!(
+        b.notices.is_empty(),
+        "session B got notices for an identical payload: {:?}",
+        describe_notices(&b.notices)
+    );
+
+    assert_eq!(
+        messages_with_key(&mut c, &key),
+        1,
+        "exactly one row for the key"
+    );
+    let row_id: i64 = c
+        .query_one(
+            "SELECT id FROM outbox.messages WHERE effect_key = $1",
+            &[&key],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(row_id, id_a);
+
+    assert!(
+        wait_for_state(&cluster, id_a, "delivered", DELIVERY),
+        "not delivered: {:?}",
+        state_of(&cluster, id_a)
+    );
+    assert!(!sim.wait_for_sends(&ch, 2, Duration::from_secs(1)));
+    assert_eq!(sent_keys(&sim, &ch), vec![Some(key.clone())]);
+    assert_eq!(stored_keys(&sim, &ch), vec![Some(key.clone())]);
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.ledger WHERE effect_key = $1",
+            &[&key]
+        ),
+        1
+    );
+}
+
+#[test]
+fn concurrent_enqueue_of_same_key_first_rolls_back_second_gets_fresh_id() {
+    let cluster = Cluster::from_env();
+    let sim = Simulator::start();
+    let ch = unique("fnd_race_rollback");
+    let mut c = cluster.connect();
+    create_channel(&mut c, &ch, &sim.send_url(&ch), OPTIONS);
+    let key = unique("race_rollback");
+
+    let (id_a, b) = race_same_key(&cluster, &ch, &key, false);
+    let id_b = b.enqueue.clone().expect("session B's enqueue failed");
+    assert_eq!(b.commit, Ok(()), "session B's COMMIT");
+    assert_ne!(
+        id_b, id_a,
+        "session B must get a fresh id after A rolled back"
+    );
+    assert!(
+        b.notices.is_empty(),
+        "session B got notices: {:?}",
+        describe_notices(&b.notices)
+    );
+
+    assert_eq!(
+        messages_with_key(&mut c, &key),
+        1,
+        "exactly one row for the key"
+    );
+    let row_id: i64 = c
+        .query_one(
+            "SELECT id FROM outbox.messages WHERE effect_key = $1",
+            &[&key],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(row_id, id_b);
+    assert_eq!(
+        status(&mut c, id_a),
+        None,
+        "A's rolled-back id never existed"
+    );
+
+    assert!(
+        wait_for_state(&cluster, id_b, "delivered", DELIVERY),
+        "not delivered: {:?}",
+        state_of(&cluster, id_b)
+    );
+    assert!(!sim.wait_for_sends(&ch, 2, Duration::from_secs(1)));
+    assert_eq!(sent_keys(&sim, &ch), vec![Some(key.clone())]);
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.ledger WHERE effect_key = $1 AND message_id = $2",
+            &[&key, &id_b]
+        ),
+        1
+    );
+}

@@ -1,0 +1,373 @@
+//! Section 1: alerts raised by real traffic, then cleared.
+
+use super::*;
+
+// ---------------------------------------------------------------------------------------
+// 1. Alerts raised by real traffic, then cleared
+// ---------------------------------------------------------------------------------------
+
+/// A provider that hangs (no answer, nothing stored) on a channel with `max_in_flight` 1
+/// holds the channel's later messages due in the queue: with `outbox.alert_queue_age_s` = 1
+/// one `queue_age` alert appears whose `value` and `since` describe the oldest due queued
+/// message; once the hung requests time out (ambiguous, retried with the same key on this
+/// deduping channel) everything drains and the alert is gone.
+#[test]
+fn queue_age_alert_is_raised_by_a_stuck_channel_and_clears_when_it_drains() {
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    wait_for_workers(&cluster, &[]);
+    let _settings = SettingsGuard::new(&cluster, &["outbox.alert_queue_age_s"]);
+    let mut c = cluster.connect();
+    set_setting_seen(&mut c, "outbox.alert_queue_age_s", "1");
+
+    let sim = Simulator::start();
+    let ch = unique("obs_qage");
+    sim.set_dedupe(&ch, "Idempotency-Key");
+    // Three hung sends of 1.5 s each block the channel for ~4.5 s; then Accept.
+    sim.set_plan(&ch, vec![Action::Hang { store: false }; 3]);
+    create_channel(
+        &mut c,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"idempotency_header": "Idempotency-Key", "max_in_flight": 1,
+            "timeout_ms": 1500, "connect_timeout_ms": 500,
+            "retry": {"base_ms": 100, "max_ms": 200, "jitter": "none", "max_attempts": 20}}"#,
+    );
+    assert!(alerts_of(&mut c, &ch).is_empty(), "no alert before traffic");
+
+    let first = enqueue(&mut c, &ch, &unique("obs_qage_k"));
+    assert!(
+        sim.wait_for_sends(&ch, 1, Duration::from_secs(10)),
+        "the first message was never sent"
+    );
+    let mut ids = vec![first];
+    for _ in 0..3 {
+        ids.push(enqueue(&mut c, &ch, &unique("obs_qage_k")));
+    }
+
+    // The alert appears once a due message has waited more than 1 s.
+    let mut seen: Vec<AlertRow> = Vec::new();
+    let raised = wait_until(Duration::from_secs(10), || {
+        seen = alerts_of(&mut c, &ch);
+        seen.iter().any(|a| a.alert == "queue_age")
+    });
+    assert!(raised, "no queue_age alert for {ch}; alerts: {seen:?}");
+
+    // Read alert, metrics and the oldest due queued message in one snapshot (one now()).
+    {
+        let mut tx = c
+            .build_transaction()
+            .isolation_level(IsolationLevel::RepeatableRead)
+            .start()
+            .unwrap();
+        let rows = alerts_of(&mut tx, &ch);
+        let qa: Vec<&AlertRow> = rows.iter().filter(|a| a.alert == "queue_age").collect();
+        let m = metrics_of(&mut tx, &ch);
+        let head: Option<f64> = tx
+            .query_one(
+                "SELECT extract(epoch FROM now() - min(m.next_attempt_at))::float8
+                   FROM outbox._messages m JOIN outbox._channels c ON c.id = m.channel_id
+                  WHERE c.name = $1 AND m.state = 'queued' AND m.next_attempt_at <= now()",
+                &[&ch],
+            )
+            .unwrap()
+            .get(0);
+        tx.commit().unwrap();
+        // The channel stays blocked for ~4.5 s, long after the alert first showed.
+        assert!(
+            !qa.is_empty(),
+            "queue_age alert vanished before it could be read; alerts: {rows:?}, metrics: {m:?}"
+        );
+        assert_eq!(qa.len(), 1, "one queue_age alert per channel: {rows:?}");
+        let a = qa[0];
+        assert_eq!(a.threshold, 1.0, "{a:?}");
+        assert!(a.value > 1.0, "value over the threshold: {a:?}");
+        let expect_sev = if a.value > 4.0 { "critical" } else { "warning" };
+        assert_eq!(a.severity, expect_sev, "{a:?}");
+        let since_age = a.since_age_s.expect("since is set");
+        assert!(
+            since_age > 1.0,
+            "since lies more than the threshold in the past: {a:?}"
+        );
+        assert!(
+            close(since_age, a.value, 0.002),
+            "since = now() - value: {a:?}"
+        );
+        assert_eq!(
+            m.oldest_queued_age_s,
+            Some(a.value),
+            "metrics agrees: {m:?}"
+        );
+        let head = head.expect("a due queued message exists while the alert is up");
+        assert!(
+            close(head, a.value, 0.002),
+            "the alert's age is the oldest due queued message's ({head} s): {a:?}"
+        );
+        assert!(!m.paused);
+    }
+
+    // Drain: the hung requests time out, are retried with the same key, everything lands.
+    for &id in &ids {
+        wait_state(&cluster, id, "delivered");
+    }
+    let rows = alerts_of(&mut c, &ch);
+    assert!(
+        rows.is_empty(),
+        "every alert of {ch} is gone once drained: {rows:?}"
+    );
+    let m = metrics_of(&mut c, &ch);
+    assert_eq!((m.queued, m.sending), (0, 0), "{m:?}");
+    assert_eq!(m.oldest_queued_age_s, None, "{m:?}");
+    assert_eq!(m.delivered_total, 4, "{m:?}");
+    assert_eq!(
+        m.attempts_failed_total, 3,
+        "three timed-out attempts: {m:?}"
+    );
+    assert_eq!(m.error_streak, 0, "a delivery ends the streak: {m:?}");
+
+    // Provider side: 3 hung sends + 4 accepted, each effect stored exactly once.
+    assert_eq!(sim.send_count(&ch), 7);
+    let stored = sim.stored(&ch);
+    assert_eq!(stored.len(), 4);
+    let keys: HashSet<_> = stored.iter().map(|s| s.key.clone()).collect();
+    assert_eq!(keys.len(), 4, "no effect stored twice: {stored:?}");
+}
+
+/// 503s on a channel with `outbox.alert_error_streak` = 3: an `error_streak` alert whose
+/// value is the channel's streak (>= 3) and whose `since` is the first failure; once the
+/// provider accepts, the message is delivered, the streak is 0 and the alert is gone.
+#[test]
+fn error_streak_alert_follows_503s_and_clears_on_delivery() {
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    wait_for_workers(&cluster, &[]);
+    let _settings = SettingsGuard::new(&cluster, &["outbox.alert_error_streak"]);
+    let mut c = cluster.connect();
+    set_setting_seen(&mut c, "outbox.alert_error_streak", "3");
+
+    let sim = Simulator::start();
+    let ch = unique("obs_streak");
+    sim.set_default(&ch, Action::Status(503));
+    create_channel(
+        &mut c,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"retry": {"base_ms": 100, "max_ms": 300, "jitter": "none", "max_attempts": 100}}"#,
+    );
+    let id = enqueue(&mut c, &ch, &unique("obs_streak_k"));
+
+    let mut seen: Vec<AlertRow> = Vec::new();
+    let raised = wait_until(SETTLE, || {
+        seen = alerts_of(&mut c, &ch);
+        seen.iter().any(|a| a.alert == "error_streak")
+    });
+    assert!(raised, "no error_streak alert for {ch}; alerts: {seen:?}");
+    {
+        let mut tx = c
+            .build_transaction()
+            .isolation_level(IsolationLevel::RepeatableRead)
+            .start()
+            .unwrap();
+        let rows = alerts_of(&mut tx, &ch);
+        let m = metrics_of(&mut tx, &ch);
+        // When the first two attempts started, for `since`.
+        let starts: Vec<f64> = tx
+            .query(
+                "SELECT extract(epoch FROM now() - started_at)::float8 FROM outbox.attempts
+                  WHERE message_id = $1 AND kind = 'send' ORDER BY attempt_id LIMIT 2",
+                &[&id],
+            )
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        tx.commit().unwrap();
+        let es: Vec<&AlertRow> = rows.iter().filter(|a| a.alert == "error_streak").collect();
+        assert_eq!(es.len(), 1, "{rows:?}");
+        let a = es[0];
+        assert!(a.value >= 3.0, "{a:?}");
+        assert_eq!(a.threshold, 3.0, "{a:?}");
+        assert_eq!(a.severity, "warning", "{a:?}");
+        assert_eq!(
+            a.value, m.error_streak as f64,
+            "alert value = metrics: {m:?}"
+        );
+        assert!(
+            m.attempts_failed_total >= m.error_streak,
+            "streak within failed attempts: {m:?}"
+        );
+        assert_eq!(m.delivered_total, 0, "{m:?}");
+        // `since` is when the streak began: after the first attempt started, before the
+        // second one did.
+        let since = a.since_age_s.expect("since is set");
+        assert_eq!(Some(since), m.error_streak_since_age_s, "{m:?}");
+        assert_eq!(starts.len(), 2, "at least two attempts: {starts:?}");
+        assert!(
+            since <= starts[0] && since >= starts[1],
+            "since ({since} s ago) lies between attempt 1 ({} s ago) and attempt 2 ({} s ago)",
+            starts[0],
+            starts[1]
+        );
+    }
+    assert_eq!(
+        state(&mut c, id)
+            .unwrap()
+            .as_deref()
+            .map(|s| s != "delivered"),
+        Some(true)
+    );
+
+    // The provider recovers.
+    sim.set_default(&ch, Action::Accept);
+    wait_state(&cluster, id, "delivered");
+    let rows = alerts_of(&mut c, &ch);
+    assert!(rows.is_empty(), "alert gone after the delivery: {rows:?}");
+    let m = metrics_of(&mut c, &ch);
+    assert_eq!(m.error_streak, 0, "{m:?}");
+    assert_eq!(m.error_streak_since_age_s, None, "{m:?}");
+    assert_eq!(m.delivered_total, 1, "{m:?}");
+    let sends = sim.send_count(&ch) as i64;
+    assert_eq!(sim.stored(&ch).len(), 1);
+    assert!(sends >= 4, "at least three 503s and one accept: {sends}");
+    assert_eq!(
+        m.attempts_failed_total,
+        sends - 1,
+        "every 503 the provider answered is one failed attempt: {m:?}"
+    );
+    let attempts: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.attempts WHERE message_id = $1 AND kind = 'send'",
+            &[&id],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(attempts, sends, "one attempt row per request");
+}
+
+/// A 401 fails the message at once: one critical `terminal_failures` alert (value 1, since
+/// = the message's last change); `outbox.cancel` clears it, the `failed_total` counter stays.
+#[test]
+fn terminal_failure_alert_on_401_clears_on_cancel() {
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    wait_for_workers(&cluster, &[]);
+    let mut c = cluster.connect();
+    let sim = Simulator::start();
+    let ch = unique("obs_term");
+    sim.set_plan(&ch, vec![Action::Status(401)]);
+    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
+    let id = enqueue(&mut c, &ch, &unique("obs_term_k"));
+    wait_state(&cluster, id, "failed");
+
+    let (rows, updated_age): (Vec<AlertRow>, f64) = {
+        let mut tx = c
+            .build_transaction()
+            .isolation_level(IsolationLevel::RepeatableRead)
+            .start()
+            .unwrap();
+        let rows = alerts_of(&mut tx, &ch);
+        let age: f64 = tx
+            .query_one(
+                "SELECT extract(epoch FROM now() - updated_at)::float8 FROM outbox._messages WHERE id = $1",
+                &[&id],
+            )
+            .unwrap()
+            .get(0);
+        tx.commit().unwrap();
+        (rows, age)
+    };
+    assert_eq!(rows.len(), 1, "exactly one alert: {rows:?}");
+    let a = &rows[0];
+    assert_eq!(a.alert, "terminal_failures");
+    assert_eq!(a.severity, "critical");
+    assert_eq!(a.value, 1.0);
+    assert_eq!(a.threshold, 0.0);
+    assert_eq!(
+        a.since_age_s,
+        Some(updated_age),
+        "since = when it failed: {a:?}"
+    );
+    let m = metrics_of(&mut c, &ch);
+    assert_eq!(
+        (m.failed, m.failed_total, m.delivered_total),
+        (1, 1, 0),
+        "{m:?}"
+    );
+    assert_eq!(sim.send_count(&ch), 1, "a permanent error is not retried");
+    assert_eq!(sim.stored(&ch).len(), 0);
+
+    c.execute(
+        "SELECT outbox.cancel($1, 'obs test: provider token revoked, handled')",
+        &[&id],
+    )
+    .expect("cancel");
+    assert_eq!(state(&mut c, id).unwrap().as_deref(), Some("cancelled"));
+    let rows = alerts_of(&mut c, &ch);
+    assert!(rows.is_empty(), "alert gone after cancel: {rows:?}");
+    let m = metrics_of(&mut c, &ch);
+    assert_eq!(m.failed, 0, "{m:?}");
+    assert_eq!(m.failed_total, 1, "the counter does not go down: {m:?}");
+    assert_eq!(sim.send_count(&ch), 1, "cancel sends nothing");
+}
+
+/// A connection reset after the provider stored the message, on a channel that can neither
+/// dedupe nor reconcile: `uncertain`, and at once (not after `alert_uncertain_age_s`) one
+/// critical `uncertain` alert; the operator's `resolve(..., 'delivered', ...)` clears it.
+#[test]
+fn uncertain_alert_at_once_without_reconcile_clears_on_resolve() {
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    wait_for_workers(&cluster, &[]);
+    let mut c = cluster.connect();
+    let sim = Simulator::start();
+    let ch = unique("obs_unc");
+    sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
+    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
+    let id = enqueue(&mut c, &ch, &unique("obs_unc_k"));
+    wait_state(&cluster, id, "uncertain");
+
+    let rows = alerts_of(&mut c, &ch);
+    assert_eq!(rows.len(), 1, "exactly one alert: {rows:?}");
+    let a = &rows[0];
+    assert_eq!(a.alert, "uncertain");
+    assert_eq!(a.severity, "critical");
+    assert_eq!(a.value, 1.0);
+    let threshold: i32 = c
+        .query_one(
+            "SELECT current_setting('outbox.alert_uncertain_age_s')::int",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(a.threshold, threshold as f64);
+    let age = a.since_age_s.expect("since");
+    assert!(
+        (0.0..(threshold as f64)).contains(&age),
+        "raised at once, long before the {threshold} s threshold: {a:?}"
+    );
+    let m = metrics_of(&mut c, &ch);
+    assert_eq!(m.uncertain, 1, "{m:?}");
+    assert_eq!(sim.stored(&ch).len(), 1, "the provider has it");
+    assert_eq!(sim.send_count(&ch), 1, "never blindly resent");
+
+    let after: String = c
+        .query_one(
+            "SELECT outbox.resolve($1, 'delivered', 'obs test: seen in the provider console')::text",
+            &[&id],
+        )
+        .expect("resolve")
+        .get(0);
+    assert_eq!(after, "delivered");
+    let rows = alerts_of(&mut c, &ch);
+    assert!(rows.is_empty(), "alert gone after resolve: {rows:?}");
+    assert_eq!(metrics_of(&mut c, &ch).uncertain, 0);
+    let by: String = c
+        .query_one(
+            "SELECT recorded_by FROM outbox.ledger WHERE message_id = $1",
+            &[&id],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(by, "operator");
+    assert_eq!(sim.send_count(&ch), 1, "resolve sends nothing");
+}

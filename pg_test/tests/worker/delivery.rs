@@ -1,0 +1,318 @@
+//! Sections 1-3: a commit is delivered; a re-enqueue returns the same message and the ledger
+//! bars a resend; an ordering key waits for a failing first message.
+
+use super::*;
+
+// ---------------------------------------------------------------------------------------
+// 1. Commit → delivered
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn commit_is_delivered_with_ledger_attempt_and_headers() {
+    let cluster = Cluster::from_env();
+    cluster.wait_for_worker();
+    let sim = Simulator::start();
+    let ch = unique("w_deliver");
+    let mut c = cluster.connect();
+    create_channel(
+        &mut c,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"idempotency_header": "Idempotency-Key", "external_id": "/id",
+            "headers": {"Authorization": "Bearer t0ken-1", "X-Static": "static-1"}}"#,
+    );
+    let key = effect_key(&mut c, &unique("turn"), "send_reply");
+    let payload = r#"{"to": "user-7", "text": "Your order shipped", "n": [1, 2, 3]}"#;
+    let id = {
+        let mut tx = c.transaction().unwrap();
+        let id = enqueue_with(
+            &mut tx,
+            &ch,
+            payload,
+            &key,
+            None,
+            Some(r#"{"X-Request-Id": "req-42", "X-Tenant-Hint": "acme"}"#),
+        );
+        tx.commit().unwrap();
+        id
+    };
+
+    let m = wait_message(&cluster, id, "delivered");
+    assert!(sim.wait_for_stored(&ch, 1, Duration::from_secs(5)));
+    let stored = sim.stored(&ch);
+    assert_eq!(stored.len(), 1, "the provider stored exactly one message");
+    assert_eq!(sim.send_count(&ch), 1, "exactly one request was sent");
+    let ext = stored[0].external_id.clone();
+    assert_eq!(m.external_id.as_deref(), Some(ext.as_str()));
+    assert_eq!(m.effect_key, key);
+    assert_eq!(m.attempts, 1);
+    assert_eq!(m.last_http_status, Some(200));
+
+    // The ledger: one entry, recorded by the worker, with the provider's id.
+    let ledger = c
+        .query(
+            "SELECT message_id, external_id, recorded_by FROM outbox.ledger WHERE effect_key = $1",
+            &[&key],
+        )
+        .unwrap();
+    assert_eq!(ledger.len(), 1, "one ledger entry for the effect");
+    assert_eq!(ledger[0].get::<_, i64>(0), id);
+    assert_eq!(
+        ledger[0].get::<_, Option<String>>(1).as_deref(),
+        Some(ext.as_str())
+    );
+    assert_eq!(ledger[0].get::<_, String>(2), "worker");
+
+    // One attempt row: a send, delivered, HTTP 200, with the key and the external id.
+    let a = attempts(&mut c, id);
+    assert_eq!(a.len(), 1, "one attempt row: {a:?}");
+    assert_eq!(a[0].kind, "send");
+    assert_eq!(a[0].attempt, 1);
+    assert_eq!(a[0].outcome.as_deref(), Some("delivered"));
+    assert_eq!(a[0].http_status, Some(200));
+    assert_eq!(a[0].error_class, None);
+    assert_eq!(a[0].external_id.as_deref(), Some(ext.as_str()));
+    assert_eq!(a[0].effect_key_sent.as_deref(), Some(key.as_str()));
+    let pids = cluster.worker_pids(&mut c);
+    assert!(
+        a[0].worker_pid.is_some_and(|p| pids.contains(&p)),
+        "attempt made by a running worker: {:?} not in {pids:?}",
+        a[0].worker_pid
+    );
+
+    // What the provider received.
+    let sends = sim.sends(&ch);
+    assert_eq!(sends.len(), 1);
+    let r = &sends[0];
+    assert_eq!(r.method, "POST");
+    assert_eq!(r.status, Some(200));
+    assert_eq!(header(r, "Idempotency-Key"), Some(key.as_str()));
+    assert_eq!(r.key.as_deref(), Some(key.as_str()));
+    assert_eq!(
+        body_json(r),
+        serde_json::from_str::<serde_json::Value>(payload).unwrap(),
+        "the body is the payload"
+    );
+    assert_eq!(header(r, "Authorization"), Some("Bearer t0ken-1"));
+    assert_eq!(header(r, "X-Static"), Some("static-1"));
+    assert_eq!(header(r, "X-Request-Id"), Some("req-42"));
+    assert_eq!(header(r, "X-Tenant-Hint"), Some("acme"));
+    assert_eq!(header(r, "Content-Type"), Some("application/json"));
+    assert_eq!(sim.header_values(&ch, "Idempotency-Key"), vec![key.clone()]);
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. Re-enqueue of a delivered key; the ledger barrier after retention-like deletion
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn reenqueue_returns_same_id_and_ledger_blocks_resend_after_row_deleted() {
+    let cluster = Cluster::from_env();
+    cluster.wait_for_worker();
+    let sim = Simulator::start();
+    let ch = unique("w_ledger");
+    let mut c = cluster.connect();
+    create_channel(
+        &mut c,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"idempotency_header": "Idempotency-Key", "external_id": "/id"}"#,
+    );
+    let key = effect_key(&mut c, &unique("turn"), "send_reply");
+    let payload = r#"{"text": "once"}"#;
+    let id = enqueue_payload(&mut c, &ch, payload, &key);
+    wait_message(&cluster, id, "delivered");
+    assert_eq!(sim.send_count(&ch), 1);
+    let ext = sim.stored(&ch)[0].external_id.clone();
+
+    // The same effect again: the same message, nothing new.
+    let again = enqueue_payload(&mut c, &ch, payload, &key);
+    assert_eq!(again, id, "re-enqueue of a delivered effect returns its id");
+    let n: i64 = c
+        .query_one(
+            "SELECT count(*) FROM outbox.messages WHERE effect_key = $1",
+            &[&key],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1, "still one message for the key");
+    std::thread::sleep(QUIET);
+    assert_eq!(sim.send_count(&ch), 1, "no second request");
+    assert_eq!(attempts(&mut c, id).len(), 1, "no second attempt");
+
+    // Simulate retention: the message and its attempts are gone, the ledger stays.
+    c.execute("DELETE FROM outbox._attempts WHERE message_id = $1", &[&id])
+        .unwrap();
+    let deleted = c
+        .execute("DELETE FROM outbox._messages WHERE id = $1", &[&id])
+        .unwrap();
+    assert_eq!(deleted, 1);
+    assert_eq!(
+        cluster_status(&mut c, id).as_deref(),
+        Some("delivered"),
+        "status() of a removed message whose effect is in the ledger"
+    );
+
+    let new_id = enqueue_payload(&mut c, &ch, payload, &key);
+    assert_ne!(new_id, id, "the removed message is not found: a new row");
+    let m = wait_message(&cluster, new_id, "delivered");
+    std::thread::sleep(QUIET);
+    assert_eq!(
+        sim.send_count(&ch),
+        1,
+        "the barrier: an effect in the ledger is never sent again"
+    );
+    assert_eq!(sim.stored(&ch).len(), 1);
+    assert_eq!(
+        m.external_id.as_deref(),
+        Some(ext.as_str()),
+        "the new row carries the recorded external id"
+    );
+    let a = attempts(&mut c, new_id);
+    assert_eq!(a.len(), 1, "{a:?}");
+    assert_eq!(a[0].kind, "send");
+    assert_eq!(a[0].http_status, None, "nothing was sent: no HTTP status");
+    let outcome = a[0].outcome.clone().unwrap_or_default();
+    assert!(
+        outcome.contains("not sent") && outcome.contains("ledger"),
+        "the attempt says it was not sent because of the ledger: {outcome:?}"
+    );
+    // The ledger still names the first message, once.
+    let ledger = c
+        .query(
+            "SELECT message_id, external_id FROM outbox.ledger WHERE effect_key = $1",
+            &[&key],
+        )
+        .unwrap();
+    assert_eq!(ledger.len(), 1);
+    assert_eq!(ledger[0].get::<_, i64>(0), id);
+    assert_eq!(
+        ledger[0].get::<_, Option<String>>(1).as_deref(),
+        Some(ext.as_str())
+    );
+}
+
+pub(super) fn cluster_status(c: &mut Client, id: i64) -> Option<String> {
+    c.query_one("SELECT outbox.status($1)::text", &[&id])
+        .unwrap()
+        .get(0)
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. Ordering key while the first message keeps failing
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn ordering_key_waits_for_a_failing_first_message() {
+    let cluster = Cluster::from_env();
+    cluster.wait_for_worker();
+    let sim = Simulator::start();
+    let ch = unique("w_order");
+    sim.set_plan(&ch, vec![Action::Status(503), Action::Status(503)]);
+    let mut c = cluster.connect();
+    create_channel(
+        &mut c,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"idempotency_header": "Idempotency-Key",
+            "retry": {"base_ms": 200, "max_ms": 400, "jitter": "none", "max_attempts": 4}}"#,
+    );
+    let okey = unique("conversation");
+    let keys: Vec<String> = (0..3).map(|i| unique(&format!("ord{i}"))).collect();
+    let ids: Vec<i64> = {
+        let mut tx = c.transaction().unwrap();
+        let ids = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| {
+                enqueue_with(
+                    &mut tx,
+                    &ch,
+                    &format!(r#"{{"seq": {i}}}"#),
+                    k,
+                    Some(&okey),
+                    None,
+                )
+            })
+            .collect();
+        tx.commit().unwrap();
+        ids
+    };
+    assert!(ids.windows(2).all(|w| w[0] < w[1]));
+
+    // While the first one is still failing, the others have not been tried.
+    assert!(
+        sim.wait_for_sends(&ch, 1, SETTLE),
+        "first attempt never came"
+    );
+    let waiting: Vec<i32> = ids[1..]
+        .iter()
+        .map(|id| message(&mut c, *id).unwrap().unwrap().attempts)
+        .collect();
+    if sim.send_count(&ch) < 3 {
+        assert_eq!(
+            waiting,
+            vec![0, 0],
+            "later messages of the ordering key were claimed while the first was failing"
+        );
+    }
+
+    for id in &ids {
+        wait_message(&cluster, *id, "delivered");
+    }
+    let m1 = message(&mut c, ids[0]).unwrap().unwrap();
+    assert_eq!(m1.attempts, 3, "503, 503, then accepted");
+
+    let stored: Vec<Option<String>> = sim.stored(&ch).into_iter().map(|s| s.key).collect();
+    assert_eq!(
+        stored,
+        keys.iter().cloned().map(Some).collect::<Vec<_>>(),
+        "the provider stored them in enqueue order"
+    );
+    let sends = sim.sends(&ch);
+    let summary: Vec<(Option<String>, String)> = sends
+        .iter()
+        .map(|r| (r.key.clone(), r.outcome.clone()))
+        .collect();
+    assert_eq!(
+        sends.len(),
+        5,
+        "3 sends of the first, 1 of each other: {summary:?}"
+    );
+    let first_accepted = sends
+        .iter()
+        .find(|r| r.key.as_deref() == Some(keys[0].as_str()) && r.status == Some(200))
+        .expect("first message accepted")
+        .seq;
+    let first_key_sends: Vec<&str> = sends
+        .iter()
+        .filter(|r| r.key.as_deref() == Some(keys[0].as_str()))
+        .map(|r| r.outcome.as_str())
+        .collect();
+    assert_eq!(
+        first_key_sends,
+        vec!["status:503", "status:503", "accepted"]
+    );
+    for (i, k) in keys.iter().enumerate().skip(1) {
+        let seqs: Vec<u64> = sends
+            .iter()
+            .filter(|r| r.key.as_deref() == Some(k.as_str()))
+            .map(|r| r.seq)
+            .collect();
+        assert_eq!(seqs.len(), 1, "message {i} sent once: {summary:?}");
+        assert!(
+            seqs[0] > first_accepted,
+            "message {i} was requested (seq {}) before the first was delivered (seq {first_accepted}): {summary:?}",
+            seqs[0]
+        );
+    }
+    // The third waited for the second too.
+    let seq_of = |k: &str| {
+        sends
+            .iter()
+            .find(|r| r.key.as_deref() == Some(k))
+            .map(|r| r.seq)
+            .unwrap()
+    };
+    assert!(seq_of(&keys[2]) > seq_of(&keys[1]));
+}
