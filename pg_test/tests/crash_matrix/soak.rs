@@ -338,74 +338,11 @@ fn soak() {
     let mut rows = Vec::new();
     let mut failures = Vec::new();
     for (kind, l) in &lanes {
-        let mut bad = Vec::new();
-        if l.missing > 0 || l.other > 0 || l.no_reason > 0 {
-            bad.push(format!(
-                "lost: {} missing, {} not settled, {} without a work_queue reason",
-                l.missing, l.other, l.no_reason
-            ));
-        }
-        if l.duplicates > 0 {
-            bad.push(format!(
-                "{} effect keys stored more than once",
-                l.duplicates
-            ));
-        }
-        if l.delivered_not_held > 0 {
-            bad.push(format!(
-                "{} delivered messages the provider does not hold exactly once",
-                l.delivered_not_held
-            ));
-        }
-        if l.key_mismatch_rows > 0 || l.key_mismatch_provider > 0 {
-            bad.push(format!(
-                "key mismatches: {} attempt rows, {} provider requests",
-                l.key_mismatch_rows, l.key_mismatch_provider
-            ));
-        }
-        if l.ledger != l.delivered as i64 {
-            bad.push(format!(
-                "{} ledger entries for {} delivered",
-                l.ledger, l.delivered
-            ));
-        }
-        let pass = bad.is_empty();
-        let verdict = if pass {
-            match kind {
-                Kind::Neither => format!(
-                    "PASS: 0 lost, 0 duplicates; {} ambiguous jobs wait in uncertain (limit: never resent, an operator decides)",
-                    l.uncertain
-                ),
-                _ => "PASS: 0 lost, 0 duplicates".to_string(),
-            }
-        } else {
+        let (row, bad) = soak_row(&scenario, *kind, l);
+        if !bad.is_empty() {
             failures.push(format!("{}: {}", kind.label(), bad.join("; ")));
-            format!("FAIL: {}", bad.join("; "))
-        };
-        rows.push(Row {
-            scenario: scenario.clone(),
-            kind: kind.label().to_string(),
-            provider: format!(
-                "{} stored / {} sends; {} keys stored twice",
-                l.stored, l.sends, l.duplicates
-            ),
-            local: format!(
-                "{} committed: {} delivered, {} uncertain ({} of them held by the provider), {} exhausted, {} failed, {} missing",
-                l.committed, l.delivered, l.uncertain, l.uncertain_held, l.exhausted, l.failed, l.missing
-            ),
-            attempts: format!(
-                "{} send, {} recovery, {} lookup rows",
-                l.send_rows, l.recovery_rows, l.lookup_rows
-            ),
-            same_key: if l.key_mismatch_rows == 0 && l.key_mismatch_provider == 0 {
-                "yes"
-            } else {
-                "no"
-            }
-            .into(),
-            verdict,
-            pass,
-        });
+        }
+        rows.push(row);
     }
     if extra_rows > 0 {
         failures.push(format!("{extra_rows} messages nobody committed"));
@@ -447,4 +384,77 @@ fn soak() {
     if let Err(diff) = doc {
         panic!("{diff}");
     }
+}
+
+/// The table row of one channel kind of the soak, and what is wrong with it (nothing when it
+/// passes: 0 lost, 0 duplicates, the same key everywhere, one ledger entry per delivery).
+fn soak_row(scenario: &str, kind: Kind, l: &SoakLane) -> (Row, Vec<String>) {
+    let mut bad = Vec::new();
+    if l.missing > 0 || l.other > 0 || l.no_reason > 0 {
+        bad.push(format!(
+            "lost: {} missing, {} not settled, {} without a work_queue reason",
+            l.missing, l.other, l.no_reason
+        ));
+    }
+    if l.duplicates > 0 {
+        bad.push(format!(
+            "{} effect keys stored more than once",
+            l.duplicates
+        ));
+    }
+    if l.delivered_not_held > 0 {
+        bad.push(format!(
+            "{} delivered messages the provider does not hold exactly once",
+            l.delivered_not_held
+        ));
+    }
+    if l.key_mismatch_rows > 0 || l.key_mismatch_provider > 0 {
+        bad.push(format!(
+            "key mismatches: {} attempt rows, {} provider requests",
+            l.key_mismatch_rows, l.key_mismatch_provider
+        ));
+    }
+    if l.ledger != l.delivered as i64 {
+        bad.push(format!(
+            "{} ledger entries for {} delivered",
+            l.ledger, l.delivered
+        ));
+    }
+    let pass = bad.is_empty();
+    let verdict = if pass {
+        match kind {
+            Kind::Neither => format!(
+                "PASS: 0 lost, 0 duplicates; {} ambiguous jobs wait in uncertain (limit: never resent, an operator decides)",
+                l.uncertain
+            ),
+            _ => "PASS: 0 lost, 0 duplicates".to_string(),
+        }
+    } else {
+        format!("FAIL: {}", bad.join("; "))
+    };
+    let row = Row {
+        scenario: scenario.to_string(),
+        kind: kind.label().to_string(),
+        provider: format!(
+            "{} stored / {} sends; {} keys stored twice",
+            l.stored, l.sends, l.duplicates
+        ),
+        local: format!(
+            "{} committed: {} delivered, {} uncertain ({} of them held by the provider), {} exhausted, {} failed, {} missing",
+            l.committed, l.delivered, l.uncertain, l.uncertain_held, l.exhausted, l.failed, l.missing
+        ),
+        attempts: format!(
+            "{} send, {} recovery, {} lookup rows",
+            l.send_rows, l.recovery_rows, l.lookup_rows
+        ),
+        same_key: if l.key_mismatch_rows == 0 && l.key_mismatch_provider == 0 {
+            "yes"
+        } else {
+            "no"
+        }
+        .into(),
+        verdict,
+        pass,
+    };
+    (row, bad)
 }

@@ -416,6 +416,32 @@ fn with_hostile_input(what: &str, area: impl FnOnce(&mut Hostile<'_>, &mut Check
     let mut ck = Checker::default();
     area(&mut h, &mut ck);
 
+    check_after_hostile_input(&mut h, &mut ck, &pids, mark);
+    println!(
+        "hostile input ({what}): {} calls, {} succeeded, {} problems",
+        ck.calls,
+        ck.successes,
+        ck.problems.len()
+    );
+    drop(h);
+    drop(cleanup);
+    assert!(
+        ck.problems.is_empty(),
+        "{} problem(s) with hostile input ({what}):\n  - {}",
+        ck.problems.len(),
+        ck.problems.join("\n  - ")
+    );
+}
+
+/// What must hold after any hostile input, added to `ck` where it does not: the schema is
+/// intact, the hostile messages settle and the provider received each delivered one as it
+/// was written, the Prometheus exposition still parses, a normal message is still
+/// delivered, the workers kept their PIDs (`pids`) and the server log shows no crash since
+/// `mark`.
+fn check_after_hostile_input(h: &mut Hostile<'_>, ck: &mut Checker, pids: &[i32], mark: u64) {
+    let (cluster, sim) = (h.cluster, h.sim);
+    let tag = h.tag.clone();
+    let base_sim = h.base_sim.clone();
     // The schema is intact.
     let private = [
         "_channels",
@@ -436,7 +462,7 @@ fn with_hostile_input(what: &str, area: impl FnOnce(&mut Hostile<'_>, &mut Check
     // The hostile messages settle: none stays queued or in flight on a running channel.
     let tagc = tag.clone();
     let mut last = Vec::new();
-    let settled = poll(&cluster, HOSTILE_SETTLE, |c| {
+    let settled = poll(cluster, HOSTILE_SETTLE, |c| {
         last = c
             .query(
                 "SELECT m.id, m.state::text, coalesce(m.last_error, '') FROM outbox._messages m
@@ -507,7 +533,7 @@ fn with_hostile_input(what: &str, area: impl FnOnce(&mut Hostile<'_>, &mut Check
         format!("a normal message ({id}) enqueued after the hostile input was not delivered within {HOSTILE_SETTLE:?}")
     });
 
-    let after = wait_for_workers(&cluster, &[]);
+    let after = wait_for_workers(cluster, &[]);
     ck.check(after == pids, || {
         format!("the delivery workers restarted during the hostile input (PIDs {pids:?} before, {after:?} after); see {}", cluster.log_path().display())
     });
@@ -518,20 +544,6 @@ fn with_hostile_input(what: &str, area: impl FnOnce(&mut Hostile<'_>, &mut Check
             crashes.join("\n")
         )
     });
-    println!(
-        "hostile input ({what}): {} calls, {} succeeded, {} problems",
-        ck.calls,
-        ck.successes,
-        ck.problems.len()
-    );
-    drop(h);
-    drop(cleanup);
-    assert!(
-        ck.problems.is_empty(),
-        "{} problem(s) with hostile input ({what}):\n  - {}",
-        ck.problems.len(),
-        ck.problems.join("\n  - ")
-    );
 }
 
 /// Runs `area` with every hostile string in turn.
