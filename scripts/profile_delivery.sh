@@ -82,7 +82,7 @@ for run in $(seq 1 "${RUNS:-1}"); do
   bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
   bash scripts/cluster.sh start >/dev/null
   if [ -n "${SETUP_SQL:-}" ]; then psql -c "$SETUP_SQL" >/dev/null; fi
-  psql -c "SELECT outbox.create_channel('profile', 'http://127.0.0.1:$SINK_PORT/ch/profile', '{\"max_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb)" \
+  psql -c "SELECT outbox.create_channel('profile', 'http://127.0.0.1:$SINK_PORT/ch/profile', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb)" \
        -c "SELECT outbox.pause_channel('profile', 'loading the backlog')" >/dev/null
   psql -c "SELECT count(outbox.enqueue('profile', jsonb_build_object('n', g, 'text', 'benchmark message'), 'k:' || g)) FROM generate_series(1, $N) g" >/dev/null
   psql -c "VACUUM ANALYZE outbox._messages" >/dev/null

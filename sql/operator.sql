@@ -168,20 +168,16 @@ BEGIN
             USING ERRCODE = '55000';
     END IF;
     v_after := outcome::outbox.state;
-    IF v_msg.state <> 'delivered' THEN
+    IF v_msg.state = 'delivered' THEN
+        RAISE NOTICE 'message % is already delivered', v_msg.id;
+    ELSIF v_after = 'delivered' THEN
+        PERFORM outbox._record_delivered(ARRAY[v_msg.id], ARRAY[resolve.external_id], ARRAY[NULL::integer],
+                                         'operator', false);
+    ELSE
         UPDATE outbox._messages m
-           SET state = v_after,
-               external_id = coalesce(resolve.external_id, m.external_id),
-               delivered_at = CASE WHEN v_after = 'delivered' THEN pg_catalog.now() ELSE m.delivered_at END,
+           SET state = v_after, external_id = coalesce(resolve.external_id, m.external_id),
                lease_until = NULL, lease_owner = NULL, updated_at = pg_catalog.now()
          WHERE m.id = v_msg.id;
-        IF v_after = 'delivered' THEN
-            INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
-            VALUES (v_msg.tenant, v_msg.effect_key, v_msg.id, coalesce(resolve.external_id, v_msg.external_id), 'operator')
-            ON CONFLICT (tenant, effect_key) DO NOTHING;
-        END IF;
-    ELSE
-        RAISE NOTICE 'message % is already delivered', v_msg.id;
     END IF;
     INSERT INTO outbox._operator_log (action, message_id, tenant, reason, state_before, state_after, detail)
     VALUES ('resolve', v_msg.id, v_msg.tenant, resolve.reason, v_msg.state, v_after,

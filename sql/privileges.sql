@@ -77,10 +77,22 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON
     TO outbox_worker;
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text), outbox._epoch_ms(timestamptz) TO outbox_worker;
+-- The ledger: its check and its one way of recording (sql/ledger.sql).
+GRANT EXECUTE ON FUNCTION
+    outbox._ledger_entry(text, text),
+    outbox._record_delivered(bigint[], text[], integer[], text, boolean)
+    TO outbox_worker;
 -- A channel's integer options, read by the worker and by outbox.messages (which runs as
 -- its reader, like every view here).
 GRANT EXECUTE ON FUNCTION outbox._option_int(jsonb, text[])
-    TO outbox_worker, outbox_writer, outbox_operator;
+    TO outbox_worker, outbox_writer, outbox_operator, outbox_admin;
+-- A channel's bound on attempts open at once and why (sql/channels.sql): read by the
+-- worker's claim and by outbox.channels (as its reader).
+GRANT EXECUTE ON FUNCTION
+    outbox._can_verify(jsonb),
+    outbox._in_flight_bound(jsonb),
+    outbox._in_flight_reason(jsonb)
+    TO outbox_worker, outbox_writer, outbox_operator, outbox_admin;
 
 -- Say at CREATE EXTENSION time when no worker will deliver.
 SELECT outbox._check_preloaded();

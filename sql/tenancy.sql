@@ -121,19 +121,6 @@ BEGIN ATOMIC
     SELECT CASE WHEN isfinite(t) THEN (extract(epoch FROM t) * 1000)::int8 END;
 END;
 
--- An integer option of a channel (`path` into its options), NULL when it is not a number
--- in the range of integer. Options are validated when a channel is created or altered, but
--- a row changed by hand may hold anything, and a failing cast would stop every statement
--- that reads the channel. IMMUTABLE and not STRICT, so that the planner inlines it.
-CREATE FUNCTION outbox._option_int(options jsonb, path text[]) RETURNS integer
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
-BEGIN ATOMIC
-    SELECT CASE WHEN jsonb_typeof(options #> path) = 'number'
-                THEN CASE WHEN (options #>> path)::numeric BETWEEN -2147483648 AND 2147483647
-                          THEN round((options #>> path)::numeric)::integer END
-           END;
-END;
-
 -- A tenant name: 1 to 128 bytes, no control characters; '*' only where allowed
 -- (bindings): outbox._check_tenant_name(tenant, argument, star_allowed), in src/tenancy.rs.
 

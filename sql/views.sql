@@ -26,7 +26,9 @@ SELECT c.id,
        c.paused_reason,
        c.paused_at,
        c.created_at,
-       c.updated_at
+       c.updated_at,
+       outbox._in_flight_bound(c.options) AS in_flight_bound,
+       outbox._in_flight_reason(c.options) AS in_flight_reason
   FROM outbox._channels c
  WHERE outbox._channel_visible(c.options -> 'tenants');
 COMMENT ON VIEW outbox.channels IS

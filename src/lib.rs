@@ -11,12 +11,13 @@ pub mod effect_key;
 pub mod error;
 pub mod gucs;
 pub mod identity;
+pub mod ledger;
 pub mod outbox;
-pub mod pinned_statement;
 pub mod random;
 pub mod reconcile;
 pub mod retry_policy;
 pub mod runtime;
+pub mod spi;
 pub mod tenancy;
 pub mod worker;
 
@@ -36,14 +37,20 @@ extension_sql_file!(
     ]
 );
 extension_sql_file!(
+    "../sql/channels.sql",
+    name = "channels",
+    requires = ["schema"]
+);
+extension_sql_file!("../sql/ledger.sql", name = "ledger", requires = ["schema"]);
+extension_sql_file!(
     "../sql/views.sql",
     name = "views",
-    requires = ["tenancy", _masked_url, _masked_options]
+    requires = ["tenancy", "channels", _masked_url, _masked_options]
 );
 extension_sql_file!(
     "../sql/operator.sql",
     name = "operator",
-    requires = ["views"]
+    requires = ["views", "ledger"]
 );
 extension_sql_file!(
     "../sql/observability.sql",

@@ -15,6 +15,7 @@ use crate::channels::options::ChannelOptions;
 use crate::clock::now_ms;
 use crate::error::{spi_failure, OrRaise, OutboxError};
 use crate::gucs;
+use crate::ledger;
 use crate::outbox::state::State;
 use crate::retry_policy::DEFAULT_MAX_ATTEMPTS;
 use pgrx::prelude::*;
@@ -22,15 +23,16 @@ use pgrx::spi::{SpiClient, SpiResult};
 use std::cell::RefCell;
 use std::sync::Arc;
 
-/// Applies a lookup's result to one message and records it as an attempt of kind
-/// `reconcile`. A message that is `sending` or already `delivered` is left alone.
-/// Returns the message's state afterwards (None if it was left alone). `$9` is the default
-/// `retry.max_attempts`, for options changed by hand into no number.
+/// Applies a lookup that concluded nothing final — not found, or no usable answer — to one
+/// message, and records it as an attempt of kind `reconcile`. A message that is `sending`
+/// or already `delivered` is left alone. Returns the message's state afterwards (no row if
+/// it was left alone). `$2` is the answer (`not_found` or `unavailable`); `$7` is the
+/// default `retry.max_attempts`, for options changed by hand into no number.
 const RECORD_LOOKUP: &str = "
 WITH cur AS (
     SELECT m.id, m.state,
-           (m.attempts::int8 - m.budget_base) >= coalesce(outbox._option_int(c.options, '{retry,max_attempts}'), $9) AS spent,
-           last_send.at + $8::int8 * interval '1 millisecond' AS settled_at
+           (m.attempts::int8 - m.budget_base) >= coalesce(outbox._option_int(c.options, '{retry,max_attempts}'), $7) AS spent,
+           last_send.at + $6::int8 * interval '1 millisecond' AS settled_at
       FROM outbox._messages m
       LEFT JOIN outbox._channels c ON c.id = m.channel_id
       LEFT JOIN LATERAL (SELECT max(a.started_at) AS at FROM outbox._attempts a
@@ -43,33 +45,41 @@ WITH cur AS (
       FROM cur
 ), m AS (
     UPDATE outbox._messages m
-       SET state = CASE WHEN $2 = 'delivered' THEN 'delivered'::outbox.state
-                        WHEN v.requeue AND v.spent THEN 'exhausted'::outbox.state
+       SET state = CASE WHEN v.requeue AND v.spent THEN 'exhausted'::outbox.state
                         WHEN v.requeue THEN 'queued'::outbox.state
                         ELSE m.state END,
-           delivered_at = CASE WHEN $2 = 'delivered' THEN now() ELSE m.delivered_at END,
-           external_id = CASE WHEN $2 = 'delivered' THEN coalesce($3, m.external_id) ELSE m.external_id END,
            next_attempt_at = CASE WHEN v.requeue THEN now()
                                   WHEN $2 = 'not_found' THEN greatest(v.settled_at, now() + interval '100 milliseconds')
-                                  WHEN $6::int8 IS NOT NULL THEN to_timestamp($6::int8 / 1000.0)
+                                  WHEN $4::int8 IS NOT NULL THEN to_timestamp($4::int8 / 1000.0)
                                   ELSE m.next_attempt_at END,
-           last_error = CASE WHEN $2 = 'delivered' THEN m.last_error ELSE $5 END,
+           last_error = $3,
            reconcile_attempts = least(m.reconcile_attempts, 2147483646) + 1,
            updated_at = now()
       FROM verdict v
      WHERE m.id = v.id AND m.state NOT IN ('delivered', 'sending')
- RETURNING m.id, m.tenant, m.effect_key, m.external_id, m.attempts, m.state
-), ledger AS (
-    INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
-    SELECT m.tenant, m.effect_key, m.id, m.external_id, 'reconcile' FROM m WHERE $2 = 'delivered'
-        ON CONFLICT (tenant, effect_key) DO NOTHING
+ RETURNING m.id, m.tenant, m.effect_key, m.attempts, m.state
 ), attempt AS (
     INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, finished_at, outcome, http_status, error,
-                                  external_id, effect_key_sent, worker_pid)
-    SELECT m.id, m.tenant, m.attempts, 'reconcile', now(), $2, $4, $5, $3,
-           outbox._provider_key(m.tenant, m.effect_key), $7 FROM m
+                                  effect_key_sent, worker_pid)
+    SELECT m.id, m.tenant, m.attempts, 'reconcile', now(), $2, $8, $3,
+           outbox._provider_key(m.tenant, m.effect_key), $5 FROM m
 )
 SELECT m.state::text FROM m";
+
+/// A lookup that found the message, after the ledger recorded it
+/// (`crate::ledger::record_delivered`): counts the lookup and records it as an attempt of
+/// kind `reconcile`.
+const RECORD_FOUND: &str = "
+WITH m AS (
+    UPDATE outbox._messages m
+       SET reconcile_attempts = least(m.reconcile_attempts, 2147483646) + 1
+     WHERE m.id = $1
+ RETURNING m.id, m.tenant, m.effect_key, m.attempts
+)
+INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, finished_at, outcome, http_status,
+                              external_id, effect_key_sent, worker_pid)
+SELECT m.id, m.tenant, m.attempts, 'reconcile', now(), 'delivered', $2, $4,
+       outbox._provider_key(m.tenant, m.effect_key), $3 FROM m";
 
 /// One message with what a lookup needs, locked for the caller's transaction. Another
 /// tenant's message is not found, exactly as an id that does not exist.
@@ -99,7 +109,8 @@ pub fn next_lookup_at_ms(options: &ChannelOptions, lookups_so_far: i32, now_ms: 
     now_ms.saturating_add(delay.min(i64::MAX as u64) as i64)
 }
 
-/// Records a lookup's result; returns the message's state afterwards.
+/// Records a lookup's result; returns the message's state afterwards (None when the
+/// message was left alone: it is `sending`, or already `delivered`).
 pub fn record_lookup(
     client: &mut SpiClient<'_>,
     message_id: i64,
@@ -108,18 +119,39 @@ pub fn record_lookup(
     lookups_so_far: i32,
     pid: i32,
 ) -> SpiResult<Option<String>> {
-    let (external_id, error, next_at) = match result {
-        Lookup::Found { external_id, .. } => (external_id.clone(), None, None),
+    let http_status = result.http_status().map(i32::from);
+    let (error, next_at) = match result {
+        Lookup::Found { external_id, .. } => {
+            let confirmed = ledger::Confirmed {
+                message_id,
+                external_id: external_id.clone(),
+                http_status,
+            };
+            if ledger::record_delivered(client, &[confirmed], ledger::Recorder::Reconcile)?
+                .is_empty()
+            {
+                return Ok(None);
+            }
+            client.update(
+                RECORD_FOUND,
+                None,
+                &[
+                    message_id.into(),
+                    http_status.into(),
+                    pid.into(),
+                    external_id.clone().into(),
+                ],
+            )?;
+            return Ok(Some(State::Delivered.as_str().to_string()));
+        }
         Lookup::NotFound { http_status } => (
-            None,
-            Some(format!(
+            format!(
                 "reconcile: the provider does not have it (HTTP {http_status}); requeued with the same effect key once the last attempt has settled"
-            )),
+            ),
             None,
         ),
         Lookup::Unavailable { error, .. } => (
-            None,
-            Some(format!("reconcile: {error}; still uncertain, looked up again later")),
+            format!("reconcile: {error}; still uncertain, looked up again later"),
             Some(next_lookup_at_ms(options, lookups_so_far, now_ms())),
         ),
     };
@@ -129,13 +161,12 @@ pub fn record_lookup(
         &[
             message_id.into(),
             result.as_str().into(),
-            external_id.into(),
-            result.http_status().map(i32::from).into(),
             error.into(),
             next_at.into(),
             pid.into(),
             (options.reconcile_settle_ms().min(i64::MAX as u64) as i64).into(),
             (DEFAULT_MAX_ATTEMPTS as i32).into(),
+            http_status.into(),
         ],
     )?;
     if rows.is_empty() {

@@ -639,7 +639,7 @@ fn jitter_spreads_a_hundred_simultaneous_failures() {
         &mut c,
         &ch,
         &sim.send_url(&ch),
-        r#"{"max_in_flight": 200, "retry": {"base_ms": 2000, "jitter": "full"}}"#,
+        r#"{"max_in_flight": 200, "max_unverifiable_in_flight": 200, "retry": {"base_ms": 2000, "jitter": "full"}}"#,
     );
     let mut ids = Vec::with_capacity(N);
     {

@@ -2,14 +2,15 @@
 
 use super::guard::{self, AllowList};
 use super::lookup_url;
-use super::options::{validate_endpoint, ChannelOptions, Kind, OptionError};
+use super::options::{unverifiable_notice, validate_endpoint, ChannelOptions, Kind, OptionError};
 use super::secrets::mask_url;
 use super::sql_effect;
 use crate::error::{spi_failure, OrRaise, OutboxError};
 use crate::gucs;
+use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 use pgrx::spi::SpiClient;
-use pgrx::JsonB;
+use pgrx::{JsonB, PgLogLevel, PgSqlErrorCode};
 use serde_json::Value;
 
 const INSERT_CHANNEL: &str = "\
@@ -185,6 +186,21 @@ fn options_argument(options: Option<&str>) -> Option<Value> {
     })
 }
 
+/// A NOTICE for a channel that can neither dedupe nor be asked: what a crash costs there,
+/// and which option removes the cost.
+fn say_if_unverifiable(name: &str, options: &ChannelOptions) {
+    if let Some((message, detail, hint)) = unverifiable_notice(name, options) {
+        ErrorReport::new(
+            PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
+            message,
+            "outbox_delivery",
+        )
+        .set_detail(detail)
+        .set_hint(hint)
+        .report(PgLogLevel::NOTICE);
+    }
+}
+
 /// `outbox.create_channel(name, endpoint, options jsonb)` (a wrapper in sql/api.sql).
 #[pg_extern(name = "_create_channel", volatile, security_definer)]
 #[search_path(pg_catalog, pg_temp)]
@@ -221,6 +237,7 @@ fn create_channel(name: Option<&str>, endpoint: Option<&str>, options: Option<&s
             None,
             &["create_channel".into(), name.into(), JsonB(detail).into()],
         )?;
+        say_if_unverifiable(name, &parsed);
         Ok(())
     })
     .unwrap_or_else(|e| spi_failure(e));
@@ -298,6 +315,7 @@ fn alter_channel(name: Option<&str>, options: Option<&str>) {
             None,
             &["alter_channel".into(), name.into(), JsonB(detail).into()],
         )?;
+        say_if_unverifiable(name, &parsed);
         // Changed policies apply to queued messages at their next decision: wake the worker.
         client.update(WAKE_WORKERS, None, &[])?;
         Ok(())

@@ -47,6 +47,10 @@ pub struct ChannelOptions {
     pub retry: RetryPolicy,
     pub classify: Overrides,
     pub max_in_flight: u32,
+    /// Attempts open at once on a channel that can neither dedupe nor be asked
+    /// ([`ChannelOptions::can_verify`]): each one a crash interrupts stops in `uncertain`
+    /// for an operator, so this bounds what one crash leaves.
+    pub max_unverifiable_in_flight: u32,
     /// The tenants that may enqueue on the channel; `["*"]` (the default): every tenant.
     pub tenants: Vec<String>,
     /// Most bytes of a response body the worker reads (for the external id); the rest of a
@@ -56,6 +60,53 @@ pub struct ChannelOptions {
 
 /// Attempts open at once on a channel unless its `max_in_flight` says otherwise.
 pub const DEFAULT_MAX_IN_FLIGHT: u32 = 64;
+
+/// Attempts open at once on a channel that can neither dedupe nor be asked, unless its
+/// `max_unverifiable_in_flight` says otherwise (BENCHMARKS.md: what it costs).
+pub const DEFAULT_MAX_UNVERIFIABLE_IN_FLIGHT: u32 = 8;
+
+/// Why a channel has the bound on attempts open at once it has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InFlightBound {
+    /// `max_in_flight`: an interrupted attempt is retried with the same key, or looked up.
+    Verifiable(u32),
+    /// `max_unverifiable_in_flight`: an interrupted attempt waits for an operator.
+    Unverifiable(u32),
+}
+
+/// What `create_channel` and `alter_channel` say (a NOTICE: message, detail, hint) about
+/// a channel that can neither dedupe nor be asked; `None` for any other channel.
+pub fn unverifiable_notice(
+    name: &str,
+    options: &ChannelOptions,
+) -> Option<(String, String, String)> {
+    let InFlightBound::Unverifiable(limit) = options.in_flight_bound() else {
+        return None;
+    };
+    Some((
+        format!("channel \"{name}\" can neither dedupe nor be asked: a crash leaves each of its open attempts uncertain"),
+        format!(
+            "At most {limit} attempts are open on it at once (max_unverifiable_in_flight). After a crash of a worker or of the server, each of them waits in outbox.work_queue until an operator decides with outbox.resolve or outbox.retry."
+        ),
+        "Set idempotency_header if the provider dedupes by a key, or reconcile if it answers lookups: interrupted attempts then settle without an operator.".to_string(),
+    ))
+}
+
+impl InFlightBound {
+    pub fn limit(self) -> u32 {
+        match self {
+            InFlightBound::Verifiable(n) | InFlightBound::Unverifiable(n) => n,
+        }
+    }
+
+    /// Why, as `outbox.channels` says it.
+    pub fn reason(self) -> &'static str {
+        match self {
+            InFlightBound::Verifiable(_) => "max_in_flight",
+            InFlightBound::Unverifiable(_) => "max_unverifiable_in_flight: no dedupe, no lookup",
+        }
+    }
+}
 
 /// The default of `max_response_bytes`: enough for any provider's JSON acknowledgement.
 pub const DEFAULT_MAX_RESPONSE_BYTES: u64 = 64 * 1024;
@@ -77,6 +128,7 @@ pub enum Kind {
 const HTTP_ONLY: &[&str] = &[
     "method",
     "max_response_bytes",
+    "max_unverifiable_in_flight",
     "headers",
     "idempotency_header",
     "idempotency_window_ms",
@@ -116,6 +168,7 @@ const KNOWN_KEYS: &[&str] = &[
     "retry",
     "classify",
     "max_in_flight",
+    "max_unverifiable_in_flight",
     "function",
     "run_as",
     "tenants",
@@ -140,6 +193,7 @@ impl Default for ChannelOptions {
             retry: RetryPolicy::default(),
             classify: Overrides::default(),
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            max_unverifiable_in_flight: DEFAULT_MAX_UNVERIFIABLE_IN_FLIGHT,
             tenants: vec!["*".into()],
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
         }
@@ -344,6 +398,9 @@ impl ChannelOptions {
                     Overrides::from_json(value).map_err(|e| OptionError::new(e.field, e.message))?
             }
             "max_in_flight" => o.max_in_flight = positive_int(key, value, 10_000)? as u32,
+            "max_unverifiable_in_flight" => {
+                o.max_unverifiable_in_flight = positive_int(key, value, 10_000)? as u32
+            }
             "tenants" => o.tenants = parse_tenants(value)?,
             "max_response_bytes" => {
                 o.max_response_bytes = positive_int(key, value, MAX_RESPONSE_BYTES)?
@@ -392,6 +449,7 @@ impl ChannelOptions {
             "retry": self.retry.to_json(),
             "classify": self.classify.to_json(),
             "max_in_flight": self.max_in_flight,
+            "max_unverifiable_in_flight": self.max_unverifiable_in_flight,
             "tenants": self.tenants,
             "max_response_bytes": self.max_response_bytes,
         })
@@ -427,6 +485,26 @@ impl ChannelOptions {
     }
 
     /// How long after an attempt started a reconcile "not found" is believed.
+    /// Can an attempt that a crash interrupted be settled without an operator? An HTTP
+    /// channel can when its provider dedupes by key (`idempotency_header`: resent with the
+    /// same key) or answers lookups (`reconcile`); a `sql` effect runs in the record
+    /// transaction, so a crash leaves nothing half done.
+    pub fn can_verify(&self) -> bool {
+        match self.kind {
+            Kind::Sql { .. } => true,
+            Kind::Http => self.idempotency_header.is_some() || self.reconcile.is_some(),
+        }
+    }
+
+    /// The bound on attempts open at once, all workers together, and why
+    /// (`outbox._in_flight_bound` in SQL says the same; a test holds them equal).
+    pub fn in_flight_bound(&self) -> InFlightBound {
+        match self.can_verify() {
+            true => InFlightBound::Verifiable(self.max_in_flight),
+            false => InFlightBound::Unverifiable(self.max_unverifiable_in_flight),
+        }
+    }
+
     pub fn reconcile_settle_ms(&self) -> u64 {
         self.reconcile
             .as_ref()
@@ -489,7 +567,7 @@ fn sql_kind(obj: &Map<String, Value>) -> Result<Kind, OptionError> {
 pub const MAX_TENANTS: usize = 1000;
 
 /// `tenants`: `["*"]`, or a non-empty array of distinct tenant names (the rule of
-/// `tenancy::check_tenant_name`).
+/// `tenancy::acting::check_tenant_name`).
 fn parse_tenants(v: &Value) -> Result<Vec<String>, OptionError> {
     let hint = "must be [\"*\"] (every tenant) or an array of tenant names";
     let items = v
@@ -509,13 +587,13 @@ fn parse_tenants(v: &Value) -> Result<Vec<String>, OptionError> {
         let name = item.as_str().ok_or_else(|| {
             OptionError::new("tenants", format!("{hint}; {item} is not a string"))
         })?;
-        if crate::tenancy::check_tenant_name(Some(name), "tenants", true).is_err() {
+        if crate::tenancy::acting::check_tenant_name(Some(name), "tenants", true).is_err() {
             return Err(OptionError::new(
                 "tenants",
                 format!(
                     "\"{}\" is not a tenant name (1 to {} bytes, no control characters)",
                     name.escape_debug(),
-                    crate::tenancy::MAX_TENANT_BYTES
+                    crate::tenancy::acting::MAX_TENANT_BYTES
                 ),
             ));
         }
@@ -739,6 +817,76 @@ mod tests {
     }
 
     #[test]
+    fn a_channel_that_can_neither_dedupe_nor_be_asked_has_the_small_bound() {
+        let bound = |v: Value| ChannelOptions::from_json(&v).unwrap().in_flight_bound();
+        assert_eq!(bound(json!({})), InFlightBound::Unverifiable(8));
+        assert_eq!(
+            bound(json!({"max_unverifiable_in_flight": 3, "max_in_flight": 100})),
+            InFlightBound::Unverifiable(3)
+        );
+        // A reference header carries the key for correlation only: not a dedupe.
+        assert_eq!(
+            bound(json!({"reference_header": "X-Ref"})),
+            InFlightBound::Unverifiable(8)
+        );
+        assert_eq!(
+            bound(json!({"idempotency_header": "Idempotency-Key"})),
+            InFlightBound::Verifiable(64)
+        );
+        assert_eq!(
+            bound(
+                json!({"reconcile": {"url": "http://127.0.0.1:1/m/{effect_key}"}, "max_in_flight": 5})
+            ),
+            InFlightBound::Verifiable(5)
+        );
+        assert_eq!(
+            bound(json!({"kind": "sql", "function": "app.f", "run_as": "r"})),
+            InFlightBound::Verifiable(64),
+            "an effect in the record transaction leaves nothing half done"
+        );
+        assert_eq!(InFlightBound::Unverifiable(8).limit(), 8);
+        assert!(InFlightBound::Unverifiable(8)
+            .reason()
+            .contains("no dedupe, no lookup"));
+        assert_eq!(InFlightBound::Verifiable(64).reason(), "max_in_flight");
+        for bad in [json!(0), json!(10_001), json!(1.5), json!("8")] {
+            assert_eq!(
+                err(json!({"max_unverifiable_in_flight": bad})).option,
+                "max_unverifiable_in_flight"
+            );
+        }
+        assert_eq!(
+            err(json!({"kind": "sql", "function": "app.f", "run_as": "r", "max_unverifiable_in_flight": 2})).option,
+            "max_unverifiable_in_flight",
+            "an HTTP option"
+        );
+    }
+
+    #[test]
+    fn only_a_channel_that_can_neither_dedupe_nor_be_asked_gets_a_notice() {
+        let notice = |v: Value| unverifiable_notice("sms", &ChannelOptions::from_json(&v).unwrap());
+        let (message, detail, hint) = notice(json!({"max_unverifiable_in_flight": 4})).unwrap();
+        assert!(
+            message.contains("\"sms\"") && message.contains("uncertain"),
+            "{message}"
+        );
+        assert!(detail.contains("At most 4 attempts"), "{detail}");
+        assert!(
+            hint.contains("idempotency_header") && hint.contains("reconcile"),
+            "{hint}"
+        );
+        assert_eq!(notice(json!({"idempotency_header": "K"})), None);
+        assert_eq!(
+            notice(json!({"reconcile": {"url": "http://127.0.0.1:1/m/{effect_key}"}})),
+            None
+        );
+        assert_eq!(
+            notice(json!({"kind": "sql", "function": "app.f", "run_as": "r"})),
+            None
+        );
+    }
+
+    #[test]
     fn normalized_round_trip() {
         let o = ChannelOptions::from_json(&json!({
             "method": "put",
@@ -750,10 +898,12 @@ mod tests {
             "reconcile": {"url": "http://127.0.0.1:1/m/{effect_key}", "found": "/found", "external_id": "/id"},
             "retry": {"max_attempts": 3},
             "classify": {"409": "delivered"},
-            "max_in_flight": 8
+            "max_in_flight": 8,
+            "max_unverifiable_in_flight": 2
         }))
         .unwrap();
         assert_eq!(o.method, "PUT");
+        assert_eq!(o.max_unverifiable_in_flight, 2);
         assert_eq!(o.retry.max_attempts, 3);
         let again = ChannelOptions::from_json(&o.to_json()).unwrap();
         assert_eq!(o, again);

@@ -5,12 +5,12 @@
 //! application's critical path. It is a C-language function: the arguments are checked in
 //! Rust (`enqueue_check`), the tenant and the channel come from caches kept for the session
 //! (`tenancy`, `config_cache`), and the row is written by one INSERT whose plan is kept for
-//! the session (`pinned_statement`). The payload and headers reach that INSERT as the
+//! the session (`spi::pinned`). The payload and headers reach that INSERT as the
 //! caller's jsonb datums, never converted.
 //!
 //! It is declared `SECURITY DEFINER` (writers have no INSERT right on the tables) without a
 //! `SET search_path` clause: its statements are schema-qualified and run under a pinned
-//! search path, which `pinned_statement` explains.
+//! search path, which `spi::pinned` explains.
 //!
 //! The rare path, an effect key that already names a message, is
 //! `outbox._enqueue_existing` in `sql/api.sql`.
@@ -18,7 +18,7 @@
 use super::enqueue_check;
 use super::wake;
 use crate::config_cache::SessionCache;
-use crate::pinned_statement::{self, PinnedStatement};
+use crate::spi::pinned::{self, PinnedStatement};
 use crate::tenancy;
 use pgrx::datum::TimestampWithTimeZone;
 use pgrx::fcinfo::{pg_arg_is_null, pg_getarg, pg_getarg_datum_raw};
@@ -112,20 +112,18 @@ fn served_tenants(text: Option<String>) -> Option<Vec<String>> {
 
 /// A text column of the last statement's row 0, copied out of SPI's memory.
 unsafe fn text_column(n: i32) -> Option<String> {
-    pinned_statement::column(0, n).and_then(|d| String::from_datum(d, false))
+    pinned::column(0, n).and_then(|d| String::from_datum(d, false))
 }
 
 /// The channel named `name`; 42704 if there is none.
 fn channel(name: Option<&str>) -> Rc<Channel> {
     let read = |name: &str| unsafe {
-        pinned_statement::connected(|| {
+        pinned::connected(|| {
             CHANNEL.with(|s| s.execute(&[Some(text_datum(name))]));
-            (pinned_statement::rows() == 1).then(|| {
+            (pinned::rows() == 1).then(|| {
                 Rc::new(Channel {
-                    id: pinned_statement::column(0, 1)
-                        .expect("id is NOT NULL")
-                        .value() as i32,
-                    paused: pinned_statement::column(0, 2).is_some_and(|d| d.value() != 0),
+                    id: pinned::column(0, 1).expect("id is NOT NULL").value() as i32,
+                    paused: pinned::column(0, 2).is_some_and(|d| d.value() != 0),
                     tenants: served_tenants(text_column(3)),
                     key_headers: [text_column(4), text_column(5)]
                         .into_iter()
@@ -213,7 +211,7 @@ pub unsafe extern "C-unwind" fn outbox_enqueue(fcinfo: pg_sys::FunctionCallInfo)
     let tenant = text_datum(&acting);
     let channel_id = Some(pg_sys::Datum::from(channel.id));
 
-    let inserted = pinned_statement::connected(|| {
+    let inserted = pinned::connected(|| {
         INSERT_MESSAGE.with(|s| {
             s.execute(&[
                 Some(tenant),
@@ -225,8 +223,7 @@ pub unsafe extern "C-unwind" fn outbox_enqueue(fcinfo: pg_sys::FunctionCallInfo)
                 datum(NOT_BEFORE),
             ])
         });
-        (pinned_statement::rows() == 1)
-            .then(|| pinned_statement::column(0, 1).expect("id is NOT NULL"))
+        (pinned::rows() == 1).then(|| pinned::column(0, 1).expect("id is NOT NULL"))
     });
     let id = match inserted {
         Some(id) => {
@@ -235,10 +232,10 @@ pub unsafe extern "C-unwind" fn outbox_enqueue(fcinfo: pg_sys::FunctionCallInfo)
             }
             id
         }
-        None => pinned_statement::connected(|| {
+        None => pinned::connected(|| {
             EXISTING_MESSAGE
                 .with(|s| s.execute(&[channel_id, payload, datum(EFFECT_KEY), Some(tenant)]));
-            pinned_statement::column(0, 1).expect("_enqueue_existing returns an id or raises")
+            pinned::column(0, 1).expect("_enqueue_existing returns an id or raises")
         }),
     };
     (*fcinfo).isnull = false;

@@ -1,4 +1,4 @@
-// `#[pg_test]`s of the worker's statements as the worker plans them (`worker::prepared`):
+// `#[pg_test]`s of the worker's statements as the worker plans them (`spi::statement`):
 // at a backlog, every scan of the message table is bounded by a condition. A statement
 // planned once is planned for any values, and a plan that reads the whole message table
 // to meet a batch costs more with every message queued.
@@ -42,12 +42,17 @@ fn unbounded_message_scans(plan: &serde_json::Value, found: &mut Vec<String>) {
 
 /// EXPLAIN of `statement` as the worker plans it, for the arguments `args` (SQL text, of
 /// the parameter types `types`; both empty for a statement without parameters).
-fn worker_plan(statement: &crate::worker::prepared::Statement, types: &str, args: &str) -> serde_json::Value {
-    let mode = statement.plan.plan_cache_mode().to_str().unwrap();
+fn worker_plan(statement: &crate::spi::Statement, types: &str, args: &str) -> serde_json::Value {
+    plan_as_worker(statement.sql, statement.plan, types, args)
+}
+
+/// EXPLAIN of `sql` planned as the worker plans a statement of `plan`.
+fn plan_as_worker(sql: &str, plan: crate::spi::Plan, types: &str, args: &str) -> serde_json::Value {
+    let mode = plan.plan_cache_mode().to_str().unwrap();
     let parenthesized = |s: &str| if s.is_empty() { String::new() } else { format!("({s})") };
     Spi::run(&format!("SET LOCAL plan_cache_mode = {mode}")).unwrap();
     Spi::run("SET LOCAL enable_seqscan = off").unwrap();
-    Spi::run(&format!("PREPARE worker_statement{} AS {}", parenthesized(types), statement.sql)).unwrap();
+    Spi::run(&format!("PREPARE worker_statement{} AS {}", parenthesized(types), sql)).unwrap();
     let plan = Spi::get_one::<pgrx::Json>(&format!("EXPLAIN (FORMAT JSON) EXECUTE worker_statement{}", parenthesized(args)))
         .unwrap()
         .expect("a plan");
@@ -72,9 +77,9 @@ fn the_worker_plans_bounded_scans_of_the_message_table_at_a_backlog() {
         (&crate::worker::claim::CLAIM_DUE, "int4, float8, int4, int4, int4[], int8[], int8[]", "200, 60000, 0, 1, '{1}', '{0}', '{1}'"),
         (&crate::worker::claim::NEXT_DUE, "", ""),
         (
-            &crate::worker::record::RECORD_DELIVERED,
-            "int8[], int8[], text[], int4[], text[]",
-            "'{1,2}', '{1,2}', '{NULL,NULL}', '{200,200}', '{delivered,delivered}'",
+            &crate::worker::record::CLOSE_DELIVERED_ATTEMPTS,
+            "int8[], text[], int4[], text[]",
+            "'{1,2}', '{NULL,NULL}', '{200,200}', '{delivered,delivered}'",
         ),
         (&crate::worker::record::LOCK_EFFECT_MESSAGES, "int8[]", "'{1,2,3}'"),
         (
@@ -90,4 +95,54 @@ fn the_worker_plans_bounded_scans_of_the_message_table_at_a_backlog() {
         let head: String = statement.sql.trim().chars().take(40).collect();
         assert!(unbounded.is_empty(), "{head}…: unbounded scans of the message table {unbounded:?}\n{plan:#}");
     }
+
+    // The statement of outbox._record_delivered, as its function plans it inside the
+    // worker's record (under the settings of the worker's kept statement that calls it).
+    let recorded = ledger_record_statement();
+    let plan = plan_as_worker(
+        &recorded,
+        crate::spi::Plan::Once,
+        "int8[], text[], int4[], text, bool",
+        "'{1,2}', '{NULL,NULL}', '{200,200}', 'worker', false",
+    );
+    let mut unbounded = Vec::new();
+    unbounded_message_scans(&plan, &mut unbounded);
+    assert!(unbounded.is_empty(), "outbox._record_delivered: unbounded scans of the message table {unbounded:?}\n{plan:#}");
+}
+
+/// The query of `outbox._record_delivered` (its `RETURN QUERY`), with its arguments as
+/// parameters `$1` … `$5`.
+fn ledger_record_statement() -> String {
+    let body = Spi::get_one::<String>("SELECT prosrc FROM pg_proc WHERE oid = 'outbox._record_delivered'::regproc")
+        .unwrap()
+        .expect("outbox._record_delivered exists");
+    let query = body
+        .split_once("RETURN QUERY")
+        .and_then(|(_, rest)| rest.rsplit_once(';'))
+        .map(|(query, _)| query.to_string())
+        .expect("a RETURN QUERY statement");
+    let mut sql = query;
+    for (n, name) in ["message_ids", "external_ids", "http_statuses", "recorder", "leave_sending"].iter().enumerate() {
+        sql = replace_word(&sql, name, &format!("${}", n + 1));
+    }
+    sql
+}
+
+/// `text` with `name` replaced by `with` where it stands as a whole word.
+fn replace_word(text: &str, name: &str, with: &str) -> String {
+    let is_word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find(name) {
+        let before = rest[..at].chars().next_back();
+        let after = rest[at + name.len()..].chars().next();
+        out.push_str(&rest[..at]);
+        match before.is_some_and(is_word) || after.is_some_and(is_word) {
+            true => out.push_str(name),
+            false => out.push_str(with),
+        }
+        rest = &rest[at + name.len()..];
+    }
+    out.push_str(rest);
+    out
 }

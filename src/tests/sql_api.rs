@@ -229,3 +229,65 @@ fn sql_channels_name_an_existing_function_and_a_least_privilege_role() {
     assert_eq!(sqlstate("SELECT outbox.alter_channel('tasks', '{\"function\": \"app.missing\"}')"), "42883");
     assert_eq!(count("SELECT count(*) FROM outbox.channels WHERE name = 't2'"), 0);
 }
+
+#[pg_test]
+fn sql_reads_a_channels_in_flight_bound_as_its_options_say() {
+    use crate::channels::options::ChannelOptions;
+    let stored = [
+        serde_json::json!({}),
+        serde_json::json!({"max_unverifiable_in_flight": 3, "max_in_flight": 100}),
+        serde_json::json!({"reference_header": "X-Ref"}),
+        serde_json::json!({"idempotency_header": "Idempotency-Key", "max_in_flight": 7}),
+        serde_json::json!({"reconcile": {"url": "http://127.0.0.1:1/m/{effect_key}"}}),
+        serde_json::json!({"kind": "sql", "function": "app.f", "run_as": "r"}),
+    ];
+    for options in stored {
+        let rust = ChannelOptions::from_json(&options).unwrap().in_flight_bound();
+        for as_stored in [options.clone(), ChannelOptions::from_json(&options).unwrap().to_json()] {
+            let (bound, reason) = Spi::get_two_with_args::<i32, String>(
+                "SELECT outbox._in_flight_bound($1), outbox._in_flight_reason($1)",
+                &[pgrx::JsonB(as_stored.clone()).into()],
+            )
+            .unwrap();
+            assert_eq!(bound, Some(rust.limit() as i32), "{as_stored}");
+            assert_eq!(reason.as_deref(), Some(rust.reason()), "{as_stored}");
+        }
+    }
+    // Changed by hand into no number: the default, never an error that stops the claim.
+    let bound = Spi::get_one::<i32>(
+        "SELECT outbox._in_flight_bound('{\"max_unverifiable_in_flight\": \"many\", \"max_in_flight\": 1e99}')",
+    )
+    .unwrap();
+    assert_eq!(bound, Some(crate::channels::options::DEFAULT_MAX_UNVERIFIABLE_IN_FLIGHT as i32));
+    let bound = Spi::get_one::<i32>(
+        "SELECT outbox._in_flight_bound('{\"idempotency_header\": \"K\", \"max_in_flight\": \"many\"}')",
+    )
+    .unwrap();
+    assert_eq!(bound, Some(crate::channels::options::DEFAULT_MAX_IN_FLIGHT as i32));
+}
+
+#[pg_test]
+fn outbox_channels_shows_the_bound_and_why() {
+    Spi::run("SELECT outbox.create_channel('sms', 'http://127.0.0.1:9/sms', '{}')").unwrap();
+    Spi::run("SELECT outbox.create_channel('keyed', 'http://127.0.0.1:9/k', '{\"idempotency_header\": \"Idempotency-Key\"}')").unwrap();
+    let row = |name: &str| {
+        Spi::get_two::<i32, String>(&format!(
+            "SELECT in_flight_bound, in_flight_reason FROM outbox.channels WHERE name = '{name}'"
+        ))
+        .unwrap()
+    };
+    assert_eq!(row("sms"), (Some(8), Some("max_unverifiable_in_flight: no dedupe, no lookup".into())));
+    assert_eq!(row("keyed"), (Some(64), Some("max_in_flight".into())));
+    Spi::run("SELECT outbox.alter_channel('sms', '{\"max_unverifiable_in_flight\": 2}')").unwrap();
+    assert_eq!(row("sms").0, Some(2));
+    // The worker's claim and every reader of the view may call what it calls.
+    for role in ["outbox_worker", "outbox_writer", "outbox_operator", "outbox_admin"] {
+        Spi::run(&format!("SET LOCAL ROLE {role}")).unwrap();
+        let bound = Spi::get_one::<i32>("SELECT outbox._in_flight_bound('{}')").unwrap();
+        assert_eq!(bound, Some(8), "{role}");
+        Spi::run("RESET ROLE").unwrap();
+    }
+    Spi::run("SET LOCAL ROLE outbox_admin").unwrap();
+    assert_eq!(row("sms").0, Some(2), "as outbox_admin");
+    Spi::run("RESET ROLE").unwrap();
+}

@@ -2,8 +2,8 @@
 //! lease, counts the attempt and writes its attempt row before anything is sent.
 
 use super::claim_cursor::{ClaimCursors, Floors, Position};
-use super::prepared::{self, Statement};
 use crate::channels::options::ChannelOptions;
+use crate::spi::{self, Statement};
 use pgrx::spi::{SpiClient, SpiResult};
 use std::collections::HashMap;
 
@@ -13,7 +13,8 @@ static LOAD_CHANNELS: Statement = Statement::planned_once(
     SELECT id, name, endpoint, options::text, paused, updated_at::text FROM outbox._channels",
 );
 
-/// Due messages, per unpaused channel up to its free `max_in_flight`, oldest due first; a
+/// Due messages, per unpaused channel up to its free bound of attempts open at once
+/// (`max_in_flight`, or `max_unverifiable_in_flight`), oldest due first; a
 /// message with an ordering key waits while an earlier one with that key is pending.
 /// The batch is shared evenly among the channels that have a due message, taken in a
 /// random order, so that a channel with a deep backlog cannot hold back another channel's
@@ -24,12 +25,11 @@ static LOAD_CHANNELS: Statement = Statement::planned_once(
 pub(crate) static CLAIM_DUE: Statement = Statement::planned_once("
 WITH ch AS (
     SELECT c.id,
-           -- An option changed by hand into no number counts as the default (64,
-           -- options::DEFAULT_MAX_IN_FLIGHT; a test holds them equal). A literal, not a
-           -- parameter: with a parameter here the plan made once claimed a message that
-           -- committed late behind a backlog only once the backlog was drained.
-           -- The worker then fails that channel's messages readably.
-           greatest(0, coalesce(outbox._option_int(c.options, '{max_in_flight}'), 64)
+           -- max_in_flight, or max_unverifiable_in_flight on a channel that can neither
+           -- dedupe nor be asked (sql/channels.sql). An option changed by hand into no
+           -- number counts as the default; the worker then fails that channel's messages
+           -- readably.
+           greatest(0, outbox._in_flight_bound(c.options)
                        - (SELECT count(*) FROM outbox._messages s
                            WHERE s.channel_id = c.id AND s.state = 'sending'))::int AS room,
            coalesce(timestamptz 'epoch' + f.due_at_us * interval '1 microsecond', '-infinity') AS floor_at,
@@ -102,10 +102,8 @@ SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.key_sent, c.payload::te
             THEN (extract(epoch FROM c.next_attempt_at) * 1000000)::int8 END
   FROM claimed c
   JOIN attempt a ON a.message_id = c.id
-  -- One index probe per claimed message (OFFSET 0 keeps the subquery from becoming a
-  -- join): a join lets the planner hash the whole ledger, which grows with every delivery.
-  LEFT JOIN LATERAL (SELECT l.message_id, l.external_id FROM outbox._ledger l
-                      WHERE l.tenant = c.tenant AND l.effect_key = c.effect_key OFFSET 0) l ON true
+  -- The barrier: one ledger probe per claimed message (crate::ledger).
+  LEFT JOIN LATERAL outbox._ledger_entry(c.tenant, c.effect_key) l ON true
  ORDER BY c.id");
 
 /// When the earliest queued message of an unpaused channel is due (unix ms): a day ahead
@@ -141,7 +139,7 @@ pub struct Channels {
 impl Channels {
     pub fn load(client: &SpiClient<'_>) -> SpiResult<Channels> {
         let mut by_id = HashMap::new();
-        for row in prepared::run(client, &LOAD_CHANNELS, None, &[])? {
+        for row in spi::run(client, &LOAD_CHANNELS, None, &[])? {
             let Some(id) = row.get::<i32>(1)? else {
                 continue;
             };
@@ -250,7 +248,7 @@ pub fn claim_due(
     cursors: &mut ClaimCursors,
     now_ms: i64,
 ) -> SpiResult<Vec<Job>> {
-    prepared::run(
+    spi::run(
         client,
         &LOCK_CLAIMS,
         None,
@@ -288,7 +286,7 @@ fn claim_from(
     pid: i32,
     floors: Floors,
 ) -> SpiResult<Vec<Job>> {
-    let rows = prepared::run(
+    let rows = spi::run(
         client,
         &CLAIM_DUE,
         None,
@@ -334,7 +332,7 @@ fn claim_from(
 }
 
 pub fn next_due_ms(client: &SpiClient<'_>) -> SpiResult<Option<i64>> {
-    prepared::run(client, &NEXT_DUE, Some(1), &[])?
+    spi::run(client, &NEXT_DUE, Some(1), &[])?
         .first()
         .get_one::<i64>()
 }
@@ -376,7 +374,7 @@ pub fn claim_lookups(
     limit: i32,
     lease_ms: i64,
 ) -> SpiResult<Vec<LookupJob>> {
-    let rows = prepared::run(
+    let rows = spi::run(
         client,
         &CLAIM_LOOKUPS,
         None,
@@ -400,16 +398,4 @@ pub fn claim_lookups(
         });
     }
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::channels::options::DEFAULT_MAX_IN_FLIGHT;
-
-    #[test]
-    fn the_claim_counts_a_channel_without_max_in_flight_at_the_default() {
-        let fallback = format!("'{{max_in_flight}}'), {DEFAULT_MAX_IN_FLIGHT})");
-        assert!(CLAIM_DUE.sql.contains(&fallback), "{}", CLAIM_DUE.sql);
-    }
 }

@@ -42,7 +42,7 @@ pub fn make_room_for_sockets(index: usize, needed: u64) {
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
         return;
     }
-    let (soft, hard) = (limit.rlim_cur as u64, limit.rlim_max as u64);
+    let (soft, hard): (u64, u64) = (limit.rlim_cur, limit.rlim_max);
     let wanted = wanted_soft(soft, hard);
     let mut now = soft;
     if wanted > soft {

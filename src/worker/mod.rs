@@ -8,7 +8,6 @@ pub mod cycle;
 pub mod decide;
 pub mod descriptors;
 pub mod lease;
-pub mod prepared;
 pub mod record;
 pub mod recovery;
 pub mod retention;
@@ -94,17 +93,13 @@ fn log_settings(index: usize) {
     );
 }
 
-/// The search path of the worker's own statements. No schema that anyone but the extension's
-/// owner can create in is on it: a function or operator planted under a built-in's name (in
-/// `public`, say) is never resolved by the worker's statements, which run as a role that
-/// bypasses row-level security.
-pub const PINNED_SEARCH_PATH: &CStr = c"pg_catalog, outbox, pg_temp";
+pub use crate::spi::PINNED_SEARCH_PATH;
 
 /// Pins the session's search path to [`PINNED_SEARCH_PATH`], after handing the database's
 /// own path (its default, or `ALTER DATABASE … SET search_path`) to the `sql` effects, which
 /// run under it. A session-level setting outranks the database's and the role's; effects
 /// cannot change it for longer than their call (`channels::sql_effect::call_effect`), and the kept
-/// statements set it again for every run (`prepared::run`).
+/// statements set it again for every run (`spi::statement::run`).
 fn pin_search_path() {
     unsafe {
         let current = pg_sys::GetConfigOption(c"search_path".as_ptr(), true, false);

@@ -2,42 +2,25 @@
 //! the message delivered and closes its attempt, atomically; any other outcome moves the
 //! message to its next state and closes the attempt with its classified facts.
 
-use super::prepared::{self, Statement};
 use crate::classify::Class;
+use crate::ledger;
 use crate::outbox::state::State;
+use crate::spi::{self, Statement};
 use crate::worker::decide::Verdict;
 use pgrx::spi::{SpiClient, SpiResult};
 
-/// Confirmed effects. The ledger insert is the barrier for every later attempt; a message
-/// already delivered (by another worker or reconcile) keeps its first record.
-/// The `a.id = ANY(...)` condition beside the join lets the planner reach the batch's
-/// attempt rows through the primary key: without it, it may hash-join the batch against a
-/// sequential scan of the whole attempt table, a cost that grows with every delivery.
-pub(crate) static RECORD_DELIVERED: Statement = Statement::planned_once("
-WITH d AS (
-    SELECT * FROM unnest($1::int8[], $2::int8[], $3::text[], $4::int4[], $5::text[])
-        AS d(message_id, attempt_id, external_id, http_status, outcome)
-), m AS (
-    UPDATE outbox._messages m
-       SET state = 'delivered',
-           delivered_at = now(),
-           updated_at = now(),
-           external_id = coalesce(d.external_id, m.external_id),
-           last_http_status = coalesce(d.http_status, m.last_http_status),
-           lease_until = NULL,
-           lease_owner = NULL
-      FROM d
-     WHERE m.id = d.message_id AND m.state <> 'delivered'
- RETURNING m.id, m.tenant, m.effect_key, d.external_id
-), l AS (
-    INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
-    SELECT m.tenant, m.effect_key, m.id, m.external_id, 'worker' FROM m
-        ON CONFLICT (tenant, effect_key) DO NOTHING
-)
+/// Closes the attempts of confirmed deliveries (the messages and the ledger are recorded
+/// by `crate::ledger`). The `a.id = ANY(...)` condition beside the join lets the planner
+/// reach the batch's attempt rows through the primary key: without it, it may hash-join
+/// the batch against a sequential scan of the whole attempt table, a cost that grows with
+/// every delivery.
+pub(crate) static CLOSE_DELIVERED_ATTEMPTS: Statement = Statement::planned_once(
+    "
 UPDATE outbox._attempts a
    SET finished_at = now(), outcome = d.outcome, http_status = d.http_status, external_id = d.external_id
-  FROM d
- WHERE a.id = d.attempt_id AND a.id = ANY ($2::int8[])");
+  FROM unnest($1::int8[], $2::text[], $3::int4[], $4::text[]) AS d(attempt_id, external_id, http_status, outcome)
+ WHERE a.id = d.attempt_id AND a.id = ANY ($1::int8[])",
+);
 
 /// Every other outcome. Applies only while the message is still in the attempt that
 /// produced it (`sending`, same attempt number): a late answer never overrides a newer state.
@@ -188,7 +171,7 @@ pub fn lock_effect_messages(
 ) -> SpiResult<std::collections::HashSet<i64>> {
     let ids: Vec<i64> = attempts.iter().map(|(id, _)| *id).collect();
     let mut current = std::collections::HashMap::new();
-    for row in prepared::run(client, &LOCK_EFFECT_MESSAGES, None, &[ids.into()])? {
+    for row in spi::run(client, &LOCK_EFFECT_MESSAGES, None, &[ids.into()])? {
         if let (Some(id), Some(attempt)) = (row.get::<i64>(1)?, row.get::<i32>(2)?) {
             current.insert(id, attempt);
         }
@@ -204,12 +187,20 @@ pub fn lock_effect_messages(
 pub fn record(client: &mut SpiClient<'_>, outcomes: &Outcomes) -> SpiResult<()> {
     if !outcomes.delivered.is_empty() {
         let d = &outcomes.delivered;
-        prepared::run(
+        let confirmed: Vec<ledger::Confirmed> = d
+            .iter()
+            .map(|x| ledger::Confirmed {
+                message_id: x.message_id,
+                external_id: x.external_id.clone(),
+                http_status: x.http_status,
+            })
+            .collect();
+        ledger::record_delivered(client, &confirmed, ledger::Recorder::Worker)?;
+        spi::run(
             client,
-            &RECORD_DELIVERED,
+            &CLOSE_DELIVERED_ATTEMPTS,
             None,
             &[
-                d.iter().map(|x| x.message_id).collect::<Vec<_>>().into(),
                 d.iter().map(|x| x.attempt_id).collect::<Vec<_>>().into(),
                 d.iter()
                     .map(|x| x.external_id.clone())
@@ -225,7 +216,7 @@ pub fn record(client: &mut SpiClient<'_>, outcomes: &Outcomes) -> SpiResult<()> 
     }
     if !outcomes.settled.is_empty() {
         let s = &outcomes.settled;
-        prepared::run(
+        spi::run(
             client,
             &RECORD_SETTLED,
             None,
@@ -287,7 +278,7 @@ pub fn record_recovery_rows(
     if recovered.is_empty() {
         return Ok(());
     }
-    prepared::run(
+    spi::run(
         client,
         &RECORD_RECOVERY_ROWS,
         None,
@@ -391,7 +382,7 @@ pub fn record_stats(
     let mut ids: Vec<i32> = tallies.keys().copied().collect();
     ids.sort_unstable(); // a fixed order: concurrent workers lock the rows the same way
     let col = |f: fn(&Tally) -> i64| ids.iter().map(|id| f(&tallies[id])).collect::<Vec<i64>>();
-    prepared::run(
+    spi::run(
         client,
         &RECORD_STATS,
         None,

@@ -2,7 +2,7 @@
 //! restarted mid-attempt) is an ambiguous attempt, never a blind resend. At start a worker
 //! also takes back the messages its slot had leased, since their worker is gone.
 
-use super::prepared::{self, Statement};
+use crate::spi::{self, Statement};
 use pgrx::spi::{SpiClient, SpiResult};
 
 static FIND_LOST_LEASES: Statement = Statement::planned_each_run(
@@ -52,7 +52,7 @@ pub fn find_lost_leases(
     worker_index: i32,
     limit: i64,
 ) -> SpiResult<Vec<LostLease>> {
-    let rows = prepared::run(
+    let rows = spi::run(
         client,
         &FIND_LOST_LEASES,
         None,

@@ -1,8 +1,8 @@
 //! Retention: delivered and cancelled messages (with their attempts) older than
 //! `outbox.retention` are removed in small batches that never hold long locks; ledger
-//! entries live for `outbox.ledger_retention`, never shorter than the longest retry horizon
-//! of any channel. Nothing that is not finished is ever removed.
+//! entries are purged as the ledger says (`crate::ledger::keep_s`). Nothing that is not finished is ever removed.
 
+use crate::ledger;
 use pgrx::spi::{SpiClient, SpiResult};
 
 /// Rows removed per statement; small so that locks are short.
@@ -21,14 +21,6 @@ WITH old AS (
 )
 DELETE FROM outbox._messages m WHERE m.id IN (SELECT id FROM old)";
 
-const PURGE_LEDGER: &str = "
-DELETE FROM outbox._ledger l
- WHERE l.ctid = ANY (ARRAY(
-       SELECT x.ctid FROM outbox._ledger x
-        WHERE x.recorded_at < now() - make_interval(secs => $1)
-        ORDER BY x.recorded_at
-        LIMIT $2))";
-
 /// Per-minute figures older than a day.
 const PURGE_MINUTES: &str =
     "DELETE FROM outbox._channel_minutes WHERE minute < now() - interval '1 day'";
@@ -43,16 +35,6 @@ pub fn messages_keep_s(retention_s: i64) -> f64 {
     (retention_s as f64).clamp(0.0, MAX_KEEP_S)
 }
 
-/// How long ledger entries are kept, in seconds: `outbox.ledger_retention`, but never
-/// shorter than the longest retry horizon of any channel (a message may still be retried
-/// that long after it was enqueued, and its ledger entry is what stops a second send), and
-/// never longer than `MAX_KEEP_S`.
-pub fn ledger_keep_s(ledger_retention_s: i64, longest_retry_horizon_ms: u64) -> f64 {
-    (ledger_retention_s as f64)
-        .max(longest_retry_horizon_ms as f64 / 1000.0)
-        .clamp(0.0, MAX_KEEP_S)
-}
-
 /// Removes one batch of each; returns (messages, ledger entries) removed.
 pub fn purge(
     client: &mut SpiClient<'_>,
@@ -65,10 +47,10 @@ pub fn purge(
         None,
         &[messages_keep_s(retention_s).into(), PURGE_BATCH.into()],
     )?;
-    let ledger_s = ledger_keep_s(ledger_retention_s, longest_retry_horizon_ms);
-    let ledger = client.update(PURGE_LEDGER, None, &[ledger_s.into(), PURGE_BATCH.into()])?;
+    let ledger_s = ledger::keep_s(ledger_retention_s, longest_retry_horizon_ms, MAX_KEEP_S);
+    let ledger = ledger::purge(client, ledger_s, PURGE_BATCH)?;
     client.update(PURGE_MINUTES, None, &[])?;
-    Ok((messages.len(), ledger.len()))
+    Ok((messages.len(), ledger))
 }
 
 #[cfg(test)]
@@ -76,29 +58,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_ledger_outlives_every_retry_horizon_up_to_a_century() {
-        assert_eq!(ledger_keep_s(3600, 0), 3600.0);
-        assert_eq!(
-            ledger_keep_s(3600, 7_200_000),
-            7200.0,
-            "a longer retry horizon wins"
-        );
-        assert_eq!(ledger_keep_s(86_400, 1_000), 86_400.0);
-        assert_eq!(
-            ledger_keep_s(0, u64::MAX),
-            MAX_KEEP_S,
-            "any horizon a channel may declare"
-        );
-        assert_eq!(ledger_keep_s(i64::MAX, 0), MAX_KEEP_S);
-        assert_eq!(ledger_keep_s(-5, 0), 0.0);
-    }
-
-    #[test]
     fn messages_are_kept_for_the_setting_up_to_a_century() {
         assert_eq!(messages_keep_s(604_800), 604_800.0);
         assert_eq!(messages_keep_s(i64::MAX), MAX_KEEP_S);
         assert_eq!(messages_keep_s(-1), 0.0);
         // A century back from now is well inside the range of timestamps (4713 BC).
-        assert!(MAX_KEEP_S < 2000.0 * 365.25 * 86_400.0);
+        const { assert!(MAX_KEEP_S < 2000.0 * 365.25 * 86_400.0) };
     }
 }

@@ -13,7 +13,12 @@
 //!   seconds with retention of 15 s: the sizes of the tables (with indexes and TOAST) every
 //!   15 s, to see that they stay flat.
 //!
+//! - with `--price-of-safety R`, only the drains of a channel that can neither dedupe nor
+//!   be asked, at its default bound and a few others, beside an ordinary channel's: R
+//!   alternating rounds (`scripts/bench_unverifiable.sh`).
+//!
 //!   bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--latency-samples 200]
+//!         [--price-of-safety 0]
 
 use outbox_e2e::cluster::{unique, wait_until, Cluster};
 use outbox_e2e::sim::{Received, Simulator};
@@ -123,14 +128,24 @@ impl Drain {
     }
 }
 
+/// The options of the throughput channels: 512 attempts open at once, whether or not the
+/// sink dedupes (it does not: the figure is the worker's pace, not a provider's).
+const THROUGHPUT_OPTIONS: &str =
+    r#"{"max_in_flight": 512, "max_unverifiable_in_flight": 512, "external_id": "/id"}"#;
+
 /// Enqueues `n` messages on a paused channel in batches of 1,000, then resumes it and
 /// measures until all are delivered.
 fn throughput(cluster: &Cluster, sim: &Simulator, n: usize) -> Drain {
+    throughput_on(cluster, sim, n, THROUGHPUT_OPTIONS)
+}
+
+/// [`throughput`] on a channel with `options` (JSON text).
+fn throughput_on(cluster: &Cluster, sim: &Simulator, n: usize, options: &str) -> Drain {
     let mut c = cluster.connect();
     let ch = unique("bench_tp");
     c.execute(
-        "SELECT outbox.create_channel($1, $2, '{\"max_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb)",
-        &[&ch, &sim.send_url(&ch)],
+        "SELECT outbox.create_channel($1, $2, $3::text::jsonb)",
+        &[&ch, &sim.send_url(&ch), &options],
     )
     .unwrap();
     c.execute(
@@ -237,7 +252,7 @@ fn steady(cluster: &Cluster, sim: &Simulator, seconds: u64) {
     alter_system(&mut c, "outbox.ledger_retention", Some("15"));
     let ch = unique("bench_steady");
     c.execute(
-        "SELECT outbox.create_channel($1, $2, '{\"max_in_flight\": 512, \"retry\": {\"max_age_ms\": 10000}}'::jsonb)",
+        "SELECT outbox.create_channel($1, $2, '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"retry\": {\"max_age_ms\": 10000}}'::jsonb)",
         &[&ch, &sim.send_url(&ch)],
     )
     .unwrap();
@@ -360,6 +375,55 @@ fn wait_for_delivery_loop(cluster: &Cluster) {
     }
 }
 
+/// The price of safety on a channel that can neither dedupe nor be asked: drains of
+/// `backlog` at its default bound (`max_unverifiable_in_flight`, 8) and at a few others,
+/// beside an ordinary channel's (`idempotency_header`, default `max_in_flight` 64), in
+/// alternating rounds; the median of `rounds` drains each.
+fn price_of_safety(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
+    let lanes: [(&str, String); 5] = [
+        (
+            "ordinary_default_64",
+            r#"{"idempotency_header": "Idempotency-Key"}"#.into(),
+        ),
+        ("unverifiable_default_8", "{}".into()),
+        (
+            "unverifiable_4",
+            r#"{"max_unverifiable_in_flight": 4}"#.into(),
+        ),
+        (
+            "unverifiable_16",
+            r#"{"max_unverifiable_in_flight": 16}"#.into(),
+        ),
+        (
+            "unverifiable_32",
+            r#"{"max_unverifiable_in_flight": 32}"#.into(),
+        ),
+    ];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); lanes.len()];
+    for _ in 0..rounds {
+        for (i, (_, options)) in lanes.iter().enumerate() {
+            rates[i].push(throughput_on(cluster, sim, backlog, options).rate);
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let ordinary = median(&mut rates[0].clone());
+    for ((label, _), rates) in lanes.iter().zip(rates.iter_mut()) {
+        let shown = rates
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(" / ");
+        let m = median(rates);
+        println!(
+            "deliveries_per_s_backlog_{backlog}_{label} {m:.0} msg/s ({:.2}x the ordinary channel; drains: {shown})",
+            m / ordinary
+        );
+    }
+}
+
 fn main() {
     let backlog = arg("--backlog", 10_000);
     let samples = arg("--latency-samples", 200);
@@ -368,6 +432,11 @@ fn main() {
     let sim = Simulator::start();
     sim.set_record_bodies(false);
     sim.set_record_requests(false);
+    let rounds = arg("--price-of-safety", 0);
+    if rounds > 0 {
+        price_of_safety(&cluster, &sim, backlog, rounds);
+        return;
+    }
 
     let (p50, p99) = latency(&cluster, &sim, samples);
     println!("latency_idle_p50 {p50:.2} ms");
@@ -393,7 +462,7 @@ fn main() {
             let mut c = cluster.connect();
             let ch = unique("bench_bg");
             c.execute(
-                "SELECT outbox.create_channel($1, $2, '{\"max_in_flight\": 512}'::jsonb)",
+                "SELECT outbox.create_channel($1, $2, '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512}'::jsonb)",
                 &[&ch, &url],
             )
             .unwrap();

@@ -43,6 +43,7 @@ mod network_and_retries;
 mod page;
 mod restart_points;
 mod soak;
+mod unverifiable;
 
 /// How long a message may take to reach the state it is expected to reach (recovery after a
 /// crash restart included).

@@ -111,7 +111,7 @@ pub(super) struct Pools {
     pub(super) unknown_base: i64,
 }
 
-const KNOWN_OPTION_KEYS: [&str; 18] = [
+const KNOWN_OPTION_KEYS: [&str; 19] = [
     "kind",
     "method",
     "headers",
@@ -125,6 +125,7 @@ const KNOWN_OPTION_KEYS: [&str; 18] = [
     "retry",
     "classify",
     "max_in_flight",
+    "max_unverifiable_in_flight",
     "function",
     "run_as",
     "endpoint",
@@ -362,6 +363,7 @@ impl Pools {
             "timeout_ms"
             | "connect_timeout_ms"
             | "max_in_flight"
+            | "max_unverifiable_in_flight"
             | "idempotency_window_ms"
             | "max_response_bytes" => {
                 if rng.chance(20) {

@@ -281,6 +281,15 @@ fn an_effect_key_reused_with_another_payload_warns_and_returns_the_first_message
     create_channel(&mut c, &ch, "http://127.0.0.1:9/reuse", r#"{}"#);
     c.execute("SELECT outbox.pause_channel($1, 'nothing is sent')", &[&ch])
         .unwrap();
+    // The channel can neither dedupe nor be asked, and create_channel said so; what
+    // follows is about enqueue's own notices.
+    let created: Vec<_> = warnings.lock().unwrap().drain(..).collect();
+    assert!(
+        created
+            .iter()
+            .all(|(_, message, _)| message.contains("can neither dedupe nor be asked")),
+        "{created:?}"
+    );
     let key = unique("reuse");
     let first = enqueue_payload(&mut c, &ch, r#"{"amount": 10}"#, &key);
     assert_eq!(
@@ -325,33 +334,57 @@ fn an_effect_key_reused_with_another_payload_warns_and_returns_the_first_message
     assert_eq!(n, 1, "messages with the key");
 }
 
-/// `max_in_flight` bounds the attempts open at once on a channel, across both workers and
-/// across claims: read from the attempts' own start and end times.
-#[test]
-fn max_in_flight_bounds_the_attempts_open_at_once() {
+/// The most attempts of `channel` open at one moment, read from the attempts' own start
+/// and end times: for each attempt's start, how many were open then.
+fn peak_open_attempts(c: &mut Client, channel: &str) -> i64 {
+    c.query_one(
+        "SELECT max(n) FROM (
+             SELECT (SELECT count(*) FROM outbox.attempts b JOIN outbox.messages mb ON mb.id = b.message_id
+                      WHERE mb.channel = $1 AND b.kind = 'send'
+                        AND b.started_at <= a.started_at AND b.finished_at > a.started_at) AS n
+               FROM outbox.attempts a JOIN outbox.messages m ON m.id = a.message_id
+              WHERE m.channel = $1 AND a.kind = 'send') s",
+        &[&channel],
+    )
+    .unwrap()
+    .get(0)
+}
+
+/// Delivers `n` messages on a new channel with `options` whose provider takes 400 ms per
+/// request, with both workers; returns the most attempts open at once and the sends.
+fn deliver_slowly(prefix: &str, options: &str, n: i64) -> (i64, usize) {
     let cluster = with_two_workers();
     let sim = Simulator::start();
     let mut c = cluster.connect();
-    let ch = slow_channel(&mut c, &sim, "w_inflight", Duration::from_millis(400), 3);
-    enqueue_backlog(&mut c, &ch, 15);
+    let ch = unique(prefix);
+    sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(400)));
+    create_channel(&mut c, &ch, &sim.send_url(&ch), options);
+    enqueue_backlog(&mut c, &ch, n);
     assert!(
         no_message_left(&cluster, &ch, "state <> 'delivered'"),
         "not all delivered: {:?}",
         states_of(&mut c, &ch)
     );
-    // For each attempt's start, how many attempts of the channel were open at that moment.
-    let peak: i64 = c
-        .query_one(
-            "SELECT max(n) FROM (
-                 SELECT (SELECT count(*) FROM outbox.attempts b JOIN outbox.messages mb ON mb.id = b.message_id
-                          WHERE mb.channel = $1 AND b.kind = 'send'
-                            AND b.started_at <= a.started_at AND b.finished_at > a.started_at) AS n
-                   FROM outbox.attempts a JOIN outbox.messages m ON m.id = a.message_id
-                  WHERE m.channel = $1 AND a.kind = 'send') s",
-            &[&ch],
-        )
-        .unwrap()
-        .get(0);
+    (peak_open_attempts(&mut c, &ch), sim.send_count(&ch))
+}
+
+/// `max_in_flight` bounds the attempts open at once on a channel, across both workers and
+/// across claims: read from the attempts' own start and end times.
+#[test]
+fn max_in_flight_bounds_the_attempts_open_at_once() {
+    let options = r#"{"max_in_flight": 3, "idempotency_header": "Idempotency-Key"}"#;
+    let (peak, sends) = deliver_slowly("w_inflight", options, 15);
     assert!((1..=3).contains(&peak), "attempts open at once: {peak}");
-    assert_eq!(sim.send_count(&ch), 15);
+    assert_eq!(sends, 15);
+}
+
+/// On a channel that can neither dedupe nor be asked, `max_unverifiable_in_flight` bounds
+/// the attempts open at once, all workers together, whatever its `max_in_flight` says: they
+/// are what one crash leaves for an operator.
+#[test]
+fn max_unverifiable_in_flight_bounds_a_channel_that_cannot_be_asked() {
+    let options = r#"{"max_in_flight": 50, "max_unverifiable_in_flight": 2}"#;
+    let (peak, sends) = deliver_slowly("w_unverifiable", options, 10);
+    assert!((1..=2).contains(&peak), "attempts open at once: {peak}");
+    assert_eq!(sends, 10);
 }

@@ -190,7 +190,9 @@ fn no_message_left(cluster: &Cluster, channel: &str, condition: &str) -> bool {
 }
 
 /// A new channel whose every request the simulator answers after `delay`, with room for
-/// `max_in_flight` messages in flight.
+/// `max_in_flight` messages in flight. It names an idempotency header, so that its bound
+/// is `max_in_flight` (a channel that can neither dedupe nor be asked has the smaller
+/// `max_unverifiable_in_flight`).
 fn slow_channel(
     c: &mut Client,
     sim: &Simulator,
@@ -200,7 +202,8 @@ fn slow_channel(
 ) -> String {
     let ch = unique(prefix);
     sim.set_default(&ch, Action::AcceptAfter(delay));
-    let options = format!(r#"{{"max_in_flight": {max_in_flight}}}"#);
+    let options =
+        format!(r#"{{"max_in_flight": {max_in_flight}, "idempotency_header": "Idempotency-Key"}}"#);
     create_channel(c, &ch, &sim.send_url(&ch), &options);
     ch
 }

@@ -1,0 +1,147 @@
+//! The ledger: the barrier against a second execution. An effect (tenant, effect key)
+//! recorded in `outbox._ledger` is never sent again.
+//!
+//! - **Check.** The claim looks up each claimed message's effect with
+//!   `outbox._ledger_entry` (sql/ledger.sql), one index probe per message; a message whose
+//!   effect is recorded is settled without a send.
+//! - **Record.** Every confirmation — a provider's answer ([`record_delivered`] from the
+//!   worker), a lookup that found the message (reconcile), an operator's
+//!   `resolve(…, 'delivered', …)` — goes through `outbox._record_delivered`: mark the
+//!   message delivered, clear its lease, write the entry. An effect already recorded keeps
+//!   its first entry.
+//! - **Purge.** Entries live for `outbox.ledger_retention`, never shorter than the longest
+//!   retry horizon of any channel ([`keep_s`]): a message may still be retried that long
+//!   after it was enqueued, and its entry is what stops a second send.
+
+use crate::spi::{self, Statement};
+use pgrx::spi::{SpiClient, SpiResult};
+
+/// Who confirmed an effect (`outbox._ledger.recorded_by`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorder {
+    /// The provider answered the worker's send.
+    Worker,
+    /// A read-only lookup found the message at the provider.
+    Reconcile,
+}
+
+impl Recorder {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Recorder::Worker => "worker",
+            Recorder::Reconcile => "reconcile",
+        }
+    }
+
+    /// A message being sent right now is left alone by a lookup: the send's own answer
+    /// records it. The worker records its own sends, which are in `sending`.
+    fn leaves_sending(self) -> bool {
+        self == Recorder::Reconcile
+    }
+}
+
+/// One confirmed effect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Confirmed {
+    pub message_id: i64,
+    pub external_id: Option<String>,
+    pub http_status: Option<i32>,
+}
+
+/// Confirms effects through `outbox._record_delivered`; returns the messages it marked
+/// delivered (those not delivered before).
+static RECORD_DELIVERED: Statement = Statement::planned_once(
+    "SELECT d FROM outbox._record_delivered($1::int8[], $2::text[], $3::int4[], $4, $5) AS d",
+);
+
+/// Records `confirmed` in the caller's transaction.
+pub fn record_delivered(
+    client: &mut SpiClient<'_>,
+    confirmed: &[Confirmed],
+    recorder: Recorder,
+) -> SpiResult<Vec<i64>> {
+    let rows = spi::run(
+        client,
+        &RECORD_DELIVERED,
+        None,
+        &[
+            confirmed
+                .iter()
+                .map(|c| c.message_id)
+                .collect::<Vec<_>>()
+                .into(),
+            confirmed
+                .iter()
+                .map(|c| c.external_id.clone())
+                .collect::<Vec<_>>()
+                .into(),
+            confirmed
+                .iter()
+                .map(|c| c.http_status)
+                .collect::<Vec<_>>()
+                .into(),
+            recorder.as_str().into(),
+            recorder.leaves_sending().into(),
+        ],
+    )?;
+    rows.map(|row| row.get::<i64>(1).map(|id| id.unwrap_or_default()))
+        .collect()
+}
+
+/// Entries older than `$1` seconds, oldest first, a batch of `$2` at a time.
+const PURGE: &str = "
+DELETE FROM outbox._ledger l
+ WHERE l.ctid = ANY (ARRAY(
+       SELECT x.ctid FROM outbox._ledger x
+        WHERE x.recorded_at < now() - make_interval(secs => $1)
+        ORDER BY x.recorded_at
+        LIMIT $2))";
+
+/// Removes one batch of at most `batch` entries older than `keep_s` seconds; returns how
+/// many it removed.
+pub fn purge(client: &mut SpiClient<'_>, keep_s: f64, batch: i64) -> SpiResult<usize> {
+    Ok(client
+        .update(PURGE, None, &[keep_s.into(), batch.into()])?
+        .len())
+}
+
+/// How long entries are kept, in seconds: `outbox.ledger_retention`, but never shorter than
+/// the longest retry horizon of any channel, and never longer than `max_keep_s`.
+pub fn keep_s(ledger_retention_s: i64, longest_retry_horizon_ms: u64, max_keep_s: f64) -> f64 {
+    (ledger_retention_s as f64)
+        .max(longest_retry_horizon_ms as f64 / 1000.0)
+        .clamp(0.0, max_keep_s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CENTURY: f64 = 100.0 * 365.25 * 86_400.0;
+
+    #[test]
+    fn the_ledger_outlives_every_retry_horizon_up_to_the_longest_keep() {
+        assert_eq!(keep_s(3600, 0, CENTURY), 3600.0);
+        assert_eq!(
+            keep_s(3600, 7_200_000, CENTURY),
+            7200.0,
+            "a longer retry horizon wins"
+        );
+        assert_eq!(keep_s(86_400, 1_000, CENTURY), 86_400.0);
+        assert_eq!(
+            keep_s(0, u64::MAX, CENTURY),
+            CENTURY,
+            "any horizon a channel may declare"
+        );
+        assert_eq!(keep_s(i64::MAX, 0, CENTURY), CENTURY);
+        assert_eq!(keep_s(-5, 0, CENTURY), 0.0);
+    }
+
+    #[test]
+    fn only_a_lookup_leaves_a_message_in_sending_alone() {
+        assert!(Recorder::Reconcile.leaves_sending());
+        assert!(!Recorder::Worker.leaves_sending());
+        assert_eq!(Recorder::Worker.as_str(), "worker");
+        assert_eq!(Recorder::Reconcile.as_str(), "reconcile");
+    }
+}
