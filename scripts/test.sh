@@ -18,10 +18,12 @@ if [ "${OUTBOX_SYSTEM_PG_LOCK_HELD:-}" != 1 ]; then
   flock 9
   export OUTBOX_SYSTEM_PG_LOCK_HELD=1
 fi
+# Only this shell holds the lock: the commands below get no copy of its descriptor (9>&-), so
+# that no server they start keeps the lock after the suite.
 
 echo "== unit tests and #[pg_test]s (cargo pgrx test)"
 mkdir -p /tmp/pgrx-test && chown postgres /tmp/pgrx-test && rm -rf /tmp/pgrx-test/15
-cargo pgrx test pg15 --runas postgres --pgdata /tmp/pgrx-test
+cargo pgrx test pg15 --runas postgres --pgdata /tmp/pgrx-test 9>&-
 
 echo "== end-to-end: real cluster, real worker, provider simulator"
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_test}
@@ -29,7 +31,7 @@ export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54816}
 export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
 bash scripts/cluster.sh install
 bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
-bash scripts/cluster.sh start
+bash scripts/cluster.sh start 9>&-
 trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true' EXIT
 
 echo "== releases: every released version built from its commit (cached), this version's package"
@@ -40,4 +42,4 @@ for script in sql/outbox_delivery--*.sql; do
 done
 bash scripts/package.sh
 
-cargo test -p outbox_e2e --release -- --test-threads=1
+cargo test -p outbox_e2e --release -- --test-threads=1 9>&-

@@ -282,6 +282,19 @@ pub fn assert_same_schema(expected: &Schema, expected_name: &str, got: &Schema, 
     );
 }
 
+/// The entities of an install script as pgrx generates it (`/* <begin connected objects> */`
+/// blocks), sorted: pgrx orders the entities that do not depend on each other differently
+/// from one run to the next, so two generations of the same schema compare equal only so.
+pub fn script_entities(sql: &str) -> Vec<String> {
+    let mut entities: Vec<String> = sql
+        .split("/* <begin connected objects> */")
+        .map(|b| b.trim().to_string())
+        .filter(|b| !b.is_empty())
+        .collect();
+    entities.sort();
+    entities
+}
+
 /// Holds the lock of the system PostgreSQL directories until dropped; `None` when the
 /// process that started the tests holds it already (`OUTBOX_SYSTEM_PG_LOCK_HELD=1`, set by
 /// `scripts/test.sh`).
@@ -297,4 +310,19 @@ pub fn system_pg_lock() -> Option<File> {
         .expect("open the system PostgreSQL lock");
     file.lock().expect("lock the system PostgreSQL directories");
     Some(file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn script_entities_ignore_the_order_of_blocks_but_not_their_text() {
+        let a = "/* <begin connected objects> */\nCREATE TABLE a();\n/* </end connected objects> */\n\
+                 /* <begin connected objects> */\nCREATE TABLE b();\n/* </end connected objects> */\n";
+        let b = "/* <begin connected objects> */\nCREATE TABLE b();\n/* </end connected objects> */\n\
+                 /* <begin connected objects> */\nCREATE TABLE a();\n/* </end connected objects> */\n";
+        assert_eq!(script_entities(a), script_entities(b));
+        assert_ne!(script_entities(a), script_entities(&b.replace("b()", "c()")));
+    }
 }
