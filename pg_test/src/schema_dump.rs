@@ -80,8 +80,9 @@ fn normalize_entry(entry: &str) -> String {
     let mut out = Vec::new();
     let mut skipping_attribute_fix = false;
     for line in entry.lines() {
-        // The fix-up of a dropped column's pg_attribute row spans lines up to its `;`.
-        if line.starts_with("UPDATE pg_catalog.pg_attribute") {
+        // Fix-ups of catalog rows (a dropped column's pg_attribute row, a table's frozen xid
+        // in pg_class) span lines up to their `;`.
+        if line.starts_with("UPDATE pg_catalog.") {
             skipping_attribute_fix = true;
         }
         if skipping_attribute_fix {
@@ -108,6 +109,8 @@ fn is_noise(line: &str) -> bool {
         || t.contains("........pg.dropped.")
         || t.starts_with("SET ")
         || t.starts_with("SELECT pg_catalog.set_config(")
+        || t.starts_with("\\restrict ")
+        || t.starts_with("\\unrestrict ")
 }
 
 /// `binary_upgrade_create_empty_extension` carries the config tables as an OID array:
@@ -174,6 +177,7 @@ ALTER EXTENSION outbox_delivery ADD TABLE outbox._messages;
 ";
 
     const UPGRADED: &str = "\
+\\restrict AeenmsDhjbBsJbTQD9O0duf3bDi0C
 --
 -- Name: _messages; Type: TABLE; Schema: outbox; Owner: postgres
 --
@@ -191,6 +195,11 @@ SET attlen = 4, attalign = 'i', attbyval = false
 WHERE attname = '........pg.dropped.3........'
   AND attrelid = '\"outbox\".\"_messages\"'::pg_catalog.regclass;
 ALTER TABLE ONLY outbox._messages DROP COLUMN \"........pg.dropped.3........\";
+
+-- For binary upgrade, set heap's relfrozenxid and relminmxid
+UPDATE pg_catalog.pg_class
+SET relfrozenxid = '743', relminmxid = '1'
+WHERE oid = 'outbox._messages'::pg_catalog.regclass;
 ALTER EXTENSION outbox_delivery ADD TABLE outbox._messages;
 
 --
