@@ -99,8 +99,14 @@ pub fn max_id(c: &mut Client, table: &str) -> i64 {
     )
 }
 
-fn enqueue_and_wait(cluster: &Cluster, c: &mut Client, ch: &str, state: &str) -> (i64, String) {
-    let key = format!("{ch}-{state}");
+/// Enqueues the message `label` on `ch` (its effect key is `ch-label`) and waits for `state`.
+fn enqueue_and_wait(
+    cluster: &Cluster,
+    c: &mut Client,
+    (ch, label): (&str, &str),
+    state: &str,
+) -> (i64, String) {
+    let key = format!("{ch}-{label}");
     let id = enqueue(c, ch, &key);
     wait_for_message_state(cluster, id, state, SETTLE);
     (id, key)
@@ -133,8 +139,8 @@ pub fn populate(rc: &ReleaseCluster) -> Population {
     create_channel(&mut c, "exhaust", &sim.send_url("exhaust"), r#"{"retry": {"max_attempts": 1}}"#);
     sim.set_default("exhaust", Action::Status(503));
 
-    let (delivered, _) = enqueue_and_wait(cluster, &mut c, "ok", "delivered");
-    let purged = enqueue_and_wait(cluster, &mut c, "ok", "purged");
+    let (delivered, _) = enqueue_and_wait(cluster, &mut c, ("ok", "delivered"), "delivered");
+    let purged = enqueue_and_wait(cluster, &mut c, ("ok", "purged"), "delivered");
     // What retention does to a delivered message once outbox.retention has passed.
     c.batch_execute(&format!(
         "DELETE FROM outbox._attempts WHERE message_id = {0};
@@ -142,9 +148,9 @@ pub fn populate(rc: &ReleaseCluster) -> Population {
         purged.0
     ))
     .expect("purge a delivered message");
-    let (uncertain, _) = enqueue_and_wait(cluster, &mut c, "plain", "uncertain");
-    let (exhausted, _) = enqueue_and_wait(cluster, &mut c, "exhaust", "exhausted");
-    let (failed, _) = enqueue_and_wait(cluster, &mut c, "fail", "failed");
+    let (uncertain, _) = enqueue_and_wait(cluster, &mut c, ("plain", "uncertain"), "uncertain");
+    let (exhausted, _) = enqueue_and_wait(cluster, &mut c, ("exhaust", "exhausted"), "exhausted");
+    let (failed, _) = enqueue_and_wait(cluster, &mut c, ("fail", "failed"), "failed");
     c.execute("SELECT outbox.assign($1, 'ops-team')", &[&failed])
         .expect("assign");
 
