@@ -125,7 +125,11 @@ impl Prefix {
     pub fn install(&self, tree: &Path) {
         run_script(
             "pg_prefix.sh",
-            &["install", &self.dir.to_string_lossy(), &tree.to_string_lossy()],
+            &[
+                "install",
+                &self.dir.to_string_lossy(),
+                &tree.to_string_lossy(),
+            ],
         );
     }
 
@@ -206,7 +210,10 @@ impl ReleaseCluster {
             match Client::connect(&self.conninfo_for(db), NoTls) {
                 Ok(c) => return c,
                 Err(e) if Instant::now() >= deadline => {
-                    panic!("cannot connect to {db} of {}: {e}", self.cluster.base.display())
+                    panic!(
+                        "cannot connect to {db} of {}: {e}",
+                        self.cluster.base.display()
+                    )
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(100)),
             }
@@ -323,6 +330,9 @@ mod tests {
         let b = "/* <begin connected objects> */\nCREATE TABLE b();\n/* </end connected objects> */\n\
                  /* <begin connected objects> */\nCREATE TABLE a();\n/* </end connected objects> */\n";
         assert_eq!(script_entities(a), script_entities(b));
-        assert_ne!(script_entities(a), script_entities(&b.replace("b()", "c()")));
+        assert_ne!(
+            script_entities(a),
+            script_entities(&b.replace("b()", "c()"))
+        );
     }
 }

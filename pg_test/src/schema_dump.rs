@@ -55,7 +55,11 @@ pub fn normalize(dump: &str, extra: &[String]) -> Schema {
     for entry in split_entries(dump) {
         // The value of a sequence is data (pg_dump writes it for the config sequences even
         // with --schema-only), not schema.
-        if entry.lines().next().is_some_and(|l| l.contains("; Type: SEQUENCE SET;")) {
+        if entry
+            .lines()
+            .next()
+            .is_some_and(|l| l.contains("; Type: SEQUENCE SET;"))
+        {
             continue;
         }
         let text = normalize_entry(&entry);
@@ -233,7 +237,10 @@ SELECT pg_catalog.binary_upgrade_create_empty_extension('outbox_delivery', 'outb
     fn a_column_of_another_type_or_a_missing_object_counts() {
         let changed = FRESH.replace("state text", "state varchar");
         assert_ne!(normalize(&changed, &[]), normalize(FRESH, &[]));
-        let missing = FRESH.replace("ALTER EXTENSION outbox_delivery ADD TABLE outbox._messages;", "");
+        let missing = FRESH.replace(
+            "ALTER EXTENSION outbox_delivery ADD TABLE outbox._messages;",
+            "",
+        );
         assert_ne!(normalize(&missing, &[]), normalize(FRESH, &[]));
     }
 

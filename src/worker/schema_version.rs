@@ -18,8 +18,7 @@ use std::cmp::Ordering;
 pub const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The version of the extension installed in the worker's database (NULL when there is none).
-const INSTALLED_VERSION: &str =
-    "SELECT extversion FROM pg_catalog.pg_extension WHERE extname = $1";
+const INSTALLED_VERSION: &str = "SELECT extversion FROM pg_catalog.pg_extension WHERE extname = $1";
 
 /// How the database's schema version stands to the library's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

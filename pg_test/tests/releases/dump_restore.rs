@@ -2,8 +2,7 @@
 //! the worker then serves: every row comes along once, and the promises hold after it.
 
 use super::population::{
-    assert_delivers_as_promised, assert_rows_kept, maxima, populate, release_hold, rows,
-    TABLES,
+    assert_delivers_as_promised, assert_rows_kept, maxima, populate, release_hold, rows, TABLES,
 };
 use super::*;
 
@@ -54,7 +53,10 @@ fn assert_every_table_and_sequence_is_dumped(c: &mut Client) {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert!(missing.is_empty(), "not registered with pg_extension_config_dump: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "not registered with pg_extension_config_dump: {missing:?}"
+    );
     let mut tables: Vec<String> = c
         .query(EXTENSION_TABLES, &[])
         .expect("extension tables")
@@ -104,12 +106,22 @@ fn dump_and_restore_into_a_served_database_keeps_every_row_and_promise() {
     let file = file.to_string_lossy();
     rc.run_pg("pg_dump", &["-d", "src", "-Fc", "-f", &file]);
     assert_each_table_data_once(&rc.run_pg("pg_restore", &["-l", &file]), &seqs_before);
-    src.batch_execute("CREATE DATABASE app").expect("CREATE DATABASE");
+    src.batch_execute("CREATE DATABASE app")
+        .expect("CREATE DATABASE");
     let out = rc.run_pg(
         "pg_restore",
-        &["-d", "app", "--single-transaction", "--exit-on-error", &file],
+        &[
+            "-d",
+            "app",
+            "--single-transaction",
+            "--exit-on-error",
+            &file,
+        ],
     );
-    assert!(!out.to_lowercase().contains("error"), "pg_restore reported:\n{out}");
+    assert!(
+        !out.to_lowercase().contains("error"),
+        "pg_restore reported:\n{out}"
+    );
 
     let mut app = rc.connect_to("app");
     let restored = rows(&mut app);
@@ -122,8 +134,16 @@ fn dump_and_restore_into_a_served_database_keeps_every_row_and_promise() {
         )
         .expect("channel secret")
         .get(0);
-    assert_eq!(secret, super::population::SECRET, "the channel keeps its secret");
-    assert_eq!(sequences(&mut app), seqs_before, "the sequences continue where they were");
+    assert_eq!(
+        secret,
+        super::population::SECRET,
+        "the channel keeps its secret"
+    );
+    assert_eq!(
+        sequences(&mut app),
+        seqs_before,
+        "the sequences continue where they were"
+    );
     drop(app);
 
     // Serve the restored database.

@@ -9,8 +9,8 @@
 use outbox_e2e::cluster::{poll, wait_until, Cluster};
 use outbox_e2e::helpers::{count, create_channel, describe, enqueue, set_setting, SETTLE};
 use outbox_e2e::releases::{
-    assert_same_schema, current_package, library_version, release_tree, released_versions,
-    Prefix, ReleaseCluster,
+    assert_same_schema, current_package, library_version, release_tree, released_versions, Prefix,
+    ReleaseCluster,
 };
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::Client;

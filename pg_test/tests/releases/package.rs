@@ -61,7 +61,11 @@ impl DevInstallAside {
             .into_iter()
             .enumerate()
             .map(|(i, from)| {
-                let name = from.file_name().expect("file name").to_string_lossy().to_string();
+                let name = from
+                    .file_name()
+                    .expect("file name")
+                    .to_string_lossy()
+                    .to_string();
                 let to = aside.join(format!("{i}-{name}"));
                 std::fs::rename(&from, &to)
                     .unwrap_or_else(|e| panic!("move {} aside: {e}", from.display()));
@@ -84,7 +88,11 @@ impl Drop for DevInstallAside {
         for (from, to) in &self.moved {
             let _ = std::fs::remove_file(from);
             if let Err(e) = std::fs::rename(to, from) {
-                eprintln!("could not put {} back from {}: {e}", from.display(), to.display());
+                eprintln!(
+                    "could not put {} back from {}: {e}",
+                    from.display(),
+                    to.display()
+                );
             }
         }
         let _ = std::fs::remove_dir(&self.aside);
@@ -95,25 +103,44 @@ impl Drop for DevInstallAside {
 fn debian_package_installs_delivers_and_removes_cleanly() {
     let package = current_package();
     let deb = package.deb.to_string_lossy().to_string();
-    let deb_name = package.deb.file_name().unwrap().to_string_lossy().to_string();
-    assert_eq!(deb_name, format!("{PACKAGE}_{}_amd64.deb", library_version()));
+    let deb_name = package
+        .deb
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .to_string();
+    assert_eq!(
+        deb_name,
+        format!("{PACKAGE}_{}_amd64.deb", library_version())
+    );
     let (ok, info) = run(Command::new("dpkg-deb").args(["--info", &deb]));
     assert!(ok, "dpkg-deb --info: {info}");
     assert!(info.contains("Depends: postgresql-15, libc6"), "{info}");
 
     let _lock = system_pg_lock();
-    let base = std::env::var("OUTBOX_RELEASE_BASE").unwrap_or_else(|_| "/tmp/outbox_releases".into());
+    let base =
+        std::env::var("OUTBOX_RELEASE_BASE").unwrap_or_else(|_| "/tmp/outbox_releases".into());
     let aside = DevInstallAside::take(&Path::new(&base).join("deb-dev-install-aside"));
-    assert!(installed_files().is_empty(), "the system directories hold no outbox_delivery file");
-    assert!(!package_installed(), "{PACKAGE} is not installed before the test");
+    assert!(
+        installed_files().is_empty(),
+        "the system directories hold no outbox_delivery file"
+    );
+    assert!(
+        !package_installed(),
+        "{PACKAGE} is not installed before the test"
+    );
 
-    let (ok, text) = run(Command::new("apt-get").args(["install", "-y", "--no-install-recommends", &deb]));
+    let (ok, text) =
+        run(Command::new("apt-get").args(["install", "-y", "--no-install-recommends", &deb]));
     assert!(ok, "apt-get install {deb}:\n{text}");
     let (_, listed) = run(Command::new("dpkg").args(["-L", PACKAGE]));
     let mut expected = vec![
         "/usr/lib/postgresql/15/lib/outbox_delivery.so".to_string(),
         "/usr/share/postgresql/15/extension/outbox_delivery.control".to_string(),
-        format!("/usr/share/postgresql/15/extension/outbox_delivery--{}.sql", library_version()),
+        format!(
+            "/usr/share/postgresql/15/extension/outbox_delivery--{}.sql",
+            library_version()
+        ),
     ];
     let sql_dir = outbox_e2e::releases::repo_root().join("sql");
     for e in std::fs::read_dir(&sql_dir).expect("sql/").flatten() {
@@ -123,7 +150,10 @@ fn debian_package_installs_delivers_and_removes_cleanly() {
         }
     }
     for file in &expected {
-        assert!(listed.lines().any(|l| l == file), "{file} is not in the package:\n{listed}");
+        assert!(
+            listed.lines().any(|l| l == file),
+            "{file} is not in the package:\n{listed}"
+        );
     }
 
     // A fresh cluster on the system PostgreSQL with the packaged library delivers.
@@ -134,7 +164,12 @@ fn debian_package_installs_delivers_and_removes_cleanly() {
         assert_eq!(extversion(&mut c), library_version());
         rc.cluster.wait_for_worker();
         let sim = Simulator::start();
-        create_channel(&mut c, "pkg", &sim.send_url("pkg"), r#"{"external_id": "/id"}"#);
+        create_channel(
+            &mut c,
+            "pkg",
+            &sim.send_url("pkg"),
+            r#"{"external_id": "/id"}"#,
+        );
         let id = enqueue(&mut c, "pkg", "packaged-delivery");
         wait_for_message_state(&rc.cluster, id, "delivered", SETTLE);
         assert_eq!(sim.stored("pkg").len(), 1, "delivered once");
@@ -144,6 +179,10 @@ fn debian_package_installs_delivers_and_removes_cleanly() {
     let (ok, text) = run(Command::new("apt-get").args(["remove", "-y", "--purge", PACKAGE]));
     assert!(ok, "apt-get remove:\n{text}");
     assert!(!package_installed(), "{PACKAGE} is removed");
-    assert!(installed_files().is_empty(), "the package left files: {:?}", installed_files());
+    assert!(
+        installed_files().is_empty(),
+        "the package left files: {:?}",
+        installed_files()
+    );
     drop(aside);
 }

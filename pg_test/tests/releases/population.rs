@@ -86,7 +86,10 @@ pub fn assert_rows_kept(before: &Rows, after: &Rows, what: &str) {
             .collect();
         projected.sort_by_key(|m| Value::Object(m.clone()).to_string());
         assert_eq!(old.len(), new.len(), "{what}: rows of outbox.{table}");
-        assert_eq!(old, &projected, "{what}: the rows of outbox.{table} changed");
+        assert_eq!(
+            old, &projected,
+            "{what}: the rows of outbox.{table} changed"
+        );
     }
 }
 
@@ -136,7 +139,12 @@ pub fn populate(rc: &ReleaseCluster) -> Population {
     sim.set_default("plain", Action::DropAfterRead { store: false });
     create_channel(&mut c, "fail", &sim.send_url("fail"), "{}");
     sim.set_default("fail", Action::Status(400));
-    create_channel(&mut c, "exhaust", &sim.send_url("exhaust"), r#"{"retry": {"max_attempts": 1}}"#);
+    create_channel(
+        &mut c,
+        "exhaust",
+        &sim.send_url("exhaust"),
+        r#"{"retry": {"max_attempts": 1}}"#,
+    );
     sim.set_default("exhaust", Action::Status(503));
 
     let (delivered, _) = enqueue_and_wait(cluster, &mut c, ("ok", "delivered"), "delivered");
@@ -162,8 +170,11 @@ pub fn populate(rc: &ReleaseCluster) -> Population {
     ];
     let cancelled_key = "ok-cancelled".to_string();
     let cancelled = enqueue(&mut c, "ok", &cancelled_key);
-    c.execute("SELECT outbox.cancel($1, 'not needed after all')", &[&cancelled])
-        .expect("cancel");
+    c.execute(
+        "SELECT outbox.cancel($1, 'not needed after all')",
+        &[&cancelled],
+    )
+    .expect("cancel");
     std::thread::sleep(Duration::from_millis(1500));
     for (id, _) in &queued {
         assert_eq!(state(&mut c, *id), "queued", "a held worker sends nothing");
@@ -201,7 +212,10 @@ fn leave_sending(rc: &ReleaseCluster, sim: &Simulator, c: &mut Client) -> (i64, 
     let cluster = &rc.cluster;
     let key = "hang-sending".to_string();
     let id = enqueue(c, "hang", &key);
-    assert!(sim.wait_for_stored("hang", 1, SETTLE), "the provider got no request");
+    assert!(
+        sim.wait_for_stored("hang", 1, SETTLE),
+        "the provider got no request"
+    );
     assert_eq!(state(c, id), "sending");
     // Read at the next start of a worker: the one that replaces the killed one waits.
     set_setting(c, "outbox.role", HOLD_ROLE);
@@ -223,13 +237,18 @@ fn leave_sending(rc: &ReleaseCluster, sim: &Simulator, c: &mut Client) -> (i64, 
             .get(0);
         Ok((n == 1).then_some(()))
     });
-    assert!(held.is_some(), "the restarted worker is not held; see {}", cluster.log_path().display());
+    assert!(
+        held.is_some(),
+        "the restarted worker is not held; see {}",
+        cluster.log_path().display()
+    );
     (id, key)
 }
 
 /// Lets the worker act again from the next start of the server on.
 pub fn release_hold(c: &mut Client) {
-    c.batch_execute("ALTER SYSTEM RESET outbox.role").expect("ALTER SYSTEM RESET");
+    c.batch_execute("ALTER SYSTEM RESET outbox.role")
+        .expect("ALTER SYSTEM RESET");
 }
 
 /// The ids of everything before the change, to check that new ones do not collide.
@@ -266,7 +285,11 @@ pub fn assert_delivers_as_promised(cluster: &Cluster, p: &Population, before: &M
             (r.get(0), r.get(1))
         };
         assert_eq!(&effect_key, key, "message {id} keeps its effect key");
-        let stored = sim.stored("ok").iter().filter(|s| s.key.as_deref() == Some(sent.as_str())).count();
+        let stored = sim
+            .stored("ok")
+            .iter()
+            .filter(|s| s.key.as_deref() == Some(sent.as_str()))
+            .count();
         assert_eq!(stored, 1, "message {id} (key sent {sent}) stored once");
     }
     // The interrupted send takes the ambiguous path: recovered, resent with the same key
@@ -279,20 +302,36 @@ pub fn assert_delivers_as_promised(cluster: &Cluster, p: &Population, before: &M
     );
     assert_eq!(recovery, 1, "one recovery attempt, classified ambiguous");
     let outcomes: Vec<String> = sim.sends("hang").into_iter().map(|s| s.outcome).collect();
-    assert_eq!(outcomes, vec!["hang", "deduped"], "the same key, stored once");
+    assert_eq!(
+        outcomes,
+        vec!["hang", "deduped"],
+        "the same key, stored once"
+    );
     assert_eq!(sim.stored("hang").len(), 1);
 
     // The ledger still blocks a recorded effect: enqueued again after its message was
     // removed, it is marked delivered without a send.
-    assert_eq!(state(&mut c, p.purged.0), "delivered", "the ledger answers for a removed message");
+    assert_eq!(
+        state(&mut c, p.purged.0),
+        "delivered",
+        "the ledger answers for a removed message"
+    );
     let again = enqueue(&mut c, "ok", &p.purged.1);
     assert_ne!(again, p.purged.0);
     wait_for_message_state(cluster, again, "delivered", SETTLE);
-    let purged_sends = sim.sends("ok").iter().filter(|s| s.key.as_deref() == Some(p.purged.1.as_str())).count();
+    let purged_sends = sim
+        .sends("ok")
+        .iter()
+        .filter(|s| s.key.as_deref() == Some(p.purged.1.as_str()))
+        .count();
     assert_eq!(purged_sends, 1, "the recorded effect was not sent again");
 
     // Ids continue.
-    assert!(again > before.messages, "message id {again} after {}", before.messages);
+    assert!(
+        again > before.messages,
+        "message id {again} after {}",
+        before.messages
+    );
     assert!(max_id(&mut c, "_attempts") > before.attempts);
     c.execute("SELECT outbox.assign($1, 'ops-team-2')", &[&p.failed])
         .expect("assign");
@@ -300,12 +339,24 @@ pub fn assert_delivers_as_promised(cluster: &Cluster, p: &Population, before: &M
 
     // Terminal and operator states stay as they were.
     std::thread::sleep(Duration::from_millis(1500));
-    assert_eq!(state(&mut c, p.uncertain), "uncertain", "uncertain stays uncertain");
+    assert_eq!(
+        state(&mut c, p.uncertain),
+        "uncertain",
+        "uncertain stays uncertain"
+    );
     assert_eq!(state(&mut c, p.exhausted), "exhausted");
     assert_eq!(state(&mut c, p.failed), "failed");
     assert_eq!(state(&mut c, p.delivered), "delivered");
     assert_eq!(state(&mut c, p.cancelled.0), "cancelled");
-    assert_eq!(sim.sends("plain").len(), 1, "nothing resent on the uncertain channel");
-    let cancelled_sends = sim.sends("ok").iter().filter(|s| s.key.as_deref() == Some(p.cancelled.1.as_str())).count();
+    assert_eq!(
+        sim.sends("plain").len(),
+        1,
+        "nothing resent on the uncertain channel"
+    );
+    let cancelled_sends = sim
+        .sends("ok")
+        .iter()
+        .filter(|s| s.key.as_deref() == Some(p.cancelled.1.as_str()))
+        .count();
     assert_eq!(cancelled_sends, 0, "a cancelled message is never sent");
 }

@@ -18,7 +18,11 @@ fn current_cluster(name: &str, offset: u16) -> (Prefix, ReleaseCluster) {
 fn upgraded_schema_of_every_release_equals_a_fresh_install() {
     let (_prefix, rc) = current_cluster("schema", 0);
     let mut c = rc.cluster.connect();
-    assert_eq!(extversion(&mut c), library_version(), "a fresh install is the current version");
+    assert_eq!(
+        extversion(&mut c),
+        library_version(),
+        "a fresh install is the current version"
+    );
     let fresh = rc.schema("app");
     let versions = released_versions();
     assert!(!versions.is_empty(), "no released install script in sql/");
@@ -59,8 +63,17 @@ fn update_to_an_unknown_version_fails_and_changes_nothing() {
         "PostgreSQL names the extension and the version: {}",
         describe(&err)
     );
-    assert_eq!(extversion(&mut c), library_version(), "the version is unchanged");
-    assert_same_schema(&before, "before", &rc.schema("app"), "after the refused update");
+    assert_eq!(
+        extversion(&mut c),
+        library_version(),
+        "the version is unchanged"
+    );
+    assert_same_schema(
+        &before,
+        "before",
+        &rc.schema("app"),
+        "after the refused update",
+    );
 }
 
 #[test]
@@ -72,8 +85,8 @@ fn frozen_install_script_of_every_release_is_what_its_commit_generates() {
             .join("usr/share/postgresql/15/extension")
             .join(&name);
         let frozen_text = std::fs::read_to_string(&frozen).expect("frozen script");
-        let built_text = std::fs::read_to_string(&built)
-            .unwrap_or_else(|e| panic!("{}: {e}", built.display()));
+        let built_text =
+            std::fs::read_to_string(&built).unwrap_or_else(|e| panic!("{}: {e}", built.display()));
         assert!(
             script_entities(&frozen_text) == script_entities(&built_text),
             "sql/{name} is not what {version}'s commit generates ({}): a released script never changes",

@@ -40,20 +40,40 @@ fn upgrade_from(version: &str, current_tree: &std::path::Path) {
     let mark = rc.cluster.log_mark();
     rc.start();
     let mut c = rc.cluster.connect();
-    assert_eq!(extversion(&mut c), version, "nothing is updated by a restart");
+    assert_eq!(
+        extversion(&mut c),
+        version,
+        "nothing is updated by a restart"
+    );
     let waiting = wait_until(SETTLE, || rc.cluster.log_since(mark).contains(WAITING));
-    assert!(waiting, "the worker did not say what it waits for; see {}", rc.cluster.log_path().display());
+    assert!(
+        waiting,
+        "the worker did not say what it waits for; see {}",
+        rc.cluster.log_path().display()
+    );
     std::thread::sleep(Duration::from_millis(5000));
     let log = rc.cluster.log_since(mark);
-    assert_eq!(log.matches(WAITING).count(), 1, "said once, not at every poll:\n{log}");
+    assert_eq!(
+        log.matches(WAITING).count(),
+        1,
+        "said once, not at every poll:\n{log}"
+    );
     assert!(
         !log.contains("restarting") && !log.contains("exited with exit code"),
         "the worker did not crash-loop:\n{log}"
     );
     for (id, _) in &population.queued {
-        assert_eq!(state(&mut c, *id), "queued", "nothing is sent before the update");
+        assert_eq!(
+            state(&mut c, *id),
+            "queued",
+            "nothing is sent before the update"
+        );
     }
-    assert_eq!(population.sim.sends("ok").len(), 2, "only the two messages delivered before");
+    assert_eq!(
+        population.sim.sends("ok").len(),
+        2,
+        "only the two messages delivered before"
+    );
 
     // The update keeps every row; the worker starts delivering without a restart.
     let mut tx = c.transaction().expect("BEGIN");
@@ -66,12 +86,16 @@ fn upgrade_from(version: &str, current_tree: &std::path::Path) {
     assert_delivers_as_promised(&rc.cluster, &population, &ids_before);
     let log = rc.cluster.log_since(mark);
     assert!(
-        log.contains(&format!("is on schema version {} now; delivering", library_version())),
+        log.contains(&format!(
+            "is on schema version {} now; delivering",
+            library_version()
+        )),
         "the worker says when it starts delivering:\n{log}"
     );
 
     // The schema equals a fresh install's.
-    c.batch_execute("CREATE DATABASE fresh").expect("CREATE DATABASE");
+    c.batch_execute("CREATE DATABASE fresh")
+        .expect("CREATE DATABASE");
     rc.connect_to("fresh")
         .batch_execute("CREATE EXTENSION outbox_delivery")
         .expect("CREATE EXTENSION");
