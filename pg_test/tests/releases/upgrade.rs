@@ -62,6 +62,14 @@ fn upgrade_from(version: &str, current_tree: &std::path::Path) {
         !log.contains("restarting") && !log.contains("exited with exit code"),
         "the worker did not crash-loop:\n{log}"
     );
+    let shown: String = c
+        .query_one(
+            "SELECT state FROM outbox.worker_status() WHERE pid IS NOT NULL",
+            &[],
+        )
+        .expect("worker_status")
+        .get(0);
+    assert_eq!(shown, "waiting for extension update");
     for (id, _) in &population.queued {
         assert_eq!(
             state(&mut c, *id),
