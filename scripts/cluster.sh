@@ -11,10 +11,11 @@
 #   scripts/cluster.sh env            print the connection settings
 #
 # Settings (environment): OUTBOX_PGPORT (54815), OUTBOX_PGDATA (/tmp/outbox_delivery/pgdata),
-# OUTBOX_DB (outbox), OUTBOX_WORKERS (1), OUTBOX_EXTRA_CONF (extra postgresql.conf lines).
+# OUTBOX_DB (outbox), OUTBOX_WORKERS (1), OUTBOX_EXTRA_CONF (extra postgresql.conf lines),
+# OUTBOX_PGBIN (the server's binaries: a private copy of PostgreSQL, see scripts/pg_prefix.sh).
 set -euo pipefail
 
-PGBIN=/usr/lib/postgresql/15/bin
+PGBIN=${OUTBOX_PGBIN:-/usr/lib/postgresql/15/bin}
 PG_CONFIG=/usr/bin/pg_config
 PORT=${OUTBOX_PGPORT:-54815}
 BASE=${OUTBOX_BASE:-/tmp/outbox_delivery}

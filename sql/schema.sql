@@ -193,3 +193,4 @@ CREATE TABLE outbox._channel_minutes (
 COMMENT ON TABLE outbox._channel_minutes IS 'Per-minute delivery figures kept by the worker (private).';
 
 SELECT pg_catalog.pg_extension_config_dump('outbox._channel_stats', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._channel_minutes', '');

@@ -8,7 +8,12 @@
 //! - [`cluster`]: the real PostgreSQL cluster started by `scripts/cluster.sh`.
 //! - [`helpers`]: what the tests share besides the cluster: enqueue, count, wait for a
 //!   state, error text, roles, server-wide settings and fault points reset on drop.
+//! - [`releases`]: packages, released versions built from their commits, private copies of
+//!   PostgreSQL to install them into, and clusters on those copies.
+//! - [`schema_dump`]: the extension's schema as comparable text (fresh install vs upgrade).
 
 pub mod cluster;
 pub mod helpers;
+pub mod releases;
+pub mod schema_dump;
 pub mod sim;

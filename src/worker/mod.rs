@@ -11,6 +11,7 @@ pub mod lease;
 pub mod record;
 pub mod recovery;
 pub mod retention;
+pub mod schema_version;
 pub mod send;
 pub mod slots;
 pub mod sweep;
@@ -251,6 +252,14 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
             stop(index);
         }
         let _ = reload_config_if_asked(index);
+    }
+    let waited = schema_version::wait_until_current(index, || {
+        let go_on = sleep(WAIT_FOR_SETUP);
+        let _ = reload_config_if_asked(index);
+        go_on
+    });
+    if !waited {
+        stop(index);
     }
 
     let role = wait_for_role(index);

@@ -1,0 +1,177 @@
+-- outbox_delivery 0.1.0 -> 0.2.0 (ALTER EXTENSION outbox_delivery UPDATE)
+--
+-- Turns the schema of 0.1.0 into the schema a fresh install of 0.2.0 creates; the upgrade
+-- test compares the two (RELEASES.md, "Changing the SQL surface").
+
+-- pg_dump keeps the per-minute delivery figures too, like every other table of the
+-- extension (a restored database shows the same 5-minute metrics).
+SELECT pg_catalog.pg_extension_config_dump('outbox._channel_minutes', '');
+
+-- The bound on attempts open at once on a channel that can neither dedupe nor be asked
+-- (max_unverifiable_in_flight), read by the worker's claim and by outbox.channels.
+-- Attempts open at once on a channel, all workers together: `max_in_flight` (default 64)
+-- where an interrupted attempt can be settled without an operator — the provider dedupes
+-- by key (idempotency_header) or answers lookups (reconcile), or the effect is a `sql`
+-- function run in the record transaction — and `max_unverifiable_in_flight` (default 8)
+-- elsewhere, since a crash there leaves every open attempt `uncertain` for an operator.
+-- The defaults are literals (options::DEFAULT_MAX_IN_FLIGHT and
+-- DEFAULT_MAX_UNVERIFIABLE_IN_FLIGHT; a test holds them equal): with a parameter, the
+-- claim's plan made once claimed a message that committed late behind a backlog only
+-- once the backlog was drained. IMMUTABLE and not STRICT, so that the planner inlines it.
+CREATE FUNCTION outbox._can_verify(options jsonb) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+BEGIN ATOMIC
+    SELECT coalesce(options ->> 'kind', 'http') = 'sql'
+        OR jsonb_typeof(options -> 'idempotency_header') = 'string'
+        OR jsonb_typeof(options -> 'reconcile') = 'object';
+END;
+
+CREATE FUNCTION outbox._in_flight_bound(options jsonb) RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+BEGIN ATOMIC
+    SELECT CASE WHEN outbox._can_verify(options)
+                THEN coalesce(outbox._option_int(options, '{max_in_flight}'), 64)
+                ELSE coalesce(outbox._option_int(options, '{max_unverifiable_in_flight}'), 8)
+           END;
+END;
+
+CREATE FUNCTION outbox._in_flight_reason(options jsonb) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+BEGIN ATOMIC
+    SELECT CASE WHEN outbox._can_verify(options) THEN 'max_in_flight'
+                ELSE 'max_unverifiable_in_flight: no dedupe, no lookup' END;
+END;
+
+-- outbox.channels shows the bound in force and why.
+CREATE OR REPLACE VIEW outbox.channels AS
+SELECT c.id,
+       c.name,
+       outbox._masked_url(c.endpoint) AS endpoint,
+       outbox._masked_options(c.options) AS options,
+       c.paused,
+       c.paused_reason,
+       c.paused_at,
+       c.created_at,
+       c.updated_at,
+       outbox._in_flight_bound(c.options) AS in_flight_bound,
+       outbox._in_flight_reason(c.options) AS in_flight_reason
+  FROM outbox._channels c
+ WHERE outbox._channel_visible(c.options -> 'tenants');
+
+-- The ledger's one way of recording a confirmed effect, and its check (sql/ledger.sql).
+CREATE FUNCTION outbox._ledger_entry(tenant text, effect_key text)
+RETURNS TABLE (message_id bigint, external_id text)
+LANGUAGE sql STABLE PARALLEL SAFE
+-- No SET clause and no SECURITY DEFINER: the claim inlines it as one index probe per
+-- claimed message. OFFSET 0 keeps the probe a subquery of its own, so that the planner
+-- never hashes the whole ledger, which grows with every delivery.
+AS $fn$
+    SELECT l.message_id, l.external_id
+      FROM outbox._ledger l
+     WHERE l.tenant OPERATOR(pg_catalog.=) $1 AND l.effect_key OPERATOR(pg_catalog.=) $2
+    OFFSET 0
+$fn$;
+COMMENT ON FUNCTION outbox._ledger_entry(text, text) IS
+    'The ledger entry of one effect (tenant, effect key), if it was recorded: the message that recorded it and its external id.';
+
+CREATE FUNCTION outbox._record_delivered(
+    message_ids bigint[], external_ids text[], http_statuses integer[], recorder text,
+    leave_sending boolean)
+RETURNS SETOF bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF recorder IS NULL OR recorder NOT IN ('worker', 'reconcile', 'operator') THEN
+        RAISE EXCEPTION 'recorder must be worker, reconcile or operator, not %', coalesce(quote_literal(recorder), 'NULL')
+            USING ERRCODE = '22023';
+    END IF;
+    RETURN QUERY
+    WITH d AS (
+        SELECT * FROM unnest(message_ids, external_ids, http_statuses) AS d(id, external_id, http_status)
+    ), m AS (
+        UPDATE outbox._messages m
+           SET state = 'delivered',
+               delivered_at = now(),
+               updated_at = now(),
+               external_id = coalesce(d.external_id, m.external_id),
+               last_http_status = coalesce(d.http_status, m.last_http_status),
+               lease_until = NULL,
+               lease_owner = NULL
+          FROM d
+         WHERE m.id = d.id AND m.state <> 'delivered'
+           AND NOT (leave_sending AND m.state = 'sending')
+     RETURNING m.id, m.tenant, m.effect_key, m.external_id
+    ), l AS (
+        INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
+        SELECT m.tenant, m.effect_key, m.id, m.external_id, recorder FROM m
+            ON CONFLICT (tenant, effect_key) DO NOTHING
+    )
+    SELECT m.id FROM m;
+END
+$fn$;
+COMMENT ON FUNCTION outbox._record_delivered(bigint[], text[], integer[], text, boolean) IS
+    'Confirms effects: marks each message delivered (unless it already is, or is being sent and leave_sending is set), clears its lease and writes its ledger entry; an effect already in the ledger keeps its first entry. Returns the messages it marked.';
+
+-- resolve(…, 'delivered', …) records through the ledger's function.
+CREATE OR REPLACE FUNCTION outbox.resolve(id bigint, outcome text, reason text, external_id text DEFAULT NULL)
+RETURNS outbox.state
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_msg   outbox._messages;
+    v_after outbox.state;
+BEGIN
+    IF outcome IS NULL OR outcome NOT IN ('delivered', 'failed', 'cancelled') THEN
+        RAISE EXCEPTION 'outcome must be delivered, failed or cancelled, not %', coalesce(pg_catalog.quote_literal(outcome), 'NULL')
+            USING ERRCODE = '22023';
+    END IF;
+    PERFORM outbox._require_reason(resolve.reason);
+    v_msg := outbox._lock_message(resolve.id);
+    IF v_msg.state = 'sending' THEN
+        RAISE EXCEPTION 'message % is being sent right now; resolve refused', v_msg.id
+            USING ERRCODE = '55000', HINT = 'Wait for the attempt''s outcome, then look again.';
+    END IF;
+    IF v_msg.state = 'delivered' AND outcome <> 'delivered' THEN
+        RAISE EXCEPTION 'message % was delivered (confirmed); it cannot be resolved as %', v_msg.id, outcome
+            USING ERRCODE = '55000';
+    END IF;
+    v_after := outcome::outbox.state;
+    IF v_msg.state = 'delivered' THEN
+        RAISE NOTICE 'message % is already delivered', v_msg.id;
+    ELSIF v_after = 'delivered' THEN
+        PERFORM outbox._record_delivered(ARRAY[v_msg.id], ARRAY[resolve.external_id], ARRAY[NULL::integer],
+                                         'operator', false);
+    ELSE
+        UPDATE outbox._messages m
+           SET state = v_after, external_id = coalesce(resolve.external_id, m.external_id),
+               lease_until = NULL, lease_owner = NULL, updated_at = pg_catalog.now()
+         WHERE m.id = v_msg.id;
+    END IF;
+    INSERT INTO outbox._operator_log (action, message_id, tenant, reason, state_before, state_after, detail)
+    VALUES ('resolve', v_msg.id, v_msg.tenant, resolve.reason, v_msg.state, v_after,
+            jsonb_build_object('outcome', outcome, 'external_id', resolve.external_id));
+    RETURN v_after;
+END
+$fn$;
+
+-- Nothing of the extension is PUBLIC's (sql/privileges.sql): the new functions neither.
+REVOKE ALL ON FUNCTION
+    outbox._can_verify(jsonb),
+    outbox._in_flight_bound(jsonb),
+    outbox._in_flight_reason(jsonb),
+    outbox._ledger_entry(text, text),
+    outbox._record_delivered(bigint[], text[], integer[], text, boolean)
+    FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox._option_int(jsonb, text[]) TO outbox_admin;
+GRANT EXECUTE ON FUNCTION
+    outbox._can_verify(jsonb),
+    outbox._in_flight_bound(jsonb),
+    outbox._in_flight_reason(jsonb)
+    TO outbox_worker, outbox_writer, outbox_operator, outbox_admin;
+GRANT EXECUTE ON FUNCTION
+    outbox._ledger_entry(text, text),
+    outbox._record_delivered(bigint[], text[], integer[], text, boolean)
+    TO outbox_worker;
