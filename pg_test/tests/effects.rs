@@ -3,7 +3,7 @@
 //! not at all.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
-use outbox_e2e::helpers::arm_fault;
+use outbox_e2e::helpers::{arm_fault, cluster_and_sim, ledger_recorded_by};
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::Client;
 use std::time::Duration;
@@ -135,21 +135,13 @@ fn effect_runs_as_its_least_privilege_role() {
         Some(format!("{s}_effects")),
         "the function ran as run_as, not as a superuser"
     );
-    let by: String = c
-        .query_one(
-            "SELECT recorded_by FROM outbox.ledger WHERE message_id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let by = ledger_recorded_by(&mut c, id);
     assert_eq!(by, "worker");
 }
 
 #[test]
 fn three_effect_turn_survives_every_crash_point_exactly_once() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
+    let (cluster, mut c, sim) = cluster_and_sim();
     let s = app_schema(&mut c);
     let role = format!("{s}_effects");
     for point in [
@@ -406,9 +398,7 @@ fn a_dropped_function_fails_readably_and_the_worker_goes_on() {
 
 #[test]
 fn a_new_command_is_a_new_effect_and_a_rerun_is_not() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
+    let (cluster, mut c, sim) = cluster_and_sim();
     let s = app_schema(&mut c);
     let reply = unique("fx_r");
     let task = unique("fx_t");

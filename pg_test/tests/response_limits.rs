@@ -9,7 +9,7 @@
 //! --test-threads=1 --nocapture`.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
-use outbox_e2e::helpers::{code_of, create_channel};
+use outbox_e2e::helpers::{cluster_and_sim, code_of, create_channel, sim_channel};
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::Client;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -150,13 +150,10 @@ fn deliver_one(
 
 #[test]
 fn large_answers_are_read_only_up_to_max_response_bytes_and_still_delivered() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
+    let (_cluster, mut c, sim) = cluster_and_sim();
     sim.set_record_bodies(false);
-    let ch = unique("rl_large");
+    let ch = sim_channel(&mut c, &sim, "rl_large", r#"{"external_id": "/id"}"#);
     sim.set_default(&ch, Action::AcceptLarge(10_000_000));
-    create_channel(&mut c, &ch, &sim.send_url(&ch), r#"{"external_id": "/id"}"#);
     let pids = worker_pids(&mut c);
     assert!(!pids.is_empty(), "no delivery worker runs");
     let idle: Vec<_> = pids

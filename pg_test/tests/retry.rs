@@ -7,8 +7,8 @@
 //! Run: `cargo test -p outbox_e2e --release --test retry -- --test-threads=1`.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
-use outbox_e2e::helpers::{create_channel, enqueue};
-use outbox_e2e::sim::{Action, Received, Simulator};
+use outbox_e2e::helpers::{cluster_and_sim, create_channel, enqueue, ledger_entries, sim_channel};
+use outbox_e2e::sim::{Action, Received};
 use postgres::Client;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -153,17 +153,14 @@ fn send_attempts(rows: &[AttemptRow]) -> Vec<AttemptRow> {
 
 #[test]
 fn transient_503_three_times_then_delivered_with_growing_gaps() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_grow");
-    sim.set_plan(&ch, vec![Action::Status(503); 3]);
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_grow",
         r#"{"retry": {"base_ms": 200, "max_ms": 5000, "multiplier": 2.0, "jitter": "none"}}"#,
     );
+    sim.set_plan(&ch, vec![Action::Status(503); 3]);
     let id = enqueue(&mut c, &ch, &unique("rt_grow_key"));
     expect_state(&cluster, &mut c, id, "delivered");
 
@@ -242,22 +239,14 @@ fn transient_503_three_times_then_delivered_with_growing_gaps() {
 
 #[test]
 fn retry_after_429_delays_the_next_attempt() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_429");
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(&mut c, &sim, "rt_429", r#"{"retry": {"base_ms": 100}}"#);
     sim.set_plan(
         &ch,
         vec![Action::StatusWithHeaders(
             429,
             vec![("Retry-After".into(), "2".into())],
         )],
-    );
-    create_channel(
-        &mut c,
-        &ch,
-        &sim.send_url(&ch),
-        r#"{"retry": {"base_ms": 100}}"#,
     );
     let id = enqueue(&mut c, &ch, &unique("rt_429_key"));
     expect_state(&cluster, &mut c, id, "delivered");
@@ -300,17 +289,14 @@ fn retry_after_429_delays_the_next_attempt() {
 
 #[test]
 fn permanent_401_fails_after_one_attempt() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_401");
-    sim.set_default(&ch, Action::Status(401));
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_401",
         r#"{"retry": {"base_ms": 100, "jitter": "none"}}"#,
     );
+    sim.set_default(&ch, Action::Status(401));
     let id = enqueue(&mut c, &ch, &unique("rt_401_key"));
     expect_state(&cluster, &mut c, id, "failed");
 
@@ -342,17 +328,14 @@ fn permanent_401_fails_after_one_attempt() {
 
 #[test]
 fn endless_503_ends_exhausted_after_max_attempts() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_exh");
-    sim.set_default(&ch, Action::Status(503));
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_exh",
         r#"{"retry": {"max_attempts": 3, "base_ms": 100, "jitter": "none"}}"#,
     );
+    sim.set_default(&ch, Action::Status(503));
     let id = enqueue(&mut c, &ch, &unique("rt_exh_key"));
     expect_state(&cluster, &mut c, id, "exhausted");
 
@@ -392,17 +375,14 @@ fn endless_503_ends_exhausted_after_max_attempts() {
 
 #[test]
 fn classify_override_409_delivered() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_409");
-    sim.set_default(&ch, Action::Status(409));
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_409",
         r#"{"classify": {"409": "delivered"}, "retry": {"base_ms": 100}}"#,
     );
+    sim.set_default(&ch, Action::Status(409));
     let key = unique("rt_409_key");
     let id = enqueue(&mut c, &ch, &key);
     expect_state(&cluster, &mut c, id, "delivered");
@@ -428,17 +408,14 @@ fn classify_override_409_delivered() {
 
 #[test]
 fn classify_override_503_permanent() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_503p");
-    sim.set_default(&ch, Action::Status(503));
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_503p",
         r#"{"classify": {"503": "permanent"}, "retry": {"base_ms": 100, "jitter": "none"}}"#,
     );
+    sim.set_default(&ch, Action::Status(503));
     let id = enqueue(&mut c, &ch, &unique("rt_503p_key"));
     expect_state(&cluster, &mut c, id, "failed");
 
@@ -451,13 +428,7 @@ fn classify_override_503_permanent() {
     let rows = attempts(&mut c, id);
     assert_eq!(rows.len(), 1, "{rows:#?}");
     assert_eq!(rows[0].error_class.as_deref(), Some("permanent"));
-    let ledger: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE message_id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let ledger = ledger_entries(&mut c, id);
     assert_eq!(ledger, 0);
 }
 
@@ -467,17 +438,14 @@ fn classify_override_503_permanent() {
 
 #[test]
 fn altered_policy_applies_to_a_message_in_backoff() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_alter");
-    sim.set_default(&ch, Action::Status(503));
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_alter",
         r#"{"retry": {"max_attempts": 5, "base_ms": 60000, "jitter": "none"}}"#,
     );
+    sim.set_default(&ch, Action::Status(503));
     let id = enqueue(&mut c, &ch, &unique("rt_alter_key"));
     let m = wait_in_backoff(&mut c, id, 1);
     assert_eq!(m.max_attempts, Some(5), "{m:?}");
@@ -534,17 +502,14 @@ fn altered_policy_applies_to_a_message_in_backoff() {
 
 #[test]
 fn backoff_survives_a_server_crash_restart() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_crash");
-    sim.set_plan(&ch, vec![Action::Status(503)]);
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_crash",
         r#"{"idempotency_header": "Idempotency-Key", "retry": {"base_ms": 3000, "jitter": "none"}}"#,
     );
+    sim.set_plan(&ch, vec![Action::Status(503)]);
     let key = unique("rt_crash_key");
     let id = enqueue(&mut c, &ch, &key);
     let before = wait_in_backoff(&mut c, id, 1);
@@ -627,20 +592,17 @@ fn backoff_survives_a_server_crash_restart() {
 #[test]
 fn jitter_spreads_a_hundred_simultaneous_failures() {
     const N: usize = 100;
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_jit");
+    let (_cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
+        &mut c,
+        &sim,
+        "rt_jit",
+        r#"{"max_in_flight": 200, "retry": {"base_ms": 2000, "jitter": "full"}}"#,
+    );
     // Every first attempt fails with 503. The default (not a plan of N × 503) keeps that
     // exact even if a retry with a near-zero jittered delay overtook another message's first
     // send; it turns to Accept once all first attempts are recorded.
     sim.set_default(&ch, Action::Status(503));
-    create_channel(
-        &mut c,
-        &ch,
-        &sim.send_url(&ch),
-        r#"{"max_in_flight": 200, "retry": {"base_ms": 2000, "jitter": "full"}}"#,
-    );
     let mut ids = Vec::with_capacity(N);
     {
         let mut tx = c.transaction().unwrap();
@@ -778,22 +740,19 @@ fn jitter_spreads_a_hundred_simultaneous_failures() {
 
 #[test]
 fn garbage_retry_after_is_recorded_and_ignored() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_soon");
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
+        &mut c,
+        &sim,
+        "rt_soon",
+        r#"{"retry": {"base_ms": 300, "jitter": "none"}}"#,
+    );
     sim.set_plan(
         &ch,
         vec![Action::StatusWithHeaders(
             503,
             vec![("Retry-After".into(), "soon".into())],
         )],
-    );
-    create_channel(
-        &mut c,
-        &ch,
-        &sim.send_url(&ch),
-        r#"{"retry": {"base_ms": 300, "jitter": "none"}}"#,
     );
     let id = enqueue(&mut c, &ch, &unique("rt_soon_key"));
     expect_state(&cluster, &mut c, id, "delivered");

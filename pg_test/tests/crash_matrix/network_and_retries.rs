@@ -222,10 +222,8 @@ pub(super) fn restart_during_backoff(scenario: &str) -> Vec<Row> {
 // ---------------------------------------------------------------------------------------
 
 pub(super) fn budget_exhausted(scenario: &str) -> Vec<Row> {
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
     let retry = r#"{"max_attempts": 3, "base_ms": 100, "jitter": "none"}"#;
     let chans = make_channels(&mut c, &sim, "ex", retry, &json!({}), &|ch| {
         sim.send_url(ch)

@@ -177,10 +177,8 @@ pub(super) fn fault_point(
     point: &str,
     expect: &dyn Fn(Kind) -> Expect,
 ) -> Vec<Row> {
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
     let chans = make_channels(&mut c, &sim, "fp", FAST_RETRY, &json!({}), &|ch| {
         sim.send_url(ch)
     });

@@ -9,11 +9,8 @@ use super::*;
 
 #[test]
 fn enqueue_in_rolled_back_transaction_leaves_nothing() {
-    let cluster = Cluster::from_env();
-    let sim = Simulator::start();
-    let ch = unique("fnd_rollback");
-    let mut c = cluster.connect();
-    create_channel(&mut c, &ch, &sim.send_url(&ch), OPTIONS);
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(&mut c, &sim, "fnd_rollback", OPTIONS);
 
     let key = unique("rolled_back");
     let mut tx = c.transaction().unwrap();
@@ -247,11 +244,8 @@ fn race_same_key(cluster: &Cluster, ch: &str, key: &str, a_commits: bool) -> (i6
 
 #[test]
 fn concurrent_enqueue_of_same_key_first_commits_both_get_same_id() {
-    let cluster = Cluster::from_env();
-    let sim = Simulator::start();
-    let ch = unique("fnd_race_commit");
-    let mut c = cluster.connect();
-    create_channel(&mut c, &ch, &sim.send_url(&ch), OPTIONS);
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(&mut c, &sim, "fnd_race_commit", OPTIONS);
     let key = unique("race_commit");
 
     let (id_a, b) = race_same_key(&cluster, &ch, &key, true);
@@ -298,11 +292,8 @@ fn concurrent_enqueue_of_same_key_first_commits_both_get_same_id() {
 
 #[test]
 fn concurrent_enqueue_of_same_key_first_rolls_back_second_gets_fresh_id() {
-    let cluster = Cluster::from_env();
-    let sim = Simulator::start();
-    let ch = unique("fnd_race_rollback");
-    let mut c = cluster.connect();
-    create_channel(&mut c, &ch, &sim.send_url(&ch), OPTIONS);
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(&mut c, &sim, "fnd_race_rollback", OPTIONS);
     let key = unique("race_rollback");
 
     let (id_a, b) = race_same_key(&cluster, &ch, &key, false);

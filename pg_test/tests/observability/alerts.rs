@@ -146,14 +146,13 @@ fn error_streak_alert_follows_503s_and_clears_on_delivery() {
     set_setting_seen(&mut c, "outbox.alert_error_streak", "3");
 
     let sim = Simulator::start();
-    let ch = unique("obs_streak");
-    sim.set_default(&ch, Action::Status(503));
-    create_channel(
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "obs_streak",
         r#"{"retry": {"base_ms": 100, "max_ms": 300, "jitter": "none", "max_attempts": 100}}"#,
     );
+    sim.set_default(&ch, Action::Status(503));
     let id = enqueue(&mut c, &ch, &unique("obs_streak_k"));
 
     let mut seen: Vec<AlertRow> = Vec::new();
@@ -249,13 +248,10 @@ fn error_streak_alert_follows_503s_and_clears_on_delivery() {
 #[test]
 fn terminal_failure_alert_on_401_clears_on_cancel() {
     let _serial = serial();
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("obs_term");
+    let ch = sim_channel(&mut c, &sim, "obs_term", "{}");
     sim.set_plan(&ch, vec![Action::Status(401)]);
-    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
     let id = enqueue(&mut c, &ch, &unique("obs_term_k"));
     wait_state(&cluster, id, "failed");
 
@@ -316,13 +312,10 @@ fn terminal_failure_alert_on_401_clears_on_cancel() {
 #[test]
 fn uncertain_alert_at_once_without_reconcile_clears_on_resolve() {
     let _serial = serial();
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("obs_unc");
+    let ch = sim_channel(&mut c, &sim, "obs_unc", "{}");
     sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
-    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
     let id = enqueue(&mut c, &ch, &unique("obs_unc_k"));
     wait_state(&cluster, id, "uncertain");
 
@@ -361,13 +354,7 @@ fn uncertain_alert_at_once_without_reconcile_clears_on_resolve() {
     let rows = alerts_of(&mut c, &ch);
     assert!(rows.is_empty(), "alert gone after resolve: {rows:?}");
     assert_eq!(metrics_of(&mut c, &ch).uncertain, 0);
-    let by: String = c
-        .query_one(
-            "SELECT recorded_by FROM outbox.ledger WHERE message_id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let by = ledger_recorded_by(&mut c, id);
     assert_eq!(by, "operator");
     assert_eq!(sim.send_count(&ch), 1, "resolve sends nothing");
 }

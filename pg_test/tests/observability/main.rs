@@ -24,7 +24,8 @@ use openmetrics_parser::prometheus::parse_prometheus;
 use openmetrics_parser::{MetricsExposition, PrometheusType, PrometheusValue};
 use outbox_e2e::cluster::{unique, wait_for_workers, wait_until, Cluster};
 use outbox_e2e::helpers::{
-    create_channel, enqueue, serial, set_setting_seen, wait_state, SettingsGuard, SETTLE,
+    cluster_and_sim, create_channel, enqueue, ledger_recorded_by, serial, set_setting_seen,
+    sim_channel, wait_state, SettingsGuard, SETTLE,
 };
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::{Client, IsolationLevel, NoTls, SimpleQueryMessage};

@@ -27,10 +27,8 @@ const FAMILIES: [(&str, PrometheusType); 10] = [
 #[test]
 fn prometheus_exposition_parses_and_matches_metrics_and_alerts() {
     let _serial = serial();
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
     let sim_ch = unique("obs_prom");
     let ch = format!("obs \"quoted\" \\back\\slash\nline {}", unique("x"));
     create_channel(&mut c, &ch, &sim.send_url(&sim_ch), "{}");

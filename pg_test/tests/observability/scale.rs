@@ -219,8 +219,7 @@ fn worker_writes_reach_the_statistics_autovacuum_reads() {
     let before = counts(&mut c);
 
     let sim = Simulator::start();
-    let ch = unique("obs_stats");
-    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
+    let ch = sim_channel(&mut c, &sim, "obs_stats", "{}");
     const N: i64 = 40;
     let last = (0..N)
         .map(|i| enqueue(&mut c, &ch, &format!("{ch}-{i}")))

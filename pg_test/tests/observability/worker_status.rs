@@ -91,8 +91,7 @@ fn worker_status_matches_pg_stat_activity_and_counts_deliveries() {
 
     // Five deliveries.
     let sim = Simulator::start();
-    let ch = unique("obs_ws");
-    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
+    let ch = sim_channel(&mut c, &sim, "obs_ws", "{}");
     let ids: Vec<i64> = (0..5)
         .map(|_| enqueue(&mut c, &ch, &unique("obs_ws_k")))
         .collect();

@@ -44,9 +44,8 @@ fn sighup_changes_batch_size_without_restart() {
 
     // The new size is in force: claims take at most 3 messages.
     let sim = Simulator::start();
-    let ch = unique("w_batch");
+    let ch = sim_channel(&mut c, &sim, "w_batch", "{}");
     sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(20)));
-    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
     let ids: Vec<i64> = {
         let mut tx = c.transaction().unwrap();
         let ids = (0..9)
@@ -273,10 +272,8 @@ fn a_deep_backlog_on_one_channel_does_not_starve_another() {
 #[test]
 fn a_message_committed_late_with_an_older_due_time_is_claimed_during_a_backlog() {
     const BACKLOG: i64 = 12_000;
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
     // 100 ms a request: a batch lasts at least that long, and the backlog some seconds.
     let busy = slow_channel(&mut c, &sim, "w_late", Duration::from_millis(100), 5000);
     c.execute(

@@ -240,13 +240,7 @@ fn assert_recovered_and_delivered_once(point: &str, expected_sends: usize) {
     let last_send = a.iter().rfind(|a| a.kind == "send").unwrap();
     assert_eq!(last_send.outcome.as_deref(), Some("delivered"));
     assert_eq!(last_send.http_status, Some(200));
-    let ledger: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE message_id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let ledger = ledger_entries(&mut c, id);
     assert_eq!(ledger, 1, "{point}: one ledger entry");
 }
 
@@ -296,13 +290,7 @@ fn assert_uncertain_never_resent(point: &str, sends_left_by_crash: usize) {
     assert_eq!(recovery.len(), 1, "{point}: one recovery decision: {a:?}");
     assert_eq!(recovery[0].outcome.as_deref(), Some("recovered: uncertain"));
     assert_eq!(a.iter().filter(|a| a.kind == "send").count(), 1, "{a:?}");
-    let ledger: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE message_id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let ledger = ledger_entries(&mut c, id);
     assert_eq!(
         ledger, 0,
         "{point}: no ledger entry for an unconfirmed effect"

@@ -9,11 +9,9 @@ use super::*;
 
 #[test]
 fn commit_is_delivered_with_ledger_attempt_and_headers() {
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     cluster.wait_for_worker();
-    let sim = Simulator::start();
     let ch = unique("w_deliver");
-    let mut c = cluster.connect();
     create_channel(
         &mut c,
         &ch,
@@ -107,15 +105,12 @@ fn commit_is_delivered_with_ledger_attempt_and_headers() {
 
 #[test]
 fn reenqueue_returns_same_id_and_ledger_blocks_resend_after_row_deleted() {
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     cluster.wait_for_worker();
-    let sim = Simulator::start();
-    let ch = unique("w_ledger");
-    let mut c = cluster.connect();
-    create_channel(
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "w_ledger",
         r#"{"idempotency_header": "Idempotency-Key", "external_id": "/id"}"#,
     );
     let key = effect_key(&mut c, &unique("turn"), "send_reply");

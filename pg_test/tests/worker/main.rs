@@ -9,8 +9,8 @@
 
 use outbox_e2e::cluster::{poll, unique, wait_for_workers, Cluster};
 use outbox_e2e::helpers::{
-    arm_fault, count, create_channel, enqueue_payload, enqueue_with, reset_setting, set_setting,
-    SettingsGuard, QUIET, SETTLE,
+    arm_fault, cluster_and_sim, count, create_channel, enqueue_payload, enqueue_with,
+    ledger_entries, reset_setting, set_setting, sim_channel, SettingsGuard, QUIET, SETTLE,
 };
 use outbox_e2e::sim::{Action, Received, Simulator};
 use postgres::{Client, NoTls};
