@@ -2,10 +2,7 @@
 # The full test suite: pure Rust tests and #[pg_test]s (cargo pgrx test), then the
 # end-to-end tests against a real cluster with the worker and the provider simulator.
 #   OUTBOX_SOAK_FULL=1 scripts/test.sh   also runs the full-size soak (10,000 messages)
-set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export PATH="$HOME/.cargo/bin:$PATH"
+source "$(dirname "$0")/lib.sh"
 
 bash scripts/setup.sh
 
@@ -18,7 +15,6 @@ export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_test}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54816}
 export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
 bash scripts/cluster.sh install
-bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
-bash scripts/cluster.sh start
+fresh_cluster
 trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true' EXIT
 cargo test -p outbox_e2e --release -- --test-threads=1
