@@ -63,6 +63,17 @@ const EXTENSION_ROLES: [&str; 4] = [
 // Helpers (local to this file)
 // ---------------------------------------------------------------------------------------
 
+/// The functions that administer channels and tenant bindings: outbox_admin's alone among
+/// the extension's roles, and SECURITY DEFINER.
+const ADMINISTRATION: [&str; 6] = [
+    "create_channel",
+    "alter_channel",
+    "pause_channel",
+    "resume_channel",
+    "bind_tenant",
+    "unbind_tenant",
+];
+
 /// How every test here starts: the lock that runs them one at a time, the cluster, and a
 /// superuser connection.
 fn start() -> (MutexGuard<'static, ()>, Cluster, Client) {
