@@ -221,6 +221,24 @@ pub fn wait_for_count(
     .is_some()
 }
 
+/// The effect key of message `id`.
+pub fn effect_key_of(c: &mut impl GenericClient, id: i64) -> String {
+    one(
+        c,
+        "SELECT effect_key FROM outbox.messages WHERE id = $1",
+        &[&id],
+    )
+}
+
+/// The provider's id of message `id` (`outbox.messages.external_id`), if one was read.
+pub fn external_id_of(c: &mut impl GenericClient, id: i64) -> Option<String> {
+    one(
+        c,
+        "SELECT external_id FROM outbox.messages WHERE id = $1",
+        &[&id],
+    )
+}
+
 /// How many ledger entries message `id` has (0 or 1).
 pub fn ledger_entries(c: &mut impl GenericClient, id: i64) -> i64 {
     count(
@@ -249,6 +267,62 @@ pub fn wait_state(cluster: &Cluster, id: i64, state: &str) {
             cluster.log_path().display()
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Attempts
+// ---------------------------------------------------------------------------------------
+
+/// One row of `outbox.attempts`.
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    pub attempt: i32,
+    pub kind: String,
+    pub outcome: Option<String>,
+    pub error_class: Option<String>,
+    pub http_status: Option<i32>,
+    pub error: Option<String>,
+    pub external_id: Option<String>,
+    pub effect_key_sent: Option<String>,
+    pub retry_after_ms: Option<i64>,
+    pub worker_pid: Option<i32>,
+    /// `started_at` in unix milliseconds.
+    pub started_ms: f64,
+    /// `finished_at` in unix milliseconds.
+    pub finished_ms: Option<f64>,
+    /// `started_at` in unix microseconds.
+    pub started_at_us: i64,
+}
+
+/// The attempts of message `id`, in the order they were made.
+pub fn attempts(c: &mut impl GenericClient, id: i64) -> Vec<Attempt> {
+    c.query(
+        "SELECT attempt, kind, outcome, error_class::text, http_status, error, external_id,
+                effect_key_sent, retry_after_ms, worker_pid,
+                (extract(epoch FROM started_at) * 1000)::float8,
+                (extract(epoch FROM finished_at) * 1000)::float8,
+                (extract(epoch FROM started_at) * 1000000)::int8
+           FROM outbox.attempts WHERE message_id = $1 ORDER BY attempt_id",
+        &[&id],
+    )
+    .unwrap_or_else(|e| panic!("read the attempts of message {id}: {}", describe(&e)))
+    .iter()
+    .map(|r| Attempt {
+        attempt: r.get(0),
+        kind: r.get(1),
+        outcome: r.get(2),
+        error_class: r.get(3),
+        http_status: r.get(4),
+        error: r.get(5),
+        external_id: r.get(6),
+        effect_key_sent: r.get(7),
+        retry_after_ms: r.get(8),
+        worker_pid: r.get(9),
+        started_ms: r.get(10),
+        finished_ms: r.get(11),
+        started_at_us: r.get(12),
+    })
+    .collect()
 }
 
 // ---------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 //! not at all.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
-use outbox_e2e::helpers::{arm_fault, cluster_and_sim, ledger_recorded_by};
+use outbox_e2e::helpers::{
+    arm_fault, cluster_and_sim, effect_key_of, external_id_of, ledger_recorded_by,
+};
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::Client;
 use std::time::Duration;
@@ -123,13 +125,7 @@ fn effect_runs_as_its_least_privilege_role() {
         .unwrap()
         .get(0);
     assert!(wait_for_state(&cluster, id, "delivered", T));
-    let ext: Option<String> = c
-        .query_one(
-            "SELECT external_id FROM outbox.messages WHERE id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let ext = external_id_of(&mut c, id);
     assert_eq!(
         ext,
         Some(format!("{s}_effects")),
@@ -292,13 +288,7 @@ fn transient_sql_errors_retry_and_permanent_ones_fail_with_their_sqlstate() {
         .unwrap()
         .get(0);
     assert_eq!(calls, 3, "three calls");
-    let key: String = c
-        .query_one(
-            "SELECT effect_key FROM outbox.messages WHERE id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let key = effect_key_of(&mut c, id);
     assert_eq!(
         tasks(&mut c, &s, &key),
         1,

@@ -5,7 +5,8 @@
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_until};
 use outbox_e2e::helpers::{
-    cluster_and_sim, create_channel, enqueue, ledger_recorded_by, sim_channel,
+    cluster_and_sim, create_channel, effect_key_of, enqueue, external_id_of, ledger_recorded_by,
+    sim_channel,
 };
 use outbox_e2e::sim::{Action, LookupAction};
 use postgres::Client;
@@ -62,13 +63,7 @@ fn deduping_channel_retries_with_the_same_key_and_the_provider_keeps_one() {
         keys.iter().all(|k| k == &key),
         "the key was the same on both requests: {keys:?}"
     );
-    let ext: Option<String> = c
-        .query_one(
-            "SELECT external_id FROM outbox.messages WHERE id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let ext = external_id_of(&mut c, id);
     assert_eq!(
         ext.as_deref(),
         Some(sim.stored(&ch)[0].external_id.as_str())
@@ -149,13 +144,7 @@ fn channel_with_neither_stops_in_uncertain_for_an_operator() {
 
     // The operator checked with the provider: it has it. resolve() writes the ledger, so a
     // later enqueue of the same effect key (even after the message row is gone) sends nothing.
-    let key: String = c
-        .query_one(
-            "SELECT effect_key FROM outbox.messages WHERE id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let key = effect_key_of(&mut c, id);
     let after: String = c
         .query_one("SELECT outbox.resolve($1, 'delivered', 'seen in the provider console', 'prov-1')::text", &[&id])
         .unwrap()

@@ -211,29 +211,24 @@ fn a_channel_may_read_a_longer_body() {
     );
     assert_eq!(code_of(&refused.expect_err("over the 16 MiB max")), "22023");
 
-    // The largest limit: a 10 MB answer is read whole, nothing to note.
-    let (long, id) = deliver_one(
-        &mut c,
-        &cluster,
-        r#"{"external_id": "/id", "max_response_bytes": 16777216}"#,
-        10_000_000,
-    );
-    assert!(
-        long.external_id.as_deref() == Some(id.as_str())
-            && long.last_error.is_none()
-            && long.attempt_error.is_none(),
-        "want external id {id:?} and no error: {long:?}"
-    );
-
-    // A short limit: the id at the start is still read.
-    let (short, id) = deliver_one(
-        &mut c,
-        &cluster,
-        r#"{"external_id": "/id", "max_response_bytes": 4096}"#,
-        10_000,
-    );
-    assert!(
-        short.external_id.as_deref() == Some(id.as_str()) && no_error(&short),
-        "want external id {id:?} and no error: {short:?}"
-    );
+    for (limit, options, answer_bytes) in [
+        // The largest limit: a 10 MB answer is read whole, nothing to note.
+        (
+            "the largest limit",
+            r#"{"external_id": "/id", "max_response_bytes": 16777216}"#,
+            10_000_000,
+        ),
+        // A short limit: the id at the start is still read.
+        (
+            "a short limit",
+            r#"{"external_id": "/id", "max_response_bytes": 4096}"#,
+            10_000,
+        ),
+    ] {
+        let (got, id) = deliver_one(&mut c, &cluster, options, answer_bytes);
+        assert!(
+            got.external_id.as_deref() == Some(id.as_str()) && no_error(&got),
+            "{limit}: want external id {id:?} and no error: {got:?}"
+        );
+    }
 }

@@ -7,7 +7,9 @@
 //! Run: `cargo test -p outbox_e2e --release --test retry -- --test-threads=1`.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
-use outbox_e2e::helpers::{cluster_and_sim, create_channel, enqueue, ledger_entries, sim_channel};
+use outbox_e2e::helpers::{
+    attempts, cluster_and_sim, create_channel, enqueue, ledger_entries, sim_channel, Attempt,
+};
 use outbox_e2e::sim::{Action, Received};
 use postgres::Client;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -18,45 +20,9 @@ const LONG: Duration = Duration::from_secs(30);
 // helpers (local to this file)
 // ---------------------------------------------------------------------------------------
 
-/// One row of `outbox.attempts`; times in unix ms.
-#[derive(Debug, Clone)]
-struct AttemptRow {
-    attempt: i32,
-    kind: String,
-    started_ms: f64,
-    finished_ms: Option<f64>,
-    outcome: Option<String>,
-    error_class: Option<String>,
-    http_status: Option<i32>,
-    error: Option<String>,
-    retry_after_ms: Option<i64>,
-    effect_key_sent: Option<String>,
-}
-
-fn attempts(c: &mut Client, id: i64) -> Vec<AttemptRow> {
-    c.query(
-        "SELECT attempt, kind,
-                (extract(epoch FROM started_at) * 1000)::float8,
-                (extract(epoch FROM finished_at) * 1000)::float8,
-                outcome, error_class::text, http_status, error, retry_after_ms, effect_key_sent
-           FROM outbox.attempts WHERE message_id = $1 ORDER BY attempt_id",
-        &[&id],
-    )
-    .expect("read outbox.attempts")
-    .iter()
-    .map(|r| AttemptRow {
-        attempt: r.get(0),
-        kind: r.get(1),
-        started_ms: r.get(2),
-        finished_ms: r.get(3),
-        outcome: r.get(4),
-        error_class: r.get(5),
-        http_status: r.get(6),
-        error: r.get(7),
-        retry_after_ms: r.get(8),
-        effect_key_sent: r.get(9),
-    })
-    .collect()
+/// An answer with HTTP `status` and a `Retry-After: value` header.
+fn retry_after(status: u16, value: &str) -> Action {
+    Action::StatusWithHeaders(status, vec![("Retry-After".into(), value.into())])
 }
 
 /// A message as `outbox.messages` shows it, plus the stored `next_attempt_at` (the view
@@ -143,7 +109,7 @@ fn wait_in_backoff(c: &mut Client, id: i64, n: i32) -> MessageRow {
     m
 }
 
-fn send_attempts(rows: &[AttemptRow]) -> Vec<AttemptRow> {
+fn send_attempts(rows: &[Attempt]) -> Vec<Attempt> {
     rows.iter().filter(|a| a.kind == "send").cloned().collect()
 }
 
@@ -241,13 +207,7 @@ fn transient_503_three_times_then_delivered_with_growing_gaps() {
 fn retry_after_429_delays_the_next_attempt() {
     let (cluster, mut c, sim) = cluster_and_sim();
     let ch = sim_channel(&mut c, &sim, "rt_429", r#"{"retry": {"base_ms": 100}}"#);
-    sim.set_plan(
-        &ch,
-        vec![Action::StatusWithHeaders(
-            429,
-            vec![("Retry-After".into(), "2".into())],
-        )],
-    );
+    sim.set_plan(&ch, vec![retry_after(429, "2")]);
     let id = enqueue(&mut c, &ch, &unique("rt_429_key"));
     expect_state(&cluster, &mut c, id, "delivered");
 
@@ -747,13 +707,7 @@ fn garbage_retry_after_is_recorded_and_ignored() {
         "rt_soon",
         r#"{"retry": {"base_ms": 300, "jitter": "none"}}"#,
     );
-    sim.set_plan(
-        &ch,
-        vec![Action::StatusWithHeaders(
-            503,
-            vec![("Retry-After".into(), "soon".into())],
-        )],
-    );
+    sim.set_plan(&ch, vec![retry_after(503, "soon")]);
     let id = enqueue(&mut c, &ch, &unique("rt_soon_key"));
     expect_state(&cluster, &mut c, id, "delivered");
 

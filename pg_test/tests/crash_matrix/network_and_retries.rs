@@ -125,14 +125,8 @@ pub(super) fn network_cut(scenario: &str) -> Vec<Row> {
 // ---------------------------------------------------------------------------------------
 
 pub(super) fn restart_during_backoff(scenario: &str) -> Vec<Row> {
-    let cluster = Cluster::from_env();
-    let before = wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
     let retry = r#"{"base_ms": 5000, "max_ms": 5000, "jitter": "none"}"#;
-    let chans = make_channels(&mut c, &sim, "bo", retry, &json!({}), &|ch| {
-        sim.send_url(ch)
-    });
+    let (cluster, before, sim, mut c, chans) = start_with_channels("bo", retry);
     for (_, ch) in &chans {
         sim.set_plan(ch, vec![Action::Status(503)]);
     }

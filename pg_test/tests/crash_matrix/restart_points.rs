@@ -18,13 +18,7 @@ pub(super) enum ClientKill {
 }
 
 pub(super) fn client_dies(scenario: &str, how: ClientKill) -> Vec<Row> {
-    let cluster = Cluster::from_env();
-    let before = wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
-    let chans = make_channels(&mut c, &sim, "p1", FAST_RETRY, &json!({}), &|ch| {
-        sim.send_url(ch)
-    });
+    let (cluster, before, sim, mut c, chans) = start_with_channels("p1", FAST_RETRY);
     let keys: Vec<String> = chans
         .iter()
         .map(|(k, _)| unique(&format!("p1_{}", k.short())))
@@ -268,18 +262,8 @@ pub(super) fn after_claim_kill9(scenario: &str) -> Vec<Row> {
         &json!({"connect_timeout_ms": 60000, "timeout_ms": 60000}),
         &|ch| hole.url(ch),
     );
-    let lanes = enqueue_all(&mut c, &chans, None);
-    let ids: Vec<i64> = lanes.iter().map(|l| l.id).collect();
     // Claimed: state sending, attempt row written; the worker now hangs in connect().
-    let claimed = poll(&cluster, CRASH_SETTLE, |c| {
-        for id in &ids {
-            if state_attempts(c, *id)?.map(|(s, _)| s) != Some("sending".into()) {
-                return Ok(None);
-            }
-        }
-        Ok(Some(()))
-    });
-    assert!(claimed.is_some(), "the messages were not claimed");
+    let (lanes, ids) = enqueue_all_claimed(&cluster, &mut c, &chans);
     std::thread::sleep(Duration::from_millis(300));
     assert!(!hole.reachable(), "the endpoint became reachable");
     let owners = attempt_owners(&mut c, &ids);
@@ -319,13 +303,7 @@ pub(super) fn after_claim_kill9(scenario: &str) -> Vec<Row> {
 // ---------------------------------------------------------------------------------------
 
 pub(super) fn after_send_kill9(scenario: &str) -> Vec<Row> {
-    let cluster = Cluster::from_env();
-    let before = wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
-    let chans = make_channels(&mut c, &sim, "p3k", FAST_RETRY, &json!({}), &|ch| {
-        sim.send_url(ch)
-    });
+    let (cluster, before, sim, mut c, chans) = start_with_channels("p3k", FAST_RETRY);
     for (_, ch) in &chans {
         sim.set_default(ch, Action::Hang { store: true });
     }
@@ -369,27 +347,11 @@ pub(super) fn after_send_kill9(scenario: &str) -> Vec<Row> {
 // ---------------------------------------------------------------------------------------
 
 pub(super) fn before_commit_immediate_stop(scenario: &str) -> Vec<Row> {
-    let cluster = Cluster::from_env();
-    let before = wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
-    let chans = make_channels(&mut c, &sim, "p4k", FAST_RETRY, &json!({}), &|ch| {
-        sim.send_url(ch)
-    });
+    let (cluster, before, sim, mut c, chans) = start_with_channels("p4k", FAST_RETRY);
     for (_, ch) in &chans {
         sim.set_default(ch, Action::AcceptAfter(Duration::from_millis(2500)));
     }
-    let lanes = enqueue_all(&mut c, &chans, None);
-    let ids: Vec<i64> = lanes.iter().map(|l| l.id).collect();
-    let claimed = poll(&cluster, CRASH_SETTLE, |c| {
-        for id in &ids {
-            if state_attempts(c, *id)?.map(|(s, _)| s) != Some("sending".into()) {
-                return Ok(None);
-            }
-        }
-        Ok(Some(()))
-    });
-    assert!(claimed.is_some(), "the messages were not claimed");
+    let (lanes, ids) = enqueue_all_claimed(&cluster, &mut c, &chans);
     // Hold the message rows: the worker's record transaction (which must update them) will
     // wait for this lock after it has read the answer.
     let mut locker = cluster.connect();
@@ -421,17 +383,15 @@ pub(super) fn before_commit_immediate_stop(scenario: &str) -> Vec<Row> {
     // ... and every worker that owns one of the attempts has read it and waits on our lock
     // inside its record transaction.
     let owners = attempt_owners(&mut c, &ids);
-    let waiting = poll(&cluster, Duration::from_secs(20), |c| {
-        let n: i64 = c
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1) AND wait_event_type = 'Lock'",
-                &[&owners],
-            )?
-            .get(0);
-        Ok((n as usize == owners.len()).then_some(()))
-    });
+    let waiting = wait_for_count(
+        &cluster,
+        Duration::from_secs(20),
+        "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1) AND wait_event_type = 'Lock'",
+        &[&owners],
+        |n| n as usize == owners.len(),
+    );
     assert!(
-        waiting.is_some(),
+        waiting,
         "the workers {owners:?} did not block in their record transaction"
     );
     let mut probe = cluster.connect();
@@ -459,4 +419,25 @@ pub(super) fn before_commit_immediate_stop(scenario: &str) -> Vec<Row> {
         &after_provider_has_it("accepted"),
         &no_extra,
     )
+}
+
+/// One message a lane ([`enqueue_all`]), then waits until every one is claimed: state
+/// `sending`, its attempt row written. Returns the lanes and the message ids.
+fn enqueue_all_claimed(
+    cluster: &Cluster,
+    c: &mut Client,
+    chans: &[(Kind, String)],
+) -> (Vec<Lane>, Vec<i64>) {
+    let lanes = enqueue_all(c, chans, None);
+    let ids: Vec<i64> = lanes.iter().map(|l| l.id).collect();
+    let claimed = poll(cluster, CRASH_SETTLE, |c| {
+        for id in &ids {
+            if state_attempts(c, *id)?.map(|(s, _)| s) != Some("sending".into()) {
+                return Ok(None);
+            }
+        }
+        Ok(Some(()))
+    });
+    assert!(claimed.is_some(), "the messages were not claimed");
+    (lanes, ids)
 }

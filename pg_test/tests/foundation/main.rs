@@ -8,7 +8,7 @@
 
 use outbox_e2e::cluster::{state_of, unique, wait_for_state, wait_until, Cluster};
 use outbox_e2e::helpers::{
-    cluster_and_sim, count, create_channel, enqueue, sim_channel, try_enqueue,
+    cluster_and_sim, count, create_channel, enqueue, one, sim_channel, try_enqueue,
 };
 use outbox_e2e::sim::Simulator;
 use postgres::error::DbError;

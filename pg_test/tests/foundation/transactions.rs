@@ -173,6 +173,25 @@ struct SecondSession {
     notices: Vec<DbError>,
 }
 
+impl SecondSession {
+    /// The id session B's enqueue returned; panics unless B enqueued and committed.
+    fn committed_id(&self) -> i64 {
+        let id = self.enqueue.clone().expect("session B's enqueue failed");
+        assert_eq!(self.commit, Ok(()), "session B's COMMIT");
+        id
+    }
+}
+
+/// The id of the one message row with effect key `key`; panics unless there is exactly one.
+fn only_message_with_key(c: &mut Client, key: &str) -> i64 {
+    assert_eq!(messages_with_key(c, key), 1, "exactly one row for the key");
+    one(
+        c,
+        "SELECT id FROM outbox.messages WHERE effect_key = $1",
+        &[&key],
+    )
+}
+
 /// Session A enqueues `key` and keeps its transaction open; session B (another thread)
 /// enqueues the same key and must block on the unique index until A ends. `a_commits`
 /// decides how A ends. Returns (A's id, what B got).
@@ -249,8 +268,7 @@ fn concurrent_enqueue_of_same_key_first_commits_both_get_same_id() {
     let key = unique("race_commit");
 
     let (id_a, b) = race_same_key(&cluster, &ch, &key, true);
-    let id_b = b.enqueue.clone().expect("session B's enqueue failed");
-    assert_eq!(b.commit, Ok(()), "session B's COMMIT");
+    let id_b = b.committed_id();
     assert_eq!(id_b, id_a, "both sessions must get the same message id");
     assert!(
         b.notices.is_empty(),
@@ -258,18 +276,7 @@ fn concurrent_enqueue_of_same_key_first_commits_both_get_same_id() {
         describe_notices(&b.notices)
     );
 
-    assert_eq!(
-        messages_with_key(&mut c, &key),
-        1,
-        "exactly one row for the key"
-    );
-    let row_id: i64 = c
-        .query_one(
-            "SELECT id FROM outbox.messages WHERE effect_key = $1",
-            &[&key],
-        )
-        .unwrap()
-        .get(0);
+    let row_id = only_message_with_key(&mut c, &key);
     assert_eq!(row_id, id_a);
 
     assert!(
@@ -297,8 +304,7 @@ fn concurrent_enqueue_of_same_key_first_rolls_back_second_gets_fresh_id() {
     let key = unique("race_rollback");
 
     let (id_a, b) = race_same_key(&cluster, &ch, &key, false);
-    let id_b = b.enqueue.clone().expect("session B's enqueue failed");
-    assert_eq!(b.commit, Ok(()), "session B's COMMIT");
+    let id_b = b.committed_id();
     assert_ne!(
         id_b, id_a,
         "session B must get a fresh id after A rolled back"
@@ -309,18 +315,7 @@ fn concurrent_enqueue_of_same_key_first_rolls_back_second_gets_fresh_id() {
         describe_notices(&b.notices)
     );
 
-    assert_eq!(
-        messages_with_key(&mut c, &key),
-        1,
-        "exactly one row for the key"
-    );
-    let row_id: i64 = c
-        .query_one(
-            "SELECT id FROM outbox.messages WHERE effect_key = $1",
-            &[&key],
-        )
-        .unwrap()
-        .get(0);
+    let row_id = only_message_with_key(&mut c, &key);
     assert_eq!(row_id, id_b);
     assert_eq!(
         status(&mut c, id_a),

@@ -46,20 +46,11 @@ fn queue_age_alert_is_raised_by_a_stuck_channel_and_clears_when_it_drains() {
     }
 
     // The alert appears once a due message has waited more than 1 s.
-    let mut seen: Vec<AlertRow> = Vec::new();
-    let raised = wait_until(Duration::from_secs(10), || {
-        seen = alerts_of(&mut c, &ch);
-        seen.iter().any(|a| a.alert == "queue_age")
-    });
-    assert!(raised, "no queue_age alert for {ch}; alerts: {seen:?}");
+    wait_for_alert(&mut c, &ch, "queue_age", Duration::from_secs(10));
 
     // Read alert, metrics and the oldest due queued message in one snapshot (one now()).
     {
-        let mut tx = c
-            .build_transaction()
-            .isolation_level(IsolationLevel::RepeatableRead)
-            .start()
-            .unwrap();
+        let mut tx = snapshot(&mut c);
         let rows = alerts_of(&mut tx, &ch);
         let qa: Vec<&AlertRow> = rows.iter().filter(|a| a.alert == "queue_age").collect();
         let m = metrics_of(&mut tx, &ch);
@@ -155,18 +146,9 @@ fn error_streak_alert_follows_503s_and_clears_on_delivery() {
     sim.set_default(&ch, Action::Status(503));
     let id = enqueue(&mut c, &ch, &unique("obs_streak_k"));
 
-    let mut seen: Vec<AlertRow> = Vec::new();
-    let raised = wait_until(SETTLE, || {
-        seen = alerts_of(&mut c, &ch);
-        seen.iter().any(|a| a.alert == "error_streak")
-    });
-    assert!(raised, "no error_streak alert for {ch}; alerts: {seen:?}");
+    wait_for_alert(&mut c, &ch, "error_streak", SETTLE);
     {
-        let mut tx = c
-            .build_transaction()
-            .isolation_level(IsolationLevel::RepeatableRead)
-            .start()
-            .unwrap();
+        let mut tx = snapshot(&mut c);
         let rows = alerts_of(&mut tx, &ch);
         let m = metrics_of(&mut tx, &ch);
         // When the first two attempts started, for `since`.
@@ -256,11 +238,7 @@ fn terminal_failure_alert_on_401_clears_on_cancel() {
     wait_state(&cluster, id, "failed");
 
     let (rows, updated_age): (Vec<AlertRow>, f64) = {
-        let mut tx = c
-            .build_transaction()
-            .isolation_level(IsolationLevel::RepeatableRead)
-            .start()
-            .unwrap();
+        let mut tx = snapshot(&mut c);
         let rows = alerts_of(&mut tx, &ch);
         let age: f64 = tx
             .query_one(

@@ -74,6 +74,24 @@ fn alert_row(r: &postgres::Row) -> AlertRow {
     }
 }
 
+/// Waits until `alert` shows for channel `ch`; panics with the alerts last seen.
+fn wait_for_alert(c: &mut Client, ch: &str, alert: &str, timeout: Duration) {
+    let mut seen: Vec<AlertRow> = Vec::new();
+    let raised = wait_until(timeout, || {
+        seen = alerts_of(c, ch);
+        seen.iter().any(|a| a.alert == alert)
+    });
+    assert!(raised, "no {alert} alert for {ch}; alerts: {seen:?}");
+}
+
+/// A repeatable-read transaction: what it reads is one snapshot, at one `now()`.
+fn snapshot(c: &mut Client) -> postgres::Transaction<'_> {
+    c.build_transaction()
+        .isolation_level(IsolationLevel::RepeatableRead)
+        .start()
+        .unwrap()
+}
+
 fn alerts_of<C: postgres::GenericClient>(c: &mut C, channel: &str) -> Vec<AlertRow> {
     c.query(
         &format!("SELECT {ALERT_COLUMNS} FROM outbox.alerts WHERE channel = $1 ORDER BY alert"),

@@ -51,11 +51,7 @@ fn prometheus_exposition_parses_and_matches_metrics_and_alerts() {
 
     // One snapshot: the text, the metrics and the alerts it was made from.
     let (text, metrics, alerts, workers) = {
-        let mut tx = c
-            .build_transaction()
-            .isolation_level(IsolationLevel::RepeatableRead)
-            .start()
-            .unwrap();
+        let mut tx = snapshot(&mut c);
         let text = prometheus_text(&mut tx);
         let metrics = all_channel_metrics(&mut tx);
         let alerts: Vec<AlertRow> = tx

@@ -123,17 +123,15 @@ fn two_workers_never_send_the_same_message() {
         tx.commit().unwrap();
     }
 
-    let done = poll(&cluster, Duration::from_secs(120), |c| {
-        let n: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'delivered'",
-                &[&ch],
-            )?
-            .get(0);
-        Ok((n as usize == N).then_some(()))
-    });
+    let done = wait_for_count(
+        &cluster,
+        Duration::from_secs(120),
+        "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'delivered'",
+        &[&ch],
+        |n| n as usize == N,
+    );
     let states = states_of(&mut c, &ch);
-    assert!(done.is_some(), "not all delivered: {states:?}");
+    assert!(done, "not all delivered: {states:?}");
 
     let sends = sim.sends(&ch);
     let mut seen: HashMap<String, usize> = HashMap::new();
@@ -226,19 +224,14 @@ fn a_deep_backlog_on_one_channel_does_not_starve_another() {
         .iter()
         .map(|q| enqueue_payload(&mut c, q, r#"{"n": "alone"}"#, &unique("w_quiet_k")))
         .collect();
-    let delivered = poll(&cluster, SETTLE, |c| {
-        let done: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'delivered'",
-                &[&ids],
-            )?
-            .get(0);
-        Ok((done == 2).then_some(()))
-    });
-    assert!(
-        delivered.is_some(),
-        "the quiet channels' messages were not delivered"
+    let delivered = wait_for_count(
+        &cluster,
+        SETTLE,
+        "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'delivered'",
+        &[&ids],
+        |done| done == 2,
     );
+    assert!(delivered, "the quiet channels' messages were not delivered");
     pause_and_settle(&cluster, &mut c, &busy);
     // How far the backlog had gone when the later quiet message was delivered, from the
     // worker's own records (not from when this test happened to look): the busy messages

@@ -11,17 +11,16 @@ fn kill_9_mid_batch_on_deduping_channel_stores_each_effect_once() {
     let cluster = Cluster::from_env();
     let pids_before = wait_for_workers(&cluster, &[]);
     let sim = Simulator::start();
-    let ch = unique("w_kill");
-    sim.set_dedupe(&ch, "Idempotency-Key");
-    sim.set_default(&ch, Action::Hang { store: true });
     let mut c = cluster.connect();
-    create_channel(
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "w_kill",
         r#"{"idempotency_header": "Idempotency-Key", "external_id": "/id",
             "retry": {"base_ms": 200, "max_ms": 1000, "jitter": "none"}}"#,
     );
+    sim.set_dedupe(&ch, "Idempotency-Key");
+    sim.set_default(&ch, Action::Hang { store: true });
     let keys: Vec<String> = (0..5).map(|i| unique(&format!("k9_{i}"))).collect();
     let ids: Vec<i64> = {
         let mut tx = c.transaction().unwrap();
