@@ -7,7 +7,7 @@
 //! end, even when they fail. Run with `--test-threads=1`.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_for_workers, wait_until, Cluster};
-use outbox_e2e::helpers::{cluster_and_sim, enqueue, sim_channel};
+use outbox_e2e::helpers::{cluster_and_sim, count, enqueue, sim_channel};
 use postgres::Client;
 use std::time::Duration;
 
@@ -110,13 +110,11 @@ fn a_destination_outside_the_list_is_refused_when_created() {
         placeholder.starts_with("22023"),
         "a placeholder in the host: {placeholder}"
     );
-    let n: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox._channels WHERE name = $1",
-            &[&name],
-        )
-        .unwrap()
-        .get(0);
+    let n = count(
+        &mut c,
+        "SELECT count(*) FROM outbox._channels WHERE name = $1",
+        &[&name],
+    );
     assert_eq!(n, 0, "nothing was written");
     assert_eq!(
         sqlstate_of(

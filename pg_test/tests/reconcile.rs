@@ -4,10 +4,7 @@
 //! the operator's actions are checked against the provider and the audit log.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_until};
-use outbox_e2e::helpers::{
-    cluster_and_sim, create_channel, effect_key_of, enqueue, external_id_of, ledger_recorded_by,
-    sim_channel,
-};
+use outbox_e2e::helpers::{cluster_and_sim, count, create_channel, effect_key_of, enqueue, external_id_of, ledger_recorded_by, one, sim_channel};
 use outbox_e2e::sim::{Action, LookupAction};
 use postgres::Client;
 use std::time::Duration;
@@ -120,13 +117,11 @@ fn channel_with_neither_stops_in_uncertain_for_an_operator() {
     assert!(wait_for_state(&cluster, id, "uncertain", T));
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(sim.send_count(&ch), 1, "0 resends");
-    let rows: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.work_queue WHERE id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let rows = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.work_queue WHERE id = $1",
+        &[&id],
+    );
     assert_eq!(rows, 1, "one work-queue row");
     let (reason, action): (String, String) = c
         .query_one(
@@ -213,13 +208,11 @@ fn manual_retry_reconciles_first_and_resends_with_the_same_key() {
         .iter()
         .filter(|r| r.kind == "lookup")
         .count();
-    let after: String = c
-        .query_one(
-            "SELECT outbox.retry($1, 'customer says nothing arrived')::text",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let after: String = one(
+        &mut c,
+        "SELECT outbox.retry($1, 'customer says nothing arrived')::text",
+        &[&id],
+    );
     assert_eq!(after, "queued");
     let lookups_after = sim
         .requests(&ch)

@@ -7,9 +7,7 @@
 //! Run: `cargo test -p outbox_e2e --release --test retry -- --test-threads=1`.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
-use outbox_e2e::helpers::{
-    attempts, cluster_and_sim, create_channel, enqueue, ledger_entries, sim_channel, Attempt,
-};
+use outbox_e2e::helpers::{Attempt, attempts, cluster_and_sim, count, create_channel, enqueue, ledger_entries, one, sim_channel};
 use outbox_e2e::sim::{Action, Received};
 use postgres::Client;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -354,13 +352,11 @@ fn classify_override_409_delivered() {
     assert_eq!(rows.len(), 1, "{rows:#?}");
     assert_eq!(rows[0].outcome.as_deref(), Some("delivered"));
     assert_eq!(rows[0].http_status, Some(409));
-    let ledger: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE effect_key = $1 AND message_id = $2",
-            &[&key, &id],
-        )
-        .unwrap()
-        .get(0);
+    let ledger = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.ledger WHERE effect_key = $1 AND message_id = $2",
+        &[&key, &id],
+    );
     assert_eq!(ledger, 1, "a delivered message has its ledger entry");
     std::thread::sleep(Duration::from_millis(1000));
     assert_eq!(sim.send_count(&ch), 1);
@@ -426,13 +422,11 @@ fn altered_policy_applies_to_a_message_in_backoff() {
     assert_eq!(m.max_attempts, Some(2), "{m:?}");
     assert_eq!(m.state, "queued", "{m:?}");
     // The merge kept the other retry keys.
-    let base: Option<i64> = c
-        .query_one(
-            "SELECT (options -> 'retry' ->> 'base_ms')::int8 FROM outbox.channels WHERE name = $1",
-            &[&ch],
-        )
-        .unwrap()
-        .get(0);
+    let base: Option<i64> = one(
+        &mut c,
+        "SELECT (options -> 'retry' ->> 'base_ms')::int8 FROM outbox.channels WHERE name = $1",
+        &[&ch],
+    );
     assert_eq!(base, Some(60000));
 
     let n = c
@@ -569,13 +563,11 @@ fn jitter_spreads_a_hundred_simultaneous_failures() {
         for i in 0..N {
             let key = format!("{ch}_k{i}");
             let payload = format!(r#"{{"n": {i}}}"#);
-            let id: i64 = tx
-                .query_one(
-                    "SELECT outbox.enqueue($1, $2::text::jsonb, $3)",
-                    &[&ch, &payload, &key],
-                )
-                .unwrap()
-                .get(0);
+            let id: i64 = one(
+                &mut tx,
+                "SELECT outbox.enqueue($1, $2::text::jsonb, $3)",
+                &[&ch, &payload, &key],
+            );
             ids.push(id);
         }
         tx.commit().unwrap();
@@ -684,13 +676,11 @@ fn jitter_spreads_a_hundred_simultaneous_failures() {
         delivered(&mut c)
     );
     assert_eq!(sim.stored(&ch).len(), N);
-    let ledger: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE message_id = ANY($1)",
-            &[&ids],
-        )
-        .unwrap()
-        .get(0);
+    let ledger = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.ledger WHERE message_id = ANY($1)",
+        &[&ids],
+    );
     assert_eq!(ledger, N as i64);
 }
 

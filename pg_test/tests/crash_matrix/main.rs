@@ -24,9 +24,7 @@
 //! instead. Every server-wide setting changed here is reset by a guard, also on failure.
 
 use outbox_e2e::cluster::{poll, unique, wait_for_workers, Cluster};
-use outbox_e2e::helpers::{
-    arm_fault, cluster_and_sim, create_channel, try_enqueue, wait_for_count, QUIET,
-};
+use outbox_e2e::helpers::{QUIET, arm_fault, cluster_and_sim, count, create_channel, one, try_enqueue, wait_for_count};
 use outbox_e2e::sim::{Action, RandomFaults, Received, Simulator};
 use postgres::{Client, NoTls};
 use serde_json::{json, Value};

@@ -150,13 +150,11 @@ pub(super) fn restart_during_backoff(scenario: &str) -> Vec<Row> {
     drop(c);
     cluster.crash_restart();
     let mut c = cluster.connect();
-    let restarted_ms: f64 = c
-        .query_one(
-            "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::float8",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let restarted_ms: f64 = one(
+        &mut c,
+        "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::float8",
+        &[],
+    );
     let after = schedule(&mut c).unwrap();
     drop(c);
     let mut pre = Vec::new();

@@ -43,13 +43,11 @@ pub(super) fn client_dies(scenario: &str, how: ClientKill) -> Vec<Row> {
         .collect();
     // Three poll intervals: a worker that could see the rows would have claimed them.
     std::thread::sleep(Duration::from_millis(1500));
-    let visible: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox._messages WHERE effect_key = ANY($1)",
-            &[&keys],
-        )
-        .unwrap()
-        .get(0);
+    let visible = count(
+        &mut c,
+        "SELECT count(*) FROM outbox._messages WHERE effect_key = ANY($1)",
+        &[&keys],
+    );
     let mut pre = Vec::new();
     if visible != 0 {
         pre.push(format!(
@@ -92,20 +90,16 @@ pub(super) fn client_dies(scenario: &str, how: ClientKill) -> Vec<Row> {
 
     // Nothing exists, nothing was sent, nothing was claimed.
     let mut c = cluster.connect();
-    let rows: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox._messages WHERE effect_key = ANY($1)",
-            &[&keys],
-        )
-        .unwrap()
-        .get(0);
-    let ledger: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE effect_key = ANY($1)",
-            &[&keys],
-        )
-        .unwrap()
-        .get(0);
+    let rows = count(
+        &mut c,
+        "SELECT count(*) FROM outbox._messages WHERE effect_key = ANY($1)",
+        &[&keys],
+    );
+    let ledger = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.ledger WHERE effect_key = ANY($1)",
+        &[&keys],
+    );
     if rows != 0 || ledger != 0 {
         pre.push(format!(
             "after the kill: {rows} message row(s), {ledger} ledger row(s)"
@@ -395,13 +389,11 @@ pub(super) fn before_commit_immediate_stop(scenario: &str) -> Vec<Row> {
         "the workers {owners:?} did not block in their record transaction"
     );
     let mut probe = cluster.connect();
-    let ledger: i64 = probe
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE message_id = ANY($1)",
-            &[&ids],
-        )
-        .unwrap()
-        .get(0);
+    let ledger = count(
+        &mut probe,
+        "SELECT count(*) FROM outbox.ledger WHERE message_id = ANY($1)",
+        &[&ids],
+    );
     assert_eq!(ledger, 0, "nothing recorded yet");
     drop(probe);
     drop(c);

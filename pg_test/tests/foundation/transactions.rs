@@ -237,13 +237,11 @@ fn race_same_key(cluster: &Cluster, ch: &str, key: &str, a_commits: bool) -> (i6
         "session B's enqueue of the same key did not block on session A's open transaction (finished: {})",
         second.is_finished()
     );
-    let wait_event: Option<String> = watcher
-        .query_one(
-            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1",
-            &[&b_pid],
-        )
-        .unwrap()
-        .get(0);
+    let wait_event: Option<String> = one(
+        &mut watcher,
+        "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1",
+        &[&b_pid],
+    );
     assert_eq!(wait_event.as_deref(), Some("Lock"));
     assert!(
         !second.is_finished(),

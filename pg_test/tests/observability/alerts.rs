@@ -54,15 +54,13 @@ fn queue_age_alert_is_raised_by_a_stuck_channel_and_clears_when_it_drains() {
         let rows = alerts_of(&mut tx, &ch);
         let qa: Vec<&AlertRow> = rows.iter().filter(|a| a.alert == "queue_age").collect();
         let m = metrics_of(&mut tx, &ch);
-        let head: Option<f64> = tx
-            .query_one(
-                "SELECT extract(epoch FROM now() - min(m.next_attempt_at))::float8
+        let head: Option<f64> = one(
+            &mut tx,
+            "SELECT extract(epoch FROM now() - min(m.next_attempt_at))::float8
                    FROM outbox._messages m JOIN outbox._channels c ON c.id = m.channel_id
                   WHERE c.name = $1 AND m.state = 'queued' AND m.next_attempt_at <= now()",
-                &[&ch],
-            )
-            .unwrap()
-            .get(0);
+            &[&ch],
+        );
         tx.commit().unwrap();
         // The channel stays blocked for ~4.5 s, long after the alert first showed.
         assert!(
@@ -215,13 +213,11 @@ fn error_streak_alert_follows_503s_and_clears_on_delivery() {
         sends - 1,
         "every 503 the provider answered is one failed attempt: {m:?}"
     );
-    let attempts: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.attempts WHERE message_id = $1 AND kind = 'send'",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let attempts = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.attempts WHERE message_id = $1 AND kind = 'send'",
+        &[&id],
+    );
     assert_eq!(attempts, sends, "one attempt row per request");
 }
 
@@ -240,13 +236,7 @@ fn terminal_failure_alert_on_401_clears_on_cancel() {
     let (rows, updated_age): (Vec<AlertRow>, f64) = {
         let mut tx = snapshot(&mut c);
         let rows = alerts_of(&mut tx, &ch);
-        let age: f64 = tx
-            .query_one(
-                "SELECT extract(epoch FROM now() - updated_at)::float8 FROM outbox._messages WHERE id = $1",
-                &[&id],
-            )
-            .unwrap()
-            .get(0);
+        let age: f64 = one(&mut tx, "SELECT extract(epoch FROM now() - updated_at)::float8 FROM outbox._messages WHERE id = $1", &[&id]);
         tx.commit().unwrap();
         (rows, age)
     };
@@ -303,13 +293,11 @@ fn uncertain_alert_at_once_without_reconcile_clears_on_resolve() {
     assert_eq!(a.alert, "uncertain");
     assert_eq!(a.severity, "critical");
     assert_eq!(a.value, 1.0);
-    let threshold: i32 = c
-        .query_one(
-            "SELECT current_setting('outbox.alert_uncertain_age_s')::int",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let threshold: i32 = one(
+        &mut c,
+        "SELECT current_setting('outbox.alert_uncertain_age_s')::int",
+        &[],
+    );
     assert_eq!(a.threshold, threshold as f64);
     let age = a.since_age_s.expect("since");
     assert!(
@@ -321,13 +309,11 @@ fn uncertain_alert_at_once_without_reconcile_clears_on_resolve() {
     assert_eq!(sim.stored(&ch).len(), 1, "the provider has it");
     assert_eq!(sim.send_count(&ch), 1, "never blindly resent");
 
-    let after: String = c
-        .query_one(
-            "SELECT outbox.resolve($1, 'delivered', 'obs test: seen in the provider console')::text",
-            &[&id],
-        )
-        .expect("resolve")
-        .get(0);
+    let after: String = one(
+        &mut c,
+        "SELECT outbox.resolve($1, 'delivered', 'obs test: seen in the provider console')::text",
+        &[&id],
+    );
     assert_eq!(after, "delivered");
     let rows = alerts_of(&mut c, &ch);
     assert!(rows.is_empty(), "alert gone after resolve: {rows:?}");

@@ -23,10 +23,7 @@
 use openmetrics_parser::prometheus::parse_prometheus;
 use openmetrics_parser::{MetricsExposition, PrometheusType, PrometheusValue};
 use outbox_e2e::cluster::{unique, wait_for_workers, wait_until, Cluster};
-use outbox_e2e::helpers::{
-    cluster_and_sim, create_channel, enqueue, ledger_recorded_by, serial, set_setting_seen,
-    sim_channel, wait_state, SettingsGuard, SETTLE,
-};
+use outbox_e2e::helpers::{SETTLE, SettingsGuard, cluster_and_sim, count, create_channel, enqueue, ledger_recorded_by, one, serial, set_setting_seen, sim_channel, wait_state};
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::{Client, IsolationLevel, NoTls, SimpleQueryMessage};
 use std::collections::{BTreeMap, HashMap, HashSet};

@@ -41,13 +41,11 @@ fn prometheus_exposition_parses_and_matches_metrics_and_alerts() {
     sim.set_plan(&sim_ch, vec![Action::Status(401)]);
     let f = enqueue(&mut c, &ch, &unique("obs_prom_k"));
     wait_state(&cluster, f, "failed");
-    let later: i64 = c
-        .query_one(
-            "SELECT outbox.enqueue($1::text, '{}'::jsonb, $2::text, NULL, now() + interval '1 hour')",
-            &[&ch, &unique("obs_prom_later")],
-        )
-        .unwrap()
-        .get(0);
+    let later: i64 = one(
+        &mut c,
+        "SELECT outbox.enqueue($1::text, '{}'::jsonb, $2::text, NULL, now() + interval '1 hour')",
+        &[&ch, &unique("obs_prom_later")],
+    );
 
     // One snapshot: the text, the metrics and the alerts it was made from.
     let (text, metrics, alerts, workers) = {
@@ -60,13 +58,11 @@ fn prometheus_exposition_parses_and_matches_metrics_and_alerts() {
             .iter()
             .map(alert_row)
             .collect();
-        let workers: i64 = tx
-            .query_one(
-                "SELECT count(*) FROM outbox.worker_status() WHERE pid IS NOT NULL",
-                &[],
-            )
-            .unwrap()
-            .get(0);
+        let workers = count(
+            &mut tx,
+            "SELECT count(*) FROM outbox.worker_status() WHERE pid IS NOT NULL",
+            &[],
+        );
         tx.commit().unwrap();
         (text, metrics, alerts, workers)
     };

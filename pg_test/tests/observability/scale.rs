@@ -94,13 +94,11 @@ fn backlog_scans(c: &mut Client, ch: &str, channel_id: i32) -> Vec<Scan> {
         rows.is_empty(),
         "a paused channel raises no queue_age alert: {rows:?}"
     );
-    let total_queued: i64 = c
-        .query_one(
-            "SELECT queued FROM outbox.metrics WHERE scope = 'total'",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let total_queued: i64 = one(
+        c,
+        "SELECT queued FROM outbox.metrics WHERE scope = 'total'",
+        &[],
+    );
     assert!(total_queued >= 200_000);
 
     let plan = explain(c, "SELECT * FROM outbox.metrics");

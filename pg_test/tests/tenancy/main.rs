@@ -28,10 +28,7 @@
 //! says: test 7 plants a trigger on `outbox._messages` and test 9 stops the workers.
 
 use outbox_e2e::cluster::{state_of, unique, wait_for_state, wait_for_workers, Cluster};
-use outbox_e2e::helpers::{
-    code_of, count, create_channel, describe, ident, serial, session_as, try_enqueue_payload,
-    wait_state, Params, SETTLE,
-};
+use outbox_e2e::helpers::{Params, SETTLE, code_of, count, create_channel, describe, ident, one, serial, session_as, try_enqueue_payload, wait_state};
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::types::ToSql;
 use postgres::{Client, NoTls};

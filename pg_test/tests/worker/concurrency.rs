@@ -236,18 +236,12 @@ fn a_deep_backlog_on_one_channel_does_not_starve_another() {
     // How far the backlog had gone when the later quiet message was delivered, from the
     // worker's own records (not from when this test happened to look): the busy messages
     // whose first attempt had not started by then.
-    let unclaimed: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.messages b
+    let unclaimed = count(&mut c, "SELECT count(*) FROM outbox.messages b
               WHERE b.channel = $2
                 AND NOT EXISTS (SELECT 1 FROM outbox.attempts a
                                  WHERE a.message_id = b.id
                                    AND a.started_at <= (SELECT max(delivered_at) FROM outbox.messages
-                                                         WHERE id = ANY($1)))",
-            &[&ids, &busy],
-        )
-        .unwrap()
-        .get(0);
+                                                         WHERE id = ANY($1)))", &[&ids, &busy]);
     assert!(
         unclaimed >= BACKLOG / 3,
         "the quiet channels' messages were delivered only when {unclaimed} of the busy channel's \
@@ -288,15 +282,13 @@ fn a_message_committed_late_with_an_older_due_time_is_claimed_during_a_backlog()
         "the backlog did not start"
     );
     late_tx.commit().unwrap();
-    let older: bool = c
-        .query_one(
-            "SELECT (SELECT next_attempt_at FROM outbox._messages WHERE id = $1)
+    let older: bool = one(
+        &mut c,
+        "SELECT (SELECT next_attempt_at FROM outbox._messages WHERE id = $1)
                   < (SELECT min(next_attempt_at) FROM outbox._messages m JOIN outbox._channels ch
                         ON ch.id = m.channel_id WHERE ch.name = $2 AND m.id <> $1)",
-            &[&late, &busy],
-        )
-        .unwrap()
-        .get(0);
+        &[&late, &busy],
+    );
     assert!(older, "the late message is not due before the backlog");
     let delivered = poll(&cluster, SETTLE, |c| {
         let r = c.query_one(

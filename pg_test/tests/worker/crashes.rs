@@ -130,13 +130,11 @@ fn kill_9_mid_batch_on_deduping_channel_stores_each_effect_once() {
             a.iter().any(|a| a.kind == "recovery"),
             "message {id}: a recovery decision: {a:?}"
         );
-        let ledger: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox.ledger WHERE effect_key = $1 AND message_id = $2",
-                &[key, id],
-            )
-            .unwrap()
-            .get(0);
+        let ledger = count(
+            &mut c,
+            "SELECT count(*) FROM outbox.ledger WHERE effect_key = $1 AND message_id = $2",
+            &[key, id],
+        );
         assert_eq!(ledger, 1);
     }
 }

@@ -162,15 +162,12 @@ fn sql_effects_longer_than_the_lease_are_not_taken_back_and_run_once() {
 /// an operator has decided the earlier one.
 #[test]
 fn an_ordering_key_waits_while_an_earlier_message_is_uncertain() {
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     cluster.wait_for_worker();
-    let sim = Simulator::start();
-    let ch = unique("w_order_u");
+    let ch = sim_channel(&mut c, &sim, "w_order_u", r#"{}"#);
     // The first send is read and stored, and its answer lost: no key, no lookup, so the
     // message stops in uncertain.
     sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
-    let mut c = cluster.connect();
-    create_channel(&mut c, &ch, &sim.send_url(&ch), r#"{}"#);
     let okey = unique("conversation");
     let (first, second) = {
         let mut tx = c.transaction().unwrap();
@@ -230,25 +227,17 @@ fn not_before_holds_a_message_until_its_time() {
     let (cluster, mut c, sim) = cluster_and_sim();
     cluster.wait_for_worker();
     let ch = sim_channel(&mut c, &sim, "w_later", r#"{}"#);
-    let id: i64 = c
-        .query_one(
-            "SELECT outbox.enqueue($1, '{\"to\": \"later\"}'::jsonb, $2, NULL, clock_timestamp() + interval '2 seconds')",
-            &[&ch, &unique("later")],
-        )
-        .unwrap()
-        .get(0);
+    let id: i64 = one(&mut c, "SELECT outbox.enqueue($1, '{\"to\": \"later\"}'::jsonb, $2, NULL, clock_timestamp() + interval '2 seconds')", &[&ch, &unique("later")]);
     std::thread::sleep(Duration::from_millis(1200));
     assert_eq!(sim.send_count(&ch), 0, "sent before not_before");
     assert_eq!(message(&mut c, id).unwrap().unwrap().state, "queued");
     wait_message(&cluster, id, "delivered");
-    let on_time: bool = c
-        .query_one(
-            "SELECT a.started_at >= m.not_before FROM outbox._messages m
+    let on_time: bool = one(
+        &mut c,
+        "SELECT a.started_at >= m.not_before FROM outbox._messages m
                JOIN outbox._attempts a ON a.message_id = m.id WHERE m.id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+        &[&id],
+    );
     assert!(on_time, "the attempt started before not_before");
     assert_eq!(sim.send_count(&ch), 1);
 }
@@ -334,18 +323,12 @@ fn max_in_flight_bounds_the_attempts_open_at_once() {
         states_of(&mut c, &ch)
     );
     // For each attempt's start, how many attempts of the channel were open at that moment.
-    let peak: i64 = c
-        .query_one(
-            "SELECT max(n) FROM (
+    let peak: i64 = one(&mut c, "SELECT max(n) FROM (
                  SELECT (SELECT count(*) FROM outbox.attempts b JOIN outbox.messages mb ON mb.id = b.message_id
                           WHERE mb.channel = $1 AND b.kind = 'send'
                             AND b.started_at <= a.started_at AND b.finished_at > a.started_at) AS n
                    FROM outbox.attempts a JOIN outbox.messages m ON m.id = a.message_id
-                  WHERE m.channel = $1 AND a.kind = 'send') s",
-            &[&ch],
-        )
-        .unwrap()
-        .get(0);
+                  WHERE m.channel = $1 AND a.kind = 'send') s", &[&ch]);
     assert!((1..=3).contains(&peak), "attempts open at once: {peak}");
     assert_eq!(sim.send_count(&ch), 15);
 }

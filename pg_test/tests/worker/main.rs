@@ -8,11 +8,7 @@
 //! the test fails.
 
 use outbox_e2e::cluster::{poll, unique, wait_for_workers, Cluster};
-use outbox_e2e::helpers::{
-    arm_fault, attempts, cluster_and_sim, count, create_channel, enqueue_payload, enqueue_with,
-    ledger_entries, reset_setting, set_setting, sim_channel, wait_for_count, Attempt,
-    SettingsGuard, QUIET, SETTLE,
-};
+use outbox_e2e::helpers::{Attempt, QUIET, SETTLE, SettingsGuard, arm_fault, attempts, cluster_and_sim, count, create_channel, enqueue_payload, enqueue_with, ledger_entries, one, reset_setting, set_setting, sim_channel, wait_for_count};
 use outbox_e2e::sim::{Action, Received, Simulator};
 use postgres::{Client, NoTls};
 use std::collections::{HashMap, HashSet};
