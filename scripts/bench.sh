@@ -10,10 +10,7 @@
 # Usage: scripts/bench.sh [backlog=10000] [large_backlog=1000000]   (large_backlog 0: skip it)
 # BENCH_SECONDS: length of each pgbench run (10); BENCH_STEADY_SECONDS: the steady load
 # with retention (120; 0 skips it).
-set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export PATH="$HOME/.cargo/bin:$PATH"
+source "$(dirname "$0")/lib.sh"
 BACKLOG=${1:-10000}
 LARGE_BACKLOG=${2:-1000000}
 DURATION=${BENCH_SECONDS:-10}
@@ -27,8 +24,7 @@ bash scripts/setup.sh >/dev/null
 command -v wrk >/dev/null || { apt-get install -y -qq wrk >/dev/null 2>&1 || true; }
 bash scripts/cluster.sh install
 cargo build -q --release -p outbox_e2e --bin bench --bin provider-sim
-bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
-bash scripts/cluster.sh start >/dev/null
+fresh_cluster >/dev/null
 trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true; kill ${SINK_PID:-0} 2>/dev/null || true' EXIT
 
 SOCK=$OUTBOX_BASE/sock
@@ -59,6 +55,19 @@ SQL
 # pair of runs moves by a third from run to run here (commit flushes, checkpoints,
 # autovacuum of the growing tables).
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
+# Three alternating rounds of pgbench (arguments: its options) over enqueue.sql and
+# insert.sql, each after a CHECKPOINT: the rounds' tps, space-separated, in ENQUEUE_ROUNDS and
+# INSERT_ROUNDS.
+alternate_rounds() {
+  ENQUEUE_ROUNDS=""; INSERT_ROUNDS=""
+  local round
+  for round in 1 2 3; do
+    psql -c "CHECKPOINT" >/dev/null
+    ENQUEUE_ROUNDS="$ENQUEUE_ROUNDS $(pgb "$@" -T "$DURATION" -f "$WORK/enqueue.sql" | tps)"
+    psql -c "CHECKPOINT" >/dev/null
+    INSERT_ROUNDS="$INSERT_ROUNDS $(pgb "$@" -T "$DURATION" -f "$WORK/insert.sql" | tps)"
+  done
+}
 # Each side by pgbench's simple protocol (every statement parsed and planned, as psql or a
 # driver without prepared statements sends it) and by -M prepared (planned once per
 # connection, as a driver with prepared statements sends it).
@@ -67,13 +76,8 @@ declare -A insert_tps
 for spec in "1 simple" "8 simple" "8 prepared"; do
   set -- $spec
   clients=$1; mode=$2; label="${clients}c"; [ "$mode" = prepared ] && label="${clients}c_prepared"
-  es=""; ps=""
-  for round in 1 2 3; do
-    psql -c "CHECKPOINT" >/dev/null
-    es="$es $(pgb -M "$mode" -c $clients -j $clients -T "$DURATION" -f "$WORK/enqueue.sql" | tps)"
-    psql -c "CHECKPOINT" >/dev/null
-    ps="$ps $(pgb -M "$mode" -c $clients -j $clients -T "$DURATION" -f "$WORK/insert.sql" | tps)"
-  done
+  alternate_rounds -M "$mode" -c $clients -j $clients
+  es=$ENQUEUE_ROUNDS; ps=$INSERT_ROUNDS
   e=$(echo $es | tr ' ' '\n' | median); p=$(echo $ps | tr ' ' '\n' | median)
   insert_tps[$label]=$p
   awk -v l="$label" -v e="$e" -v p="$p" -v es="$es" -v ps="$ps" 'BEGIN { printf "enqueue_%s %d tps (rounds:%s) | plain_insert_%s %d tps (rounds:%s) | plain/enqueue %.2fx\n", l, e, es, l, p, ps, p / e }'
@@ -85,13 +89,8 @@ done
 psql -c "GRANT INSERT ON public.plain_outbox TO bench_writer" -c "GRANT USAGE ON SEQUENCE public.plain_outbox_seq TO bench_writer" >/dev/null
 for mode in simple prepared; do
   label=8c; [ "$mode" = prepared ] && label=8c_prepared
-  ws=""; wps=""
-  for round in 1 2 3; do
-    psql -c "CHECKPOINT" >/dev/null
-    ws="$ws $(pgb -M "$mode" -U bench_writer -c 8 -j 8 -T "$DURATION" -f "$WORK/enqueue.sql" | tps)"
-    psql -c "CHECKPOINT" >/dev/null
-    wps="$wps $(pgb -M "$mode" -U bench_writer -c 8 -j 8 -T "$DURATION" -f "$WORK/insert.sql" | tps)"
-  done
+  alternate_rounds -M "$mode" -U bench_writer -c 8 -j 8
+  ws=$ENQUEUE_ROUNDS; wps=$INSERT_ROUNDS
   w=$(echo $ws | tr ' ' '\n' | median); wp=$(echo $wps | tr ' ' '\n' | median)
   awk -v l="$label" -v w="$w" -v wp="$wp" -v p="${insert_tps[$label]}" -v ws="$ws" -v wps="$wps" 'BEGIN { printf "enqueue_%s_as_writer %d tps (rounds:%s) | plain_insert_%s_as_writer %d tps (rounds:%s) | plain/enqueue %.2fx (%.2fx to the superuser'"'"'s INSERT above)\n", l, w, ws, l, wp, wps, wp / w, p / w }'
 done

@@ -7,10 +7,7 @@
 # Usage: scripts/bench_builds.sh OLD_REV NEW_REV [backlog=10000] [rounds=2]
 #   e.g. scripts/bench_builds.sh 9a356d9 HEAD
 # Leaves the NEW_REV build installed when it ends (the build the tree at NEW_REV expects).
-set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export PATH="$HOME/.cargo/bin:$PATH"
+source "$(dirname "$0")/lib.sh"
 OLD=${1:?usage: scripts/bench_builds.sh OLD_REV NEW_REV [backlog] [rounds]}
 NEW=${2:?usage: scripts/bench_builds.sh OLD_REV NEW_REV [backlog] [rounds]}
 BACKLOG=${3:-10000}
@@ -54,8 +51,7 @@ for round in $(seq "$ROUNDS"); do
   for side in old new; do
     if [ "$side" = old ]; then dir=$OLD_DIR; rev=$OLD; else dir=$NEW_DIR; rev=$NEW; fi
     install_build "$dir"
-    bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
-    bash scripts/cluster.sh start >/dev/null
+    fresh_cluster >/dev/null
     out=$("$BENCH" --backlog "$BACKLOG" --large-backlog 0 --latency-samples 200 --steady-seconds 0 2>&1 |
       grep -E '^(deliveries_per_s|latency_)' || true)
     while read -r name value unit _; do

@@ -7,10 +7,7 @@
 # three alternating rounds.
 # Figures only; nothing is asserted. Runs on a throwaway cluster (port 54818).
 # Usage: scripts/bench_enqueue_parts.sh [calls per round = 50000]
-set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export PATH="$HOME/.cargo/bin:$PATH"
+source "$(dirname "$0")/lib.sh"
 N=${1:-50000}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench_parts}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54818}
@@ -18,8 +15,7 @@ export OUTBOX_WORKERS=1 OUTBOX_EXTRA_CONF=
 
 bash scripts/setup.sh >/dev/null
 bash scripts/cluster.sh install >/dev/null
-bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
-bash scripts/cluster.sh start >/dev/null
+fresh_cluster >/dev/null
 trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true' EXIT
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
 

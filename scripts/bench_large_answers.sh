@@ -9,10 +9,7 @@
 # sample every worker's RssAnon every 10 ms until all 200 are delivered. "delivered in"
 # is max(delivered_at) - min(created_at) of the round's messages.
 # Usage: scripts/bench_large_answers.sh [answer_bytes=10000000] [messages=200]
-set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export PATH="$HOME/.cargo/bin:$PATH"
+source "$(dirname "$0")/lib.sh"
 ANSWER_BYTES=${1:-10000000}
 N=${2:-200}
 export OUTBOX_BASE=/tmp/outbox_delivery_bench_answers
@@ -23,8 +20,7 @@ SMALL_PORT=18802
 
 bash scripts/cluster.sh install
 cargo build -q --release -p outbox_e2e --bin provider-sim
-bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
-bash scripts/cluster.sh start >/dev/null
+fresh_cluster >/dev/null
 WORK=$(mktemp -d)
 trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true; kill ${LARGE_PID:-} ${SMALL_PID:-} ${SAMPLER_PID:-} 2>/dev/null || true; rm -rf "$WORK"' EXIT
 

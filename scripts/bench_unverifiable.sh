@@ -5,10 +5,7 @@
 # (idempotency_header, max_in_flight 64 by default), in alternating rounds on a throwaway
 # cluster of its own; the median of each. Figures only; nothing is asserted.
 # Usage: scripts/bench_unverifiable.sh [backlog=10000] [rounds=3]
-set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export PATH="$HOME/.cargo/bin:$PATH"
+source "$(dirname "$0")/lib.sh"
 BACKLOG=${1:-10000}
 ROUNDS=${2:-3}
 export OUTBOX_BASE=/tmp/outbox_delivery_bench_unverifiable
@@ -19,8 +16,7 @@ export OUTBOX_EXTRA_CONF="outbox.batch_size = 200"
 bash scripts/setup.sh >/dev/null
 bash scripts/cluster.sh install
 cargo build -q --release -p outbox_e2e --bin bench
-bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
-bash scripts/cluster.sh start >/dev/null
+fresh_cluster >/dev/null
 trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true' EXIT
 
 echo "machine: $(nproc) cores; $OUTBOX_WORKERS delivery workers; backlog $BACKLOG; $ROUNDS rounds"

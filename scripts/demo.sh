@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # The main job: a local cluster with outbox_delivery, a demo provider on loopback, a few
 # messages enqueued in one transaction and delivered by the worker, and the views.
-set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export PATH="$HOME/.cargo/bin:$PATH"
+source "$(dirname "$0")/lib.sh"
 SIM_PORT=${OUTBOX_DEMO_PORT:-8788}
 
 bash scripts/setup.sh
@@ -13,8 +10,7 @@ bash scripts/cluster.sh install
 cargo build -q --release -p outbox_e2e --bin provider-sim
 # The demo's cluster is throwaway: start from a fresh one, so that it always matches the
 # extension just installed.
-bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
-bash scripts/cluster.sh start
+fresh_cluster
 
 pkill -f "provider-sim --port $SIM_PORT" 2>/dev/null || true
 target/release/provider-sim --port "$SIM_PORT" --dedupe-header Idempotency-Key >/tmp/outbox_demo_provider.log 2>&1 &

@@ -13,10 +13,7 @@
 #   TIMELINE=1 (every 5 s of the drain: its rate, the whole machine's CPU by kind from
 #   /proc/stat, including the kernel's own threads and time taken by the host, and the
 #   page cache's dirty and writeback memory)
-set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export PATH="$HOME/.cargo/bin:$PATH"
+source "$(dirname "$0")/lib.sh"
 N=${1:-60000}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_profile}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54821}
@@ -79,8 +76,7 @@ print_timeline() {
 }
 
 for run in $(seq 1 "${RUNS:-1}"); do
-  bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
-  bash scripts/cluster.sh start >/dev/null
+  fresh_cluster >/dev/null
   if [ -n "${SETUP_SQL:-}" ]; then psql -c "$SETUP_SQL" >/dev/null; fi
   psql -c "SELECT outbox.create_channel('profile', 'http://127.0.0.1:$SINK_PORT/ch/profile', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb)" \
        -c "SELECT outbox.pause_channel('profile', 'loading the backlog')" >/dev/null

@@ -20,10 +20,7 @@
 # Then, for the first three, the instructions of one call spent under a few functions.
 # Figures only; nothing is asserted. Runs on a throwaway cluster (port 54822).
 # Usage: scripts/profile_enqueue.sh   (SMALL 200, LARGE 1200, PREFILL 300000)
-set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export PATH="$HOME/.cargo/bin:$PATH"
+source "$(dirname "$0")/lib.sh"
 SMALL=${SMALL:-200}
 LARGE=${LARGE:-1200}
 PREFILL=${PREFILL:-300000}
@@ -35,8 +32,7 @@ PGDATA=$OUTBOX_BASE/pgdata
 bash scripts/setup.sh >/dev/null
 command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind >/dev/null; }
 bash scripts/cluster.sh install >/dev/null
-bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
-bash scripts/cluster.sh start >/dev/null
+fresh_cluster >/dev/null
 trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true' EXIT
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
 

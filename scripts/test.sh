@@ -3,10 +3,7 @@
 # end-to-end tests against a real cluster with the worker and the provider simulator, and the
 # release tests (upgrade from every released version, dump and restore, the Debian package).
 #   OUTBOX_SOAK_FULL=1 scripts/test.sh   also runs the full-size soak (10,000 messages)
-set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export PATH="$HOME/.cargo/bin:$PATH"
+source "$(dirname "$0")/lib.sh"
 
 bash scripts/setup.sh
 
@@ -30,8 +27,7 @@ export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_test}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54816}
 export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
 bash scripts/cluster.sh install
-bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
-bash scripts/cluster.sh start 9>&-
+fresh_cluster 9>&-
 trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true' EXIT
 
 echo "== releases: every released version built from its commit (cached), this version's package"

@@ -3,8 +3,9 @@
 //! that are reset when a test ends (also when it fails), and the lock that runs a file's
 //! tests one at a time.
 
-use crate::cluster::{state_of, wait_for_state, wait_until, Cluster};
-use postgres::types::ToSql;
+use crate::cluster::{poll, state_of, wait_for_state, wait_until, Cluster};
+use crate::sim::Simulator;
+use postgres::types::{FromSqlOwned, ToSql};
 use postgres::{Client, GenericClient, NoTls};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -80,6 +81,14 @@ pub fn code_of(e: &postgres::Error) -> String {
     }
 }
 
+/// The message of a server error, without SQLSTATE, detail or hint (empty for a lost
+/// connection).
+pub fn error_message(e: &postgres::Error) -> String {
+    e.as_db_error()
+        .map(|d| d.message().to_string())
+        .unwrap_or_default()
+}
+
 /// A quoted SQL identifier.
 pub fn ident(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))
@@ -94,8 +103,29 @@ pub fn closed_port() -> u16 {
 }
 
 // ---------------------------------------------------------------------------------------
-// Channels and messages
+// The cluster, the provider, channels and messages
 // ---------------------------------------------------------------------------------------
+
+/// What most tests start from: the cluster, a connection to it and a provider simulator of
+/// the test's own.
+pub fn cluster_and_sim() -> (Cluster, Client, Simulator) {
+    let cluster = Cluster::from_env();
+    let c = cluster.connect();
+    (cluster, c, Simulator::start())
+}
+
+/// A channel of the test's own (a unique name from `prefix`) that sends to `sim`; options
+/// are JSON text.
+pub fn sim_channel(
+    c: &mut impl GenericClient,
+    sim: &Simulator,
+    prefix: &str,
+    options: &str,
+) -> String {
+    let ch = crate::cluster::unique(prefix);
+    create_channel(c, &ch, &sim.send_url(&ch), options);
+    ch
+}
 
 /// `outbox.create_channel(name, endpoint, options)`; options are JSON text.
 pub fn create_channel(c: &mut impl GenericClient, name: &str, endpoint: &str, options: &str) {
@@ -163,11 +193,69 @@ pub fn enqueue_with(
     .get(0)
 }
 
-/// The single `int8` a query returns (a `count(*)`); panics with the query and the error.
-pub fn count(c: &mut impl GenericClient, sql: &str, params: &Params<'_>) -> i64 {
+/// The single value a query returns; panics with the query and the error.
+pub fn one<T: FromSqlOwned>(c: &mut impl GenericClient, sql: &str, params: &Params<'_>) -> T {
     c.query_one(sql, params)
         .unwrap_or_else(|e| panic!("{sql}: {}", describe(&e)))
         .get(0)
+}
+
+/// The single `int8` a query returns (a `count(*)`); panics with the query and the error.
+pub fn count(c: &mut impl GenericClient, sql: &str, params: &Params<'_>) -> i64 {
+    one(c, sql, params)
+}
+
+/// Polls (see [`poll`]) until the `count(*)` a query returns satisfies `done`; false when
+/// `timeout` passed first.
+pub fn wait_for_count(
+    cluster: &Cluster,
+    timeout: Duration,
+    sql: &str,
+    params: &Params<'_>,
+    done: impl Fn(i64) -> bool,
+) -> bool {
+    poll(cluster, timeout, |c| {
+        let n: i64 = c.query_one(sql, params)?.get(0);
+        Ok(done(n).then_some(()))
+    })
+    .is_some()
+}
+
+/// The effect key of message `id`.
+pub fn effect_key_of(c: &mut impl GenericClient, id: i64) -> String {
+    one(
+        c,
+        "SELECT effect_key FROM outbox.messages WHERE id = $1",
+        &[&id],
+    )
+}
+
+/// The provider's id of message `id` (`outbox.messages.external_id`), if one was read.
+pub fn external_id_of(c: &mut impl GenericClient, id: i64) -> Option<String> {
+    one(
+        c,
+        "SELECT external_id FROM outbox.messages WHERE id = $1",
+        &[&id],
+    )
+}
+
+/// How many ledger entries message `id` has (0 or 1).
+pub fn ledger_entries(c: &mut impl GenericClient, id: i64) -> i64 {
+    count(
+        c,
+        "SELECT count(*) FROM outbox.ledger WHERE message_id = $1",
+        &[&id],
+    )
+}
+
+/// Who recorded message `id`'s ledger entry (`worker`, `operator`, ...); panics when it
+/// has none.
+pub fn ledger_recorded_by(c: &mut impl GenericClient, id: i64) -> String {
+    one(
+        c,
+        "SELECT recorded_by FROM outbox.ledger WHERE message_id = $1",
+        &[&id],
+    )
 }
 
 /// Waits until message `id` is in `state`; panics with the last state seen.
@@ -179,6 +267,62 @@ pub fn wait_state(cluster: &Cluster, id: i64, state: &str) {
             cluster.log_path().display()
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Attempts
+// ---------------------------------------------------------------------------------------
+
+/// One row of `outbox.attempts`.
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    pub attempt: i32,
+    pub kind: String,
+    pub outcome: Option<String>,
+    pub error_class: Option<String>,
+    pub http_status: Option<i32>,
+    pub error: Option<String>,
+    pub external_id: Option<String>,
+    pub effect_key_sent: Option<String>,
+    pub retry_after_ms: Option<i64>,
+    pub worker_pid: Option<i32>,
+    /// `started_at` in unix milliseconds.
+    pub started_ms: f64,
+    /// `finished_at` in unix milliseconds.
+    pub finished_ms: Option<f64>,
+    /// `started_at` in unix microseconds.
+    pub started_at_us: i64,
+}
+
+/// The attempts of message `id`, in the order they were made.
+pub fn attempts(c: &mut impl GenericClient, id: i64) -> Vec<Attempt> {
+    c.query(
+        "SELECT attempt, kind, outcome, error_class::text, http_status, error, external_id,
+                effect_key_sent, retry_after_ms, worker_pid,
+                (extract(epoch FROM started_at) * 1000)::float8,
+                (extract(epoch FROM finished_at) * 1000)::float8,
+                (extract(epoch FROM started_at) * 1000000)::int8
+           FROM outbox.attempts WHERE message_id = $1 ORDER BY attempt_id",
+        &[&id],
+    )
+    .unwrap_or_else(|e| panic!("read the attempts of message {id}: {}", describe(&e)))
+    .iter()
+    .map(|r| Attempt {
+        attempt: r.get(0),
+        kind: r.get(1),
+        outcome: r.get(2),
+        error_class: r.get(3),
+        http_status: r.get(4),
+        error: r.get(5),
+        external_id: r.get(6),
+        effect_key_sent: r.get(7),
+        retry_after_ms: r.get(8),
+        worker_pid: r.get(9),
+        started_ms: r.get(10),
+        finished_ms: r.get(11),
+        started_at_us: r.get(12),
+    })
+    .collect()
 }
 
 // ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@
 //! Run: `cargo test -p outbox_e2e --release --test channel_tenancy`.
 
 use outbox_e2e::cluster::{unique, wait_for_state, Cluster};
-use outbox_e2e::helpers::{code_of, create_channel, ident, session_as};
+use outbox_e2e::helpers::{code_of, create_channel, ident, one, session_as};
 use outbox_e2e::sim::Simulator;
 use postgres::Client;
 use std::time::Duration;
@@ -163,13 +163,11 @@ fn a_writer_sees_only_the_channels_that_serve_its_tenant() {
         "tenant b's writer sees a channel that serves only a"
     );
     assert!(visible(&mut sb, &everyone));
-    let options: String = sa
-        .query_one(
-            "SELECT options::text FROM outbox.channels WHERE name = $1",
-            &[&only_a],
-        )
-        .expect("options")
-        .get(0);
+    let options: String = one(
+        &mut sa,
+        "SELECT options::text FROM outbox.channels WHERE name = $1",
+        &[&only_a],
+    );
     assert!(!options.contains("SECRET-A"), "{options}");
 
     let admin = unique("ct_admin");
@@ -252,16 +250,10 @@ fn a_stored_framing_header_is_not_sent() {
         r#"{"retry": {"max_attempts": 1}}"#,
     );
     // A row written by hand, around enqueue's checks.
-    let id: i64 = su
-        .query_one(
-            "INSERT INTO outbox._messages (tenant, channel_id, effect_key, payload, headers, next_attempt_at)
+    let id: i64 = one(&mut su, "INSERT INTO outbox._messages (tenant, channel_id, effect_key, payload, headers, next_attempt_at)
              SELECT 'default', c.id, $2, '{\"text\": \"cut me short\"}', '{\"Content-Length\": \"3\"}', now()
                FROM outbox._channels c WHERE c.name = $1
-             RETURNING id",
-            &[&ch, &unique("ct_key")],
-        )
-        .expect("insert")
-        .get(0);
+             RETURNING id", &[&ch, &unique("ct_key")]);
     su.execute("SELECT pg_notify('outbox_delivery', '')", &[])
         .ok();
     assert!(

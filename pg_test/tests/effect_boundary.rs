@@ -14,7 +14,7 @@
 //! Run: `cargo test -p outbox_e2e --release --test effect_boundary`.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_for_workers, Cluster};
-use outbox_e2e::helpers::{code_of, count, create_channel, serial};
+use outbox_e2e::helpers::{code_of, count, create_channel, one, serial};
 use outbox_e2e::sim::Simulator;
 use postgres::Client;
 use std::time::Duration;
@@ -117,13 +117,11 @@ fn enqueue_for(c: &mut Client, tenant: &str, channel: &str, payload: &str) -> i6
     let mut tx = c.transaction().expect("tx");
     tx.execute("SELECT set_config('outbox.tenant', $1, true)", &[&tenant])
         .expect("tenant");
-    let id: i64 = tx
-        .query_one(
-            "SELECT outbox.enqueue($1, $2::text::jsonb, $3)",
-            &[&channel, &payload, &unique("fxb_key")],
-        )
-        .expect("enqueue")
-        .get(0);
+    let id: i64 = one(
+        &mut tx,
+        "SELECT outbox.enqueue($1, $2::text::jsonb, $3)",
+        &[&channel, &payload, &unique("fxb_key")],
+    );
     tx.commit().expect("commit");
     id
 }
@@ -282,13 +280,11 @@ fn settings_an_effect_changes_do_not_outlive_its_call() {
         let f = app.function(&mut c, "become", "SET ROLE postgres; RETURN 'became';");
         app.channel(&mut c, &f)
     };
-    let default_path: String = c
-        .query_one(
-            "SELECT reset_val FROM pg_settings WHERE name = 'search_path'",
-            &[],
-        )
-        .expect("default search_path")
-        .get(0);
+    let default_path: String = one(
+        &mut c,
+        "SELECT reset_val FROM pg_settings WHERE name = 'search_path'",
+        &[],
+    );
 
     let set = enqueue_for(&mut c, "default", &setter_ch, "{}");
     assert!(
@@ -382,13 +378,11 @@ fn an_operator_planted_in_public_never_runs_in_the_worker() {
     wait_for_workers(&cluster, &old);
 
     let sim = deliver_five_over_http(&cluster, &mut c);
-    let by_worker: i64 = c
-        .query_one(
-            "SELECT count(*) FROM public.planted_calls WHERE who = current_setting('outbox.role')",
-            &[],
-        )
-        .expect("calls")
-        .get(0);
+    let by_worker = count(
+        &mut c,
+        "SELECT count(*) FROM public.planted_calls WHERE who = current_setting('outbox.role')",
+        &[],
+    );
     assert_eq!(
         by_worker, 0,
         "the planted operator ran as the worker's role"

@@ -3,7 +3,9 @@
 //! not at all.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
-use outbox_e2e::helpers::arm_fault;
+use outbox_e2e::helpers::{
+    arm_fault, cluster_and_sim, effect_key_of, external_id_of, ledger_recorded_by, one,
+};
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::Client;
 use std::time::Duration;
@@ -115,41 +117,25 @@ fn effect_runs_as_its_least_privilege_role() {
     let s = app_schema(&mut c);
     let ch = unique("fx_who");
     sql_channel(&mut c, &ch, &format!("{s}.whoami"), &format!("{s}_effects"));
-    let id: i64 = c
-        .query_one(
-            "SELECT outbox.enqueue($1, '{}'::jsonb, $2)",
-            &[&ch, &unique("k")],
-        )
-        .unwrap()
-        .get(0);
+    let id: i64 = one(
+        &mut c,
+        "SELECT outbox.enqueue($1, '{}'::jsonb, $2)",
+        &[&ch, &unique("k")],
+    );
     assert!(wait_for_state(&cluster, id, "delivered", T));
-    let ext: Option<String> = c
-        .query_one(
-            "SELECT external_id FROM outbox.messages WHERE id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let ext = external_id_of(&mut c, id);
     assert_eq!(
         ext,
         Some(format!("{s}_effects")),
         "the function ran as run_as, not as a superuser"
     );
-    let by: String = c
-        .query_one(
-            "SELECT recorded_by FROM outbox.ledger WHERE message_id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let by = ledger_recorded_by(&mut c, id);
     assert_eq!(by, "worker");
 }
 
 #[test]
 fn three_effect_turn_survives_every_crash_point_exactly_once() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
+    let (cluster, mut c, sim) = cluster_and_sim();
     let s = app_schema(&mut c);
     let role = format!("{s}_effects");
     for point in [
@@ -228,13 +214,11 @@ fn crash_before_commit_rolls_the_effect_back_with_its_ledger_entry() {
     let key = unique("k");
     let mark = cluster.log_mark();
     let guard = arm_fault(&cluster, "crash_before_commit");
-    let id: i64 = c
-        .query_one(
-            "SELECT outbox.enqueue($1, '{\"title\": \"once\"}'::jsonb, $2)",
-            &[&ch, &key],
-        )
-        .unwrap()
-        .get(0);
+    let id: i64 = one(
+        &mut c,
+        "SELECT outbox.enqueue($1, '{\"title\": \"once\"}'::jsonb, $2)",
+        &[&ch, &key],
+    );
     assert!(
         wait_until(T, || cluster
             .log_since(mark)
@@ -276,13 +260,11 @@ fn transient_sql_errors_retry_and_permanent_ones_fail_with_their_sqlstate() {
     let role = format!("{s}_effects");
     let flaky = unique("fx_flaky");
     sql_channel(&mut c, &flaky, &format!("{s}.flaky_task"), &role);
-    let id: i64 = c
-        .query_one(
-            "SELECT outbox.enqueue($1, '{\"failures\": 2}'::jsonb, $2)",
-            &[&flaky, &unique("k")],
-        )
-        .unwrap()
-        .get(0);
+    let id: i64 = one(
+        &mut c,
+        "SELECT outbox.enqueue($1, '{\"failures\": 2}'::jsonb, $2)",
+        &[&flaky, &unique("k")],
+    );
     assert!(wait_for_state(&cluster, id, "delivered", T));
     let rows: Vec<(i32, Option<String>, Option<String>)> = c
         .query("SELECT attempt, error_class::text, error FROM outbox.attempts WHERE message_id = $1 AND kind = 'send' ORDER BY attempt", &[&id])
@@ -300,13 +282,7 @@ fn transient_sql_errors_retry_and_permanent_ones_fail_with_their_sqlstate() {
         .unwrap()
         .get(0);
     assert_eq!(calls, 3, "three calls");
-    let key: String = c
-        .query_one(
-            "SELECT effect_key FROM outbox.messages WHERE id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let key = effect_key_of(&mut c, id);
     assert_eq!(
         tasks(&mut c, &s, &key),
         1,
@@ -315,20 +291,16 @@ fn transient_sql_errors_retry_and_permanent_ones_fail_with_their_sqlstate() {
 
     let tasks_ch = unique("fx_check");
     sql_channel(&mut c, &tasks_ch, &format!("{s}.create_task"), &role);
-    let bad: i64 = c
-        .query_one(
-            "SELECT outbox.enqueue($1, '{\"title\": \"bad\"}'::jsonb, $2)",
-            &[&tasks_ch, &unique("k")],
-        )
-        .unwrap()
-        .get(0);
-    let good: i64 = c
-        .query_one(
-            "SELECT outbox.enqueue($1, '{\"title\": \"good\"}'::jsonb, $2)",
-            &[&tasks_ch, &unique("k")],
-        )
-        .unwrap()
-        .get(0);
+    let bad: i64 = one(
+        &mut c,
+        "SELECT outbox.enqueue($1, '{\"title\": \"bad\"}'::jsonb, $2)",
+        &[&tasks_ch, &unique("k")],
+    );
+    let good: i64 = one(
+        &mut c,
+        "SELECT outbox.enqueue($1, '{\"title\": \"good\"}'::jsonb, $2)",
+        &[&tasks_ch, &unique("k")],
+    );
     assert!(wait_for_state(&cluster, bad, "failed", T));
     assert!(
         wait_for_state(&cluster, good, "delivered", T),
@@ -346,13 +318,11 @@ fn transient_sql_errors_retry_and_permanent_ones_fail_with_their_sqlstate() {
         error.as_deref().unwrap_or("").contains("23514"),
         "{error:?}"
     );
-    let attempts: i32 = c
-        .query_one(
-            "SELECT attempts FROM outbox.messages WHERE id = $1",
-            &[&bad],
-        )
-        .unwrap()
-        .get(0);
+    let attempts: i32 = one(
+        &mut c,
+        "SELECT attempts FROM outbox.messages WHERE id = $1",
+        &[&bad],
+    );
     assert_eq!(attempts, 1);
 }
 
@@ -373,26 +343,22 @@ fn a_dropped_function_fails_readably_and_the_worker_goes_on() {
         &[&ch],
     )
     .unwrap();
-    let id: i64 = c
-        .query_one(
-            "SELECT outbox.enqueue($1, '{\"title\": \"t\"}'::jsonb, $2)",
-            &[&ch, &unique("k")],
-        )
-        .unwrap()
-        .get(0);
+    let id: i64 = one(
+        &mut c,
+        "SELECT outbox.enqueue($1, '{\"title\": \"t\"}'::jsonb, $2)",
+        &[&ch, &unique("k")],
+    );
     c.batch_execute(&format!("DROP FUNCTION {s}.create_task(jsonb, text)"))
         .unwrap();
     let pids = cluster.worker_pids(&mut c);
     c.execute("SELECT outbox.resume_channel($1)", &[&ch])
         .unwrap();
     assert!(wait_for_state(&cluster, id, "failed", T));
-    let error: Option<String> = c
-        .query_one(
-            "SELECT last_error FROM outbox.messages WHERE id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let error: Option<String> = one(
+        &mut c,
+        "SELECT last_error FROM outbox.messages WHERE id = $1",
+        &[&id],
+    );
     assert!(
         error.as_deref().unwrap_or("").contains("does not exist"),
         "{error:?}"
@@ -406,9 +372,7 @@ fn a_dropped_function_fails_readably_and_the_worker_goes_on() {
 
 #[test]
 fn a_new_command_is_a_new_effect_and_a_rerun_is_not() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
+    let (cluster, mut c, sim) = cluster_and_sim();
     let s = app_schema(&mut c);
     let reply = unique("fx_r");
     let task = unique("fx_t");

@@ -7,8 +7,7 @@
 //! end, even when they fail. Run with `--test-threads=1`.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_for_workers, wait_until, Cluster};
-use outbox_e2e::helpers::{create_channel, enqueue};
-use outbox_e2e::sim::Simulator;
+use outbox_e2e::helpers::{cluster_and_sim, count, enqueue, sim_channel};
 use postgres::Client;
 use std::time::Duration;
 
@@ -111,13 +110,11 @@ fn a_destination_outside_the_list_is_refused_when_created() {
         placeholder.starts_with("22023"),
         "a placeholder in the host: {placeholder}"
     );
-    let n: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox._channels WHERE name = $1",
-            &[&name],
-        )
-        .unwrap()
-        .get(0);
+    let n = count(
+        &mut c,
+        "SELECT count(*) FROM outbox._channels WHERE name = $1",
+        &[&name],
+    );
     assert_eq!(n, 0, "nothing was written");
     assert_eq!(
         sqlstate_of(
@@ -167,11 +164,8 @@ fn literal_metadata_addresses_are_refused_under_any_host() {
 
 #[test]
 fn a_narrowed_list_stops_the_send_and_a_widened_one_lets_the_retry_through() {
-    let cluster = Cluster::from_env();
-    let sim = Simulator::start();
-    let ch = unique("g_send");
-    let mut c = cluster.connect();
-    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(&mut c, &sim, "g_send", "{}");
 
     let narrowed = AllowedHosts::set(&cluster, "api.example.com");
     let id = enqueue(&mut c, &ch, &unique("guard"));

@@ -9,7 +9,7 @@
 //! Run: `cargo test -p outbox_e2e --release --test interrupts`.
 
 use outbox_e2e::cluster::{unique, Cluster};
-use outbox_e2e::helpers::{code_of, create_channel};
+use outbox_e2e::helpers::{code_of, create_channel, one};
 use postgres::Client;
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
@@ -35,13 +35,11 @@ impl Stuck {
         create_channel(c, &ch, &format!("http://127.0.0.1:{port}/send"), &options);
         c.execute("SELECT outbox.pause_channel($1, 'interrupts test')", &[&ch])
             .expect("pause");
-        let id: i64 = c
-            .query_one(
-                "SELECT outbox.enqueue($1, '{}'::jsonb, $2)",
-                &[&ch, &unique("intr_key")],
-            )
-            .expect("enqueue")
-            .get(0);
+        let id: i64 = one(
+            c,
+            "SELECT outbox.enqueue($1, '{}'::jsonb, $2)",
+            &[&ch, &unique("intr_key")],
+        );
         c.execute(
             "UPDATE outbox._messages SET state = 'uncertain', attempts = 1,
                     next_attempt_at = now() + interval '1 hour' WHERE id = $1",

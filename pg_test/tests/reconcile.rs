@@ -3,9 +3,12 @@
 //! provider dedupes, a read-only lookup where it can be asked, `uncertain` otherwise — and
 //! the operator's actions are checked against the provider and the audit log.
 
-use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
-use outbox_e2e::helpers::{create_channel, enqueue};
-use outbox_e2e::sim::{Action, LookupAction, Simulator};
+use outbox_e2e::cluster::{unique, wait_for_state, wait_until};
+use outbox_e2e::helpers::{
+    cluster_and_sim, count, create_channel, effect_key_of, enqueue, external_id_of,
+    ledger_recorded_by, one, sim_channel,
+};
+use outbox_e2e::sim::{Action, LookupAction};
 use postgres::Client;
 use std::time::Duration;
 
@@ -33,18 +36,15 @@ fn log_rows(c: &mut Client, id: i64, action: &str) -> Vec<(String, String, Strin
 
 #[test]
 fn deduping_channel_retries_with_the_same_key_and_the_provider_keeps_one() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rc_dedupe");
-    sim.set_dedupe(&ch, "Idempotency-Key");
-    sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rc_dedupe",
         r#"{"idempotency_header": "Idempotency-Key", "external_id": "/id", "retry": {"base_ms": 100, "jitter": "none"}}"#,
     );
+    sim.set_dedupe(&ch, "Idempotency-Key");
+    sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
     let key = unique("key");
     let id = enqueue(&mut c, &ch, &key);
     assert!(
@@ -63,13 +63,7 @@ fn deduping_channel_retries_with_the_same_key_and_the_provider_keeps_one() {
         keys.iter().all(|k| k == &key),
         "the key was the same on both requests: {keys:?}"
     );
-    let ext: Option<String> = c
-        .query_one(
-            "SELECT external_id FROM outbox.messages WHERE id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let ext = external_id_of(&mut c, id);
     assert_eq!(
         ext.as_deref(),
         Some(sim.stored(&ch)[0].external_id.as_str())
@@ -85,9 +79,7 @@ fn deduping_channel_retries_with_the_same_key_and_the_provider_keeps_one() {
 
 #[test]
 fn reconcile_channel_finds_the_message_and_never_resends() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
+    let (cluster, mut c, sim) = cluster_and_sim();
     let ch = unique("rc_lookup");
     sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
     let options = format!(
@@ -121,28 +113,18 @@ fn reconcile_channel_finds_the_message_and_never_resends() {
 
 #[test]
 fn channel_with_neither_stops_in_uncertain_for_an_operator() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rc_neither");
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(&mut c, &sim, "rc_neither", r#"{"retry": {"base_ms": 100}}"#);
     sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
-    create_channel(
-        &mut c,
-        &ch,
-        &sim.send_url(&ch),
-        r#"{"retry": {"base_ms": 100}}"#,
-    );
     let id = enqueue(&mut c, &ch, &unique("key"));
     assert!(wait_for_state(&cluster, id, "uncertain", T));
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(sim.send_count(&ch), 1, "0 resends");
-    let rows: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.work_queue WHERE id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let rows = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.work_queue WHERE id = $1",
+        &[&id],
+    );
     assert_eq!(rows, 1, "one work-queue row");
     let (reason, action): (String, String) = c
         .query_one(
@@ -160,25 +142,13 @@ fn channel_with_neither_stops_in_uncertain_for_an_operator() {
 
     // The operator checked with the provider: it has it. resolve() writes the ledger, so a
     // later enqueue of the same effect key (even after the message row is gone) sends nothing.
-    let key: String = c
-        .query_one(
-            "SELECT effect_key FROM outbox.messages WHERE id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let key = effect_key_of(&mut c, id);
     let after: String = c
         .query_one("SELECT outbox.resolve($1, 'delivered', 'seen in the provider console', 'prov-1')::text", &[&id])
         .unwrap()
         .get(0);
     assert_eq!(after, "delivered");
-    let by: String = c
-        .query_one(
-            "SELECT recorded_by FROM outbox.ledger WHERE message_id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let by = ledger_recorded_by(&mut c, id);
     assert_eq!(by, "operator");
     c.execute("DELETE FROM outbox._attempts WHERE message_id = $1", &[&id])
         .unwrap();
@@ -201,9 +171,7 @@ fn channel_with_neither_stops_in_uncertain_for_an_operator() {
 
 #[test]
 fn manual_retry_reconciles_first_and_resends_with_the_same_key() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
+    let (cluster, mut c, sim) = cluster_and_sim();
     let ch = unique("rc_manual");
     // The request is read but never stored; the provider's lookup is down at first.
     sim.set_plan(&ch, vec![Action::DropAfterRead { store: false }]);
@@ -243,13 +211,11 @@ fn manual_retry_reconciles_first_and_resends_with_the_same_key() {
         .iter()
         .filter(|r| r.kind == "lookup")
         .count();
-    let after: String = c
-        .query_one(
-            "SELECT outbox.retry($1, 'customer says nothing arrived')::text",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let after: String = one(
+        &mut c,
+        "SELECT outbox.retry($1, 'customer says nothing arrived')::text",
+        &[&id],
+    );
     assert_eq!(after, "queued");
     let lookups_after = sim
         .requests(&ch)
@@ -277,9 +243,7 @@ fn manual_retry_reconciles_first_and_resends_with_the_same_key() {
 
 #[test]
 fn manual_retry_of_a_message_the_provider_has_delivers_without_resending() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
+    let (cluster, mut c, sim) = cluster_and_sim();
     let ch = unique("rc_found");
     sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
     sim.set_lookup_plan(&ch, vec![LookupAction::Status(503); 50]);
@@ -325,9 +289,7 @@ fn manual_retry_of_a_message_the_provider_has_delivers_without_resending() {
 
 #[test]
 fn reconcile_all_counts_and_cancel_is_logged() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
+    let (cluster, mut c, sim) = cluster_and_sim();
     let ch = unique("rc_all");
     sim.set_plan(
         &ch,
@@ -390,9 +352,7 @@ fn reconcile_all_counts_and_cancel_is_logged() {
 /// has it.
 #[test]
 fn reconcile_of_one_message_answers_unavailable_not_found_or_delivered_and_never_sends() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
+    let (cluster, mut c, sim) = cluster_and_sim();
     let ch = unique("rc_one");
     let options = format!(
         r#"{{"reference_header": "X-Effect-Key", "reconcile": {{"url": "{}", "found": "/found", "external_id": "/id", "settle_ms": 60000}},

@@ -9,7 +9,7 @@
 //! --test-threads=1 --nocapture`.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
-use outbox_e2e::helpers::{code_of, create_channel};
+use outbox_e2e::helpers::{cluster_and_sim, code_of, create_channel, sim_channel};
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::Client;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -150,13 +150,10 @@ fn deliver_one(
 
 #[test]
 fn large_answers_are_read_only_up_to_max_response_bytes_and_still_delivered() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
+    let (_cluster, mut c, sim) = cluster_and_sim();
     sim.set_record_bodies(false);
-    let ch = unique("rl_large");
+    let ch = sim_channel(&mut c, &sim, "rl_large", r#"{"external_id": "/id"}"#);
     sim.set_default(&ch, Action::AcceptLarge(10_000_000));
-    create_channel(&mut c, &ch, &sim.send_url(&ch), r#"{"external_id": "/id"}"#);
     let pids = worker_pids(&mut c);
     assert!(!pids.is_empty(), "no delivery worker runs");
     let idle: Vec<_> = pids
@@ -214,29 +211,24 @@ fn a_channel_may_read_a_longer_body() {
     );
     assert_eq!(code_of(&refused.expect_err("over the 16 MiB max")), "22023");
 
-    // The largest limit: a 10 MB answer is read whole, nothing to note.
-    let (long, id) = deliver_one(
-        &mut c,
-        &cluster,
-        r#"{"external_id": "/id", "max_response_bytes": 16777216}"#,
-        10_000_000,
-    );
-    assert!(
-        long.external_id.as_deref() == Some(id.as_str())
-            && long.last_error.is_none()
-            && long.attempt_error.is_none(),
-        "want external id {id:?} and no error: {long:?}"
-    );
-
-    // A short limit: the id at the start is still read.
-    let (short, id) = deliver_one(
-        &mut c,
-        &cluster,
-        r#"{"external_id": "/id", "max_response_bytes": 4096}"#,
-        10_000,
-    );
-    assert!(
-        short.external_id.as_deref() == Some(id.as_str()) && no_error(&short),
-        "want external id {id:?} and no error: {short:?}"
-    );
+    for (limit, options, answer_bytes) in [
+        // The largest limit: a 10 MB answer is read whole, nothing to note.
+        (
+            "the largest limit",
+            r#"{"external_id": "/id", "max_response_bytes": 16777216}"#,
+            10_000_000,
+        ),
+        // A short limit: the id at the start is still read.
+        (
+            "a short limit",
+            r#"{"external_id": "/id", "max_response_bytes": 4096}"#,
+            10_000,
+        ),
+    ] {
+        let (got, id) = deliver_one(&mut c, &cluster, options, answer_bytes);
+        assert!(
+            got.external_id.as_deref() == Some(id.as_str()) && no_error(&got),
+            "{limit}: want external id {id:?} and no error: {got:?}"
+        );
+    }
 }

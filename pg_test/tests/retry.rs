@@ -7,8 +7,11 @@
 //! Run: `cargo test -p outbox_e2e --release --test retry -- --test-threads=1`.
 
 use outbox_e2e::cluster::{unique, wait_for_state, wait_until, Cluster};
-use outbox_e2e::helpers::{create_channel, enqueue};
-use outbox_e2e::sim::{Action, Received, Simulator};
+use outbox_e2e::helpers::{
+    attempts, cluster_and_sim, count, create_channel, enqueue, ledger_entries, one, sim_channel,
+    Attempt,
+};
+use outbox_e2e::sim::{Action, Received};
 use postgres::Client;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -18,45 +21,9 @@ const LONG: Duration = Duration::from_secs(30);
 // helpers (local to this file)
 // ---------------------------------------------------------------------------------------
 
-/// One row of `outbox.attempts`; times in unix ms.
-#[derive(Debug, Clone)]
-struct AttemptRow {
-    attempt: i32,
-    kind: String,
-    started_ms: f64,
-    finished_ms: Option<f64>,
-    outcome: Option<String>,
-    error_class: Option<String>,
-    http_status: Option<i32>,
-    error: Option<String>,
-    retry_after_ms: Option<i64>,
-    effect_key_sent: Option<String>,
-}
-
-fn attempts(c: &mut Client, id: i64) -> Vec<AttemptRow> {
-    c.query(
-        "SELECT attempt, kind,
-                (extract(epoch FROM started_at) * 1000)::float8,
-                (extract(epoch FROM finished_at) * 1000)::float8,
-                outcome, error_class::text, http_status, error, retry_after_ms, effect_key_sent
-           FROM outbox.attempts WHERE message_id = $1 ORDER BY attempt_id",
-        &[&id],
-    )
-    .expect("read outbox.attempts")
-    .iter()
-    .map(|r| AttemptRow {
-        attempt: r.get(0),
-        kind: r.get(1),
-        started_ms: r.get(2),
-        finished_ms: r.get(3),
-        outcome: r.get(4),
-        error_class: r.get(5),
-        http_status: r.get(6),
-        error: r.get(7),
-        retry_after_ms: r.get(8),
-        effect_key_sent: r.get(9),
-    })
-    .collect()
+/// An answer with HTTP `status` and a `Retry-After: value` header.
+fn retry_after(status: u16, value: &str) -> Action {
+    Action::StatusWithHeaders(status, vec![("Retry-After".into(), value.into())])
 }
 
 /// A message as `outbox.messages` shows it, plus the stored `next_attempt_at` (the view
@@ -143,7 +110,7 @@ fn wait_in_backoff(c: &mut Client, id: i64, n: i32) -> MessageRow {
     m
 }
 
-fn send_attempts(rows: &[AttemptRow]) -> Vec<AttemptRow> {
+fn send_attempts(rows: &[Attempt]) -> Vec<Attempt> {
     rows.iter().filter(|a| a.kind == "send").cloned().collect()
 }
 
@@ -153,17 +120,14 @@ fn send_attempts(rows: &[AttemptRow]) -> Vec<AttemptRow> {
 
 #[test]
 fn transient_503_three_times_then_delivered_with_growing_gaps() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_grow");
-    sim.set_plan(&ch, vec![Action::Status(503); 3]);
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_grow",
         r#"{"retry": {"base_ms": 200, "max_ms": 5000, "multiplier": 2.0, "jitter": "none"}}"#,
     );
+    sim.set_plan(&ch, vec![Action::Status(503); 3]);
     let id = enqueue(&mut c, &ch, &unique("rt_grow_key"));
     expect_state(&cluster, &mut c, id, "delivered");
 
@@ -242,23 +206,9 @@ fn transient_503_three_times_then_delivered_with_growing_gaps() {
 
 #[test]
 fn retry_after_429_delays_the_next_attempt() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_429");
-    sim.set_plan(
-        &ch,
-        vec![Action::StatusWithHeaders(
-            429,
-            vec![("Retry-After".into(), "2".into())],
-        )],
-    );
-    create_channel(
-        &mut c,
-        &ch,
-        &sim.send_url(&ch),
-        r#"{"retry": {"base_ms": 100}}"#,
-    );
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(&mut c, &sim, "rt_429", r#"{"retry": {"base_ms": 100}}"#);
+    sim.set_plan(&ch, vec![retry_after(429, "2")]);
     let id = enqueue(&mut c, &ch, &unique("rt_429_key"));
     expect_state(&cluster, &mut c, id, "delivered");
 
@@ -300,17 +250,14 @@ fn retry_after_429_delays_the_next_attempt() {
 
 #[test]
 fn permanent_401_fails_after_one_attempt() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_401");
-    sim.set_default(&ch, Action::Status(401));
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_401",
         r#"{"retry": {"base_ms": 100, "jitter": "none"}}"#,
     );
+    sim.set_default(&ch, Action::Status(401));
     let id = enqueue(&mut c, &ch, &unique("rt_401_key"));
     expect_state(&cluster, &mut c, id, "failed");
 
@@ -342,17 +289,14 @@ fn permanent_401_fails_after_one_attempt() {
 
 #[test]
 fn endless_503_ends_exhausted_after_max_attempts() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_exh");
-    sim.set_default(&ch, Action::Status(503));
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_exh",
         r#"{"retry": {"max_attempts": 3, "base_ms": 100, "jitter": "none"}}"#,
     );
+    sim.set_default(&ch, Action::Status(503));
     let id = enqueue(&mut c, &ch, &unique("rt_exh_key"));
     expect_state(&cluster, &mut c, id, "exhausted");
 
@@ -392,17 +336,14 @@ fn endless_503_ends_exhausted_after_max_attempts() {
 
 #[test]
 fn classify_override_409_delivered() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_409");
-    sim.set_default(&ch, Action::Status(409));
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_409",
         r#"{"classify": {"409": "delivered"}, "retry": {"base_ms": 100}}"#,
     );
+    sim.set_default(&ch, Action::Status(409));
     let key = unique("rt_409_key");
     let id = enqueue(&mut c, &ch, &key);
     expect_state(&cluster, &mut c, id, "delivered");
@@ -414,13 +355,11 @@ fn classify_override_409_delivered() {
     assert_eq!(rows.len(), 1, "{rows:#?}");
     assert_eq!(rows[0].outcome.as_deref(), Some("delivered"));
     assert_eq!(rows[0].http_status, Some(409));
-    let ledger: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE effect_key = $1 AND message_id = $2",
-            &[&key, &id],
-        )
-        .unwrap()
-        .get(0);
+    let ledger = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.ledger WHERE effect_key = $1 AND message_id = $2",
+        &[&key, &id],
+    );
     assert_eq!(ledger, 1, "a delivered message has its ledger entry");
     std::thread::sleep(Duration::from_millis(1000));
     assert_eq!(sim.send_count(&ch), 1);
@@ -428,17 +367,14 @@ fn classify_override_409_delivered() {
 
 #[test]
 fn classify_override_503_permanent() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_503p");
-    sim.set_default(&ch, Action::Status(503));
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_503p",
         r#"{"classify": {"503": "permanent"}, "retry": {"base_ms": 100, "jitter": "none"}}"#,
     );
+    sim.set_default(&ch, Action::Status(503));
     let id = enqueue(&mut c, &ch, &unique("rt_503p_key"));
     expect_state(&cluster, &mut c, id, "failed");
 
@@ -451,13 +387,7 @@ fn classify_override_503_permanent() {
     let rows = attempts(&mut c, id);
     assert_eq!(rows.len(), 1, "{rows:#?}");
     assert_eq!(rows[0].error_class.as_deref(), Some("permanent"));
-    let ledger: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE message_id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let ledger = ledger_entries(&mut c, id);
     assert_eq!(ledger, 0);
 }
 
@@ -467,17 +397,14 @@ fn classify_override_503_permanent() {
 
 #[test]
 fn altered_policy_applies_to_a_message_in_backoff() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_alter");
-    sim.set_default(&ch, Action::Status(503));
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_alter",
         r#"{"retry": {"max_attempts": 5, "base_ms": 60000, "jitter": "none"}}"#,
     );
+    sim.set_default(&ch, Action::Status(503));
     let id = enqueue(&mut c, &ch, &unique("rt_alter_key"));
     let m = wait_in_backoff(&mut c, id, 1);
     assert_eq!(m.max_attempts, Some(5), "{m:?}");
@@ -498,13 +425,11 @@ fn altered_policy_applies_to_a_message_in_backoff() {
     assert_eq!(m.max_attempts, Some(2), "{m:?}");
     assert_eq!(m.state, "queued", "{m:?}");
     // The merge kept the other retry keys.
-    let base: Option<i64> = c
-        .query_one(
-            "SELECT (options -> 'retry' ->> 'base_ms')::int8 FROM outbox.channels WHERE name = $1",
-            &[&ch],
-        )
-        .unwrap()
-        .get(0);
+    let base: Option<i64> = one(
+        &mut c,
+        "SELECT (options -> 'retry' ->> 'base_ms')::int8 FROM outbox.channels WHERE name = $1",
+        &[&ch],
+    );
     assert_eq!(base, Some(60000));
 
     let n = c
@@ -534,17 +459,14 @@ fn altered_policy_applies_to_a_message_in_backoff() {
 
 #[test]
 fn backoff_survives_a_server_crash_restart() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_crash");
-    sim.set_plan(&ch, vec![Action::Status(503)]);
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_crash",
         r#"{"idempotency_header": "Idempotency-Key", "retry": {"base_ms": 3000, "jitter": "none"}}"#,
     );
+    sim.set_plan(&ch, vec![Action::Status(503)]);
     let key = unique("rt_crash_key");
     let id = enqueue(&mut c, &ch, &key);
     let before = wait_in_backoff(&mut c, id, 1);
@@ -627,33 +549,28 @@ fn backoff_survives_a_server_crash_restart() {
 #[test]
 fn jitter_spreads_a_hundred_simultaneous_failures() {
     const N: usize = 100;
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_jit");
+    let (_cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
+        &mut c,
+        &sim,
+        "rt_jit",
+        r#"{"max_in_flight": 200, "max_unverifiable_in_flight": 200, "retry": {"base_ms": 2000, "jitter": "full"}}"#,
+    );
     // Every first attempt fails with 503. The default (not a plan of N × 503) keeps that
     // exact even if a retry with a near-zero jittered delay overtook another message's first
     // send; it turns to Accept once all first attempts are recorded.
     sim.set_default(&ch, Action::Status(503));
-    create_channel(
-        &mut c,
-        &ch,
-        &sim.send_url(&ch),
-        r#"{"max_in_flight": 200, "max_unverifiable_in_flight": 200, "retry": {"base_ms": 2000, "jitter": "full"}}"#,
-    );
     let mut ids = Vec::with_capacity(N);
     {
         let mut tx = c.transaction().unwrap();
         for i in 0..N {
             let key = format!("{ch}_k{i}");
             let payload = format!(r#"{{"n": {i}}}"#);
-            let id: i64 = tx
-                .query_one(
-                    "SELECT outbox.enqueue($1, $2::text::jsonb, $3)",
-                    &[&ch, &payload, &key],
-                )
-                .unwrap()
-                .get(0);
+            let id: i64 = one(
+                &mut tx,
+                "SELECT outbox.enqueue($1, $2::text::jsonb, $3)",
+                &[&ch, &payload, &key],
+            );
             ids.push(id);
         }
         tx.commit().unwrap();
@@ -762,13 +679,11 @@ fn jitter_spreads_a_hundred_simultaneous_failures() {
         delivered(&mut c)
     );
     assert_eq!(sim.stored(&ch).len(), N);
-    let ledger: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE message_id = ANY($1)",
-            &[&ids],
-        )
-        .unwrap()
-        .get(0);
+    let ledger = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.ledger WHERE message_id = ANY($1)",
+        &[&ids],
+    );
     assert_eq!(ledger, N as i64);
 }
 
@@ -778,23 +693,14 @@ fn jitter_spreads_a_hundred_simultaneous_failures() {
 
 #[test]
 fn garbage_retry_after_is_recorded_and_ignored() {
-    let cluster = Cluster::from_env();
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("rt_soon");
-    sim.set_plan(
-        &ch,
-        vec![Action::StatusWithHeaders(
-            503,
-            vec![("Retry-After".into(), "soon".into())],
-        )],
-    );
-    create_channel(
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "rt_soon",
         r#"{"retry": {"base_ms": 300, "jitter": "none"}}"#,
     );
+    sim.set_plan(&ch, vec![retry_after(503, "soon")]);
     let id = enqueue(&mut c, &ch, &unique("rt_soon_key"));
     expect_state(&cluster, &mut c, id, "delivered");
 

@@ -12,7 +12,7 @@
 //! Run: `cargo test -p outbox_e2e --release --test roles`.
 
 use outbox_e2e::cluster::{unique, Cluster};
-use outbox_e2e::helpers::{code_of, ident, serial, session_as};
+use outbox_e2e::helpers::{code_of, count, ident, serial, session_as};
 use postgres::{Client, NoTls};
 
 #[test]
@@ -42,13 +42,11 @@ fn a_new_role_with_a_dropped_role_name_inherits_no_binding() {
 
     su.execute("SELECT outbox.unbind_tenant($1, $2)", &[&role, &tenant])
         .expect("unbind what the dropped role left");
-    let left: i64 = su
-        .query_one(
-            "SELECT count(*) FROM outbox._tenant_bindings WHERE tenant = $1",
-            &[&tenant],
-        )
-        .expect("left")
-        .get(0);
+    let left = count(
+        &mut su,
+        "SELECT count(*) FROM outbox._tenant_bindings WHERE tenant = $1",
+        &[&tenant],
+    );
     assert_eq!(left, 0);
     su.batch_execute(&format!("DROP ROLE {}", ident(&role)))
         .expect("drop");

@@ -8,7 +8,7 @@
 
 use outbox_e2e::cluster::{unique, wait_for_state, Cluster};
 use outbox_e2e::helpers::{
-    closed_port, create_channel, enqueue, ident, session_as, CONTRACT_VIEWS,
+    closed_port, count, create_channel, enqueue, ident, one, session_as, CONTRACT_VIEWS,
 };
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::Client;
@@ -40,13 +40,11 @@ fn everything_visible_to(cluster: &Cluster, role: &str) -> String {
     let mut c = session_as(cluster, role);
     let mut text = String::new();
     for view in CONTRACT_VIEWS {
-        let readable: bool = c
-            .query_one(
-                "SELECT has_table_privilege(current_user, $1, 'SELECT')",
-                &[&format!("outbox.{view}")],
-            )
-            .expect("privilege")
-            .get(0);
+        let readable: bool = one(
+            &mut c,
+            "SELECT has_table_privilege(current_user, $1, 'SELECT')",
+            &[&format!("outbox.{view}")],
+        );
         if readable {
             let rows: String = c
                 .query_one(
@@ -149,13 +147,7 @@ fn url_header_and_lookup_secrets_appear_in_no_view_and_no_log_line() {
         .expect("reconcile")
         .get(0);
     assert_eq!(answer, "unavailable");
-    let lookup_errors: i64 = su
-        .query_one(
-            "SELECT count(*) FROM outbox.attempts WHERE message_id = $1 AND kind = 'reconcile' AND error LIKE '%token=********%'",
-            &[&amb_id],
-        )
-        .expect("lookup errors")
-        .get(0);
+    let lookup_errors = count(&mut su, "SELECT count(*) FROM outbox.attempts WHERE message_id = $1 AND kind = 'reconcile' AND error LIKE '%token=********%'", &[&amb_id]);
     assert!(lookup_errors >= 1, "no lookup error quoted the masked URL");
     let refused_error: String = su
         .query_one(

@@ -197,6 +197,26 @@ async fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>) -> io::Result<usiz
     stream.read_buf(buf).await
 }
 
+/// Reads more of a request body, after the `100 Continue` the client waits for when it has
+/// not been sent yet; false when the connection ended or failed.
+async fn read_more_body(
+    stream: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    sent_continue: &mut bool,
+) -> bool {
+    if !*sent_continue {
+        *sent_continue = true;
+        if stream
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+            .await
+            .is_err()
+        {
+            return false;
+        }
+    }
+    matches!(read_more(stream, buf).await, Ok(n) if n > 0)
+}
+
 async fn serve_connection(shared: Arc<Shared>, mut stream: TcpStream) {
     let _ = stream.set_nodelay(true);
     let mut buf: Vec<u8> = Vec::with_capacity(8192);
@@ -216,15 +236,8 @@ async fn serve_connection(shared: Arc<Shared>, mut stream: TcpStream) {
                 break i;
             }
             if buf.len() > MAX_HEAD {
-                reject(
-                    &shared,
-                    &mut stream,
-                    &mut out,
-                    431,
-                    "request head too large",
-                )
-                .await;
-                return;
+                // No end within the limit: refused just below.
+                break buf.len();
             }
             scanned = buf.len().saturating_sub(3);
             match read_more(&mut stream, &mut buf).await {
@@ -269,19 +282,8 @@ async fn serve_connection(shared: Arc<Shared>, mut stream: TcpStream) {
                         return;
                     }
                 }
-                if !sent_continue {
-                    sent_continue = true;
-                    if stream
-                        .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
-                }
-                match read_more(&mut stream, &mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) => {}
+                if !read_more_body(&mut stream, &mut buf, &mut sent_continue).await {
+                    return;
                 }
             }
             dec.pos
@@ -302,19 +304,8 @@ async fn serve_connection(shared: Arc<Shared>, mut stream: TcpStream) {
                 buf.reserve(head_len + len - buf.len());
             }
             while buf.len() < head_len + len {
-                if !sent_continue {
-                    sent_continue = true;
-                    if stream
-                        .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
-                }
-                match read_more(&mut stream, &mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) => {}
+                if !read_more_body(&mut stream, &mut buf, &mut sent_continue).await {
+                    return;
                 }
             }
             head_len + len

@@ -484,42 +484,36 @@ impl Simulator {
     /// Every recorded request of the channel (sends, lookups and other requests under
     /// `/ch/{channel}/`), in recording order.
     pub fn requests(&self, channel: &str) -> Vec<Received> {
-        let st = self.shared.lock();
-        st.channels
-            .get(channel)
-            .map(|c| c.received.clone())
-            .unwrap_or_default()
+        self.read_channel(channel, |c| c.received.clone())
     }
 
     /// The recorded sends of the channel.
     pub fn sends(&self, channel: &str) -> Vec<Received> {
-        let st = self.shared.lock();
-        st.channels
-            .get(channel)
-            .map(|c| {
-                c.received
-                    .iter()
-                    .filter(|r| r.kind == "send")
-                    .cloned()
-                    .collect()
-            })
-            .unwrap_or_default()
+        self.read_channel(channel, |c| {
+            c.received
+                .iter()
+                .filter(|r| r.kind == "send")
+                .cloned()
+                .collect()
+        })
     }
 
     /// Number of sends received on the channel (counted even when requests are not
     /// recorded).
     pub fn send_count(&self, channel: &str) -> usize {
-        let st = self.shared.lock();
-        st.channels.get(channel).map_or(0, |c| c.sends)
+        self.read_channel(channel, |c| c.sends)
     }
 
     /// The messages stored on the channel, in storing order.
     pub fn stored(&self, channel: &str) -> Vec<Stored> {
+        self.read_channel(channel, |c| c.stored.clone())
+    }
+
+    /// `read` of the channel's state, under the lock; the default (nothing) for a channel
+    /// that has received nothing.
+    fn read_channel<T: Default>(&self, channel: &str, read: impl FnOnce(&Channel) -> T) -> T {
         let st = self.shared.lock();
-        st.channels
-            .get(channel)
-            .map(|c| c.stored.clone())
-            .unwrap_or_default()
+        st.channels.get(channel).map(read).unwrap_or_default()
     }
 
     /// The values of header `name` (case-insensitive) over the channel's recorded sends,

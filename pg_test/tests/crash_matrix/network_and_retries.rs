@@ -125,14 +125,8 @@ pub(super) fn network_cut(scenario: &str) -> Vec<Row> {
 // ---------------------------------------------------------------------------------------
 
 pub(super) fn restart_during_backoff(scenario: &str) -> Vec<Row> {
-    let cluster = Cluster::from_env();
-    let before = wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
     let retry = r#"{"base_ms": 5000, "max_ms": 5000, "jitter": "none"}"#;
-    let chans = make_channels(&mut c, &sim, "bo", retry, &json!({}), &|ch| {
-        sim.send_url(ch)
-    });
+    let (cluster, before, sim, mut c, chans) = start_with_channels("bo", retry);
     for (_, ch) in &chans {
         sim.set_plan(ch, vec![Action::Status(503)]);
     }
@@ -156,13 +150,11 @@ pub(super) fn restart_during_backoff(scenario: &str) -> Vec<Row> {
     drop(c);
     cluster.crash_restart();
     let mut c = cluster.connect();
-    let restarted_ms: f64 = c
-        .query_one(
-            "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::float8",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let restarted_ms: f64 = one(
+        &mut c,
+        "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::float8",
+        &[],
+    );
     let after = schedule(&mut c).unwrap();
     drop(c);
     let mut pre = Vec::new();
@@ -222,10 +214,8 @@ pub(super) fn restart_during_backoff(scenario: &str) -> Vec<Row> {
 // ---------------------------------------------------------------------------------------
 
 pub(super) fn budget_exhausted(scenario: &str) -> Vec<Row> {
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
     let retry = r#"{"max_attempts": 3, "base_ms": 100, "jitter": "none"}"#;
     let chans = make_channels(&mut c, &sim, "ex", retry, &json!({}), &|ch| {
         sim.send_url(ch)

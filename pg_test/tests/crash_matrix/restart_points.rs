@@ -18,13 +18,7 @@ pub(super) enum ClientKill {
 }
 
 pub(super) fn client_dies(scenario: &str, how: ClientKill) -> Vec<Row> {
-    let cluster = Cluster::from_env();
-    let before = wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
-    let chans = make_channels(&mut c, &sim, "p1", FAST_RETRY, &json!({}), &|ch| {
-        sim.send_url(ch)
-    });
+    let (cluster, before, sim, mut c, chans) = start_with_channels("p1", FAST_RETRY);
     let keys: Vec<String> = chans
         .iter()
         .map(|(k, _)| unique(&format!("p1_{}", k.short())))
@@ -49,13 +43,11 @@ pub(super) fn client_dies(scenario: &str, how: ClientKill) -> Vec<Row> {
         .collect();
     // Three poll intervals: a worker that could see the rows would have claimed them.
     std::thread::sleep(Duration::from_millis(1500));
-    let visible: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox._messages WHERE effect_key = ANY($1)",
-            &[&keys],
-        )
-        .unwrap()
-        .get(0);
+    let visible = count(
+        &mut c,
+        "SELECT count(*) FROM outbox._messages WHERE effect_key = ANY($1)",
+        &[&keys],
+    );
     let mut pre = Vec::new();
     if visible != 0 {
         pre.push(format!(
@@ -98,20 +90,16 @@ pub(super) fn client_dies(scenario: &str, how: ClientKill) -> Vec<Row> {
 
     // Nothing exists, nothing was sent, nothing was claimed.
     let mut c = cluster.connect();
-    let rows: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox._messages WHERE effect_key = ANY($1)",
-            &[&keys],
-        )
-        .unwrap()
-        .get(0);
-    let ledger: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE effect_key = ANY($1)",
-            &[&keys],
-        )
-        .unwrap()
-        .get(0);
+    let rows = count(
+        &mut c,
+        "SELECT count(*) FROM outbox._messages WHERE effect_key = ANY($1)",
+        &[&keys],
+    );
+    let ledger = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.ledger WHERE effect_key = ANY($1)",
+        &[&keys],
+    );
     if rows != 0 || ledger != 0 {
         pre.push(format!(
             "after the kill: {rows} message row(s), {ledger} ledger row(s)"
@@ -177,10 +165,8 @@ pub(super) fn fault_point(
     point: &str,
     expect: &dyn Fn(Kind) -> Expect,
 ) -> Vec<Row> {
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
     let chans = make_channels(&mut c, &sim, "fp", FAST_RETRY, &json!({}), &|ch| {
         sim.send_url(ch)
     });
@@ -270,18 +256,8 @@ pub(super) fn after_claim_kill9(scenario: &str) -> Vec<Row> {
         &json!({"connect_timeout_ms": 60000, "timeout_ms": 60000}),
         &|ch| hole.url(ch),
     );
-    let lanes = enqueue_all(&mut c, &chans, None);
-    let ids: Vec<i64> = lanes.iter().map(|l| l.id).collect();
     // Claimed: state sending, attempt row written; the worker now hangs in connect().
-    let claimed = poll(&cluster, CRASH_SETTLE, |c| {
-        for id in &ids {
-            if state_attempts(c, *id)?.map(|(s, _)| s) != Some("sending".into()) {
-                return Ok(None);
-            }
-        }
-        Ok(Some(()))
-    });
-    assert!(claimed.is_some(), "the messages were not claimed");
+    let (lanes, ids) = enqueue_all_claimed(&cluster, &mut c, &chans);
     std::thread::sleep(Duration::from_millis(300));
     assert!(!hole.reachable(), "the endpoint became reachable");
     let owners = attempt_owners(&mut c, &ids);
@@ -321,13 +297,7 @@ pub(super) fn after_claim_kill9(scenario: &str) -> Vec<Row> {
 // ---------------------------------------------------------------------------------------
 
 pub(super) fn after_send_kill9(scenario: &str) -> Vec<Row> {
-    let cluster = Cluster::from_env();
-    let before = wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
-    let chans = make_channels(&mut c, &sim, "p3k", FAST_RETRY, &json!({}), &|ch| {
-        sim.send_url(ch)
-    });
+    let (cluster, before, sim, mut c, chans) = start_with_channels("p3k", FAST_RETRY);
     for (_, ch) in &chans {
         sim.set_default(ch, Action::Hang { store: true });
     }
@@ -371,27 +341,11 @@ pub(super) fn after_send_kill9(scenario: &str) -> Vec<Row> {
 // ---------------------------------------------------------------------------------------
 
 pub(super) fn before_commit_immediate_stop(scenario: &str) -> Vec<Row> {
-    let cluster = Cluster::from_env();
-    let before = wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
-    let chans = make_channels(&mut c, &sim, "p4k", FAST_RETRY, &json!({}), &|ch| {
-        sim.send_url(ch)
-    });
+    let (cluster, before, sim, mut c, chans) = start_with_channels("p4k", FAST_RETRY);
     for (_, ch) in &chans {
         sim.set_default(ch, Action::AcceptAfter(Duration::from_millis(2500)));
     }
-    let lanes = enqueue_all(&mut c, &chans, None);
-    let ids: Vec<i64> = lanes.iter().map(|l| l.id).collect();
-    let claimed = poll(&cluster, CRASH_SETTLE, |c| {
-        for id in &ids {
-            if state_attempts(c, *id)?.map(|(s, _)| s) != Some("sending".into()) {
-                return Ok(None);
-            }
-        }
-        Ok(Some(()))
-    });
-    assert!(claimed.is_some(), "the messages were not claimed");
+    let (lanes, ids) = enqueue_all_claimed(&cluster, &mut c, &chans);
     // Hold the message rows: the worker's record transaction (which must update them) will
     // wait for this lock after it has read the answer.
     let mut locker = cluster.connect();
@@ -423,27 +377,23 @@ pub(super) fn before_commit_immediate_stop(scenario: &str) -> Vec<Row> {
     // ... and every worker that owns one of the attempts has read it and waits on our lock
     // inside its record transaction.
     let owners = attempt_owners(&mut c, &ids);
-    let waiting = poll(&cluster, Duration::from_secs(20), |c| {
-        let n: i64 = c
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1) AND wait_event_type = 'Lock'",
-                &[&owners],
-            )?
-            .get(0);
-        Ok((n as usize == owners.len()).then_some(()))
-    });
+    let waiting = wait_for_count(
+        &cluster,
+        Duration::from_secs(20),
+        "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1) AND wait_event_type = 'Lock'",
+        &[&owners],
+        |n| n as usize == owners.len(),
+    );
     assert!(
-        waiting.is_some(),
+        waiting,
         "the workers {owners:?} did not block in their record transaction"
     );
     let mut probe = cluster.connect();
-    let ledger: i64 = probe
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE message_id = ANY($1)",
-            &[&ids],
-        )
-        .unwrap()
-        .get(0);
+    let ledger = count(
+        &mut probe,
+        "SELECT count(*) FROM outbox.ledger WHERE message_id = ANY($1)",
+        &[&ids],
+    );
     assert_eq!(ledger, 0, "nothing recorded yet");
     drop(probe);
     drop(c);
@@ -461,4 +411,25 @@ pub(super) fn before_commit_immediate_stop(scenario: &str) -> Vec<Row> {
         &after_provider_has_it("accepted"),
         &no_extra,
     )
+}
+
+/// One message a lane ([`enqueue_all`]), then waits until every one is claimed: state
+/// `sending`, its attempt row written. Returns the lanes and the message ids.
+fn enqueue_all_claimed(
+    cluster: &Cluster,
+    c: &mut Client,
+    chans: &[(Kind, String)],
+) -> (Vec<Lane>, Vec<i64>) {
+    let lanes = enqueue_all(c, chans, None);
+    let ids: Vec<i64> = lanes.iter().map(|l| l.id).collect();
+    let claimed = poll(cluster, CRASH_SETTLE, |c| {
+        for id in &ids {
+            if state_attempts(c, *id)?.map(|(s, _)| s) != Some("sending".into()) {
+                return Ok(None);
+            }
+        }
+        Ok(Some(()))
+    });
+    assert!(claimed.is_some(), "the messages were not claimed");
+    (lanes, ids)
 }

@@ -130,10 +130,8 @@ fn runuser_postgres(bin: &str) -> Command {
 
 #[test]
 fn pg_dump_and_restore_keep_channels_messages_and_ledger() {
-    let cluster = Cluster::from_env();
-    let sim = Simulator::start();
+    let (cluster, mut c, sim) = cluster_and_sim();
     let ch = unique("fnd_dump");
-    let mut c = cluster.connect();
     let options = r#"{"headers": {"Authorization": "Bearer s3cret-token"},
                       "idempotency_header": "Idempotency-Key",
                       "idempotency_window_ms": 3600000,
@@ -403,8 +401,7 @@ fn without_preload_create_extension_warns_and_enqueue_still_queues() {
         w.hint()
     );
 
-    let ch = unique("fnd_nopreload");
-    create_channel(&mut c, &ch, &sim.send_url(&ch), OPTIONS);
+    let ch = sim_channel(&mut c, &sim, "fnd_nopreload", OPTIONS);
     let key = unique("nopreload");
     let mut tx = c.transaction().unwrap();
     let id = enqueue(&mut tx, &ch, &key);

@@ -7,7 +7,9 @@
 //! provider simulator. Run with `--test-threads=1`.
 
 use outbox_e2e::cluster::{state_of, unique, wait_for_state, wait_until, Cluster};
-use outbox_e2e::helpers::{count, create_channel, enqueue, try_enqueue};
+use outbox_e2e::helpers::{
+    cluster_and_sim, count, create_channel, enqueue, one, sim_channel, try_enqueue,
+};
 use outbox_e2e::sim::Simulator;
 use postgres::error::DbError;
 use postgres::{Client, Config, GenericClient, NoTls};

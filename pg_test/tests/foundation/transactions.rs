@@ -9,11 +9,8 @@ use super::*;
 
 #[test]
 fn enqueue_in_rolled_back_transaction_leaves_nothing() {
-    let cluster = Cluster::from_env();
-    let sim = Simulator::start();
-    let ch = unique("fnd_rollback");
-    let mut c = cluster.connect();
-    create_channel(&mut c, &ch, &sim.send_url(&ch), OPTIONS);
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(&mut c, &sim, "fnd_rollback", OPTIONS);
 
     let key = unique("rolled_back");
     let mut tx = c.transaction().unwrap();
@@ -176,6 +173,25 @@ struct SecondSession {
     notices: Vec<DbError>,
 }
 
+impl SecondSession {
+    /// The id session B's enqueue returned; panics unless B enqueued and committed.
+    fn committed_id(&self) -> i64 {
+        let id = self.enqueue.clone().expect("session B's enqueue failed");
+        assert_eq!(self.commit, Ok(()), "session B's COMMIT");
+        id
+    }
+}
+
+/// The id of the one message row with effect key `key`; panics unless there is exactly one.
+fn only_message_with_key(c: &mut Client, key: &str) -> i64 {
+    assert_eq!(messages_with_key(c, key), 1, "exactly one row for the key");
+    one(
+        c,
+        "SELECT id FROM outbox.messages WHERE effect_key = $1",
+        &[&key],
+    )
+}
+
 /// Session A enqueues `key` and keeps its transaction open; session B (another thread)
 /// enqueues the same key and must block on the unique index until A ends. `a_commits`
 /// decides how A ends. Returns (A's id, what B got).
@@ -221,13 +237,11 @@ fn race_same_key(cluster: &Cluster, ch: &str, key: &str, a_commits: bool) -> (i6
         "session B's enqueue of the same key did not block on session A's open transaction (finished: {})",
         second.is_finished()
     );
-    let wait_event: Option<String> = watcher
-        .query_one(
-            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1",
-            &[&b_pid],
-        )
-        .unwrap()
-        .get(0);
+    let wait_event: Option<String> = one(
+        &mut watcher,
+        "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1",
+        &[&b_pid],
+    );
     assert_eq!(wait_event.as_deref(), Some("Lock"));
     assert!(
         !second.is_finished(),
@@ -247,16 +261,12 @@ fn race_same_key(cluster: &Cluster, ch: &str, key: &str, a_commits: bool) -> (i6
 
 #[test]
 fn concurrent_enqueue_of_same_key_first_commits_both_get_same_id() {
-    let cluster = Cluster::from_env();
-    let sim = Simulator::start();
-    let ch = unique("fnd_race_commit");
-    let mut c = cluster.connect();
-    create_channel(&mut c, &ch, &sim.send_url(&ch), OPTIONS);
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(&mut c, &sim, "fnd_race_commit", OPTIONS);
     let key = unique("race_commit");
 
     let (id_a, b) = race_same_key(&cluster, &ch, &key, true);
-    let id_b = b.enqueue.clone().expect("session B's enqueue failed");
-    assert_eq!(b.commit, Ok(()), "session B's COMMIT");
+    let id_b = b.committed_id();
     assert_eq!(id_b, id_a, "both sessions must get the same message id");
     assert!(
         b.notices.is_empty(),
@@ -264,18 +274,7 @@ fn concurrent_enqueue_of_same_key_first_commits_both_get_same_id() {
         describe_notices(&b.notices)
     );
 
-    assert_eq!(
-        messages_with_key(&mut c, &key),
-        1,
-        "exactly one row for the key"
-    );
-    let row_id: i64 = c
-        .query_one(
-            "SELECT id FROM outbox.messages WHERE effect_key = $1",
-            &[&key],
-        )
-        .unwrap()
-        .get(0);
+    let row_id = only_message_with_key(&mut c, &key);
     assert_eq!(row_id, id_a);
 
     assert!(
@@ -298,16 +297,12 @@ fn concurrent_enqueue_of_same_key_first_commits_both_get_same_id() {
 
 #[test]
 fn concurrent_enqueue_of_same_key_first_rolls_back_second_gets_fresh_id() {
-    let cluster = Cluster::from_env();
-    let sim = Simulator::start();
-    let ch = unique("fnd_race_rollback");
-    let mut c = cluster.connect();
-    create_channel(&mut c, &ch, &sim.send_url(&ch), OPTIONS);
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(&mut c, &sim, "fnd_race_rollback", OPTIONS);
     let key = unique("race_rollback");
 
     let (id_a, b) = race_same_key(&cluster, &ch, &key, false);
-    let id_b = b.enqueue.clone().expect("session B's enqueue failed");
-    assert_eq!(b.commit, Ok(()), "session B's COMMIT");
+    let id_b = b.committed_id();
     assert_ne!(
         id_b, id_a,
         "session B must get a fresh id after A rolled back"
@@ -318,18 +313,7 @@ fn concurrent_enqueue_of_same_key_first_rolls_back_second_gets_fresh_id() {
         describe_notices(&b.notices)
     );
 
-    assert_eq!(
-        messages_with_key(&mut c, &key),
-        1,
-        "exactly one row for the key"
-    );
-    let row_id: i64 = c
-        .query_one(
-            "SELECT id FROM outbox.messages WHERE effect_key = $1",
-            &[&key],
-        )
-        .unwrap()
-        .get(0);
+    let row_id = only_message_with_key(&mut c, &key);
     assert_eq!(row_id, id_b);
     assert_eq!(
         status(&mut c, id_a),

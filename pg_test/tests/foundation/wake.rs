@@ -26,10 +26,8 @@ impl Drop for PollReset<'_> {
 
 #[test]
 fn worker_is_woken_at_commit_not_before_and_not_on_rollback() {
-    let cluster = Cluster::from_env();
-    let sim = Simulator::start();
+    let (cluster, mut c, sim) = cluster_and_sim();
     let ch = unique("fnd_wake");
-    let mut c = cluster.connect();
     let mut watcher = cluster.connect();
     create_channel(&mut c, &ch, &sim.send_url(&ch), OPTIONS);
     cluster.wait_for_worker();

@@ -151,22 +151,18 @@ fn fuzzing_every_public_function_never_breaks_the_server() {
         .map(|r| r.get::<_, String>(0))
         .filter(|r| r != &writer && r != &victim)
         .collect();
-    let unknown_base: i64 = su
-        .query_one(
-            "SELECT coalesce(max(id), 0) + 1000000000 FROM outbox._messages",
-            &[],
-        )
-        .expect("max id")
-        .get(0);
+    let unknown_base: i64 = one(
+        &mut su,
+        "SELECT coalesce(max(id), 0) + 1000000000 FROM outbox._messages",
+        &[],
+    );
     let mut ids = Vec::new();
     for n in 0..3 {
-        let id: i64 = su
-            .query_one(
-                "SELECT outbox.enqueue($1::text, '{}'::jsonb, $2::text)",
-                &[&sim_ch, &format!("{tag}_seed{n}")],
-            )
-            .expect("seed message")
-            .get(0);
+        let id: i64 = one(
+            &mut su,
+            "SELECT outbox.enqueue($1::text, '{}'::jsonb, $2::text)",
+            &[&sim_ch, &format!("{tag}_seed{n}")],
+        );
         ids.push(id);
     }
     let mut pools = Pools {

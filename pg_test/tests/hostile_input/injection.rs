@@ -354,13 +354,11 @@ fn with_hostile_input(what: &str, area: impl FnOnce(&mut Hostile<'_>, &mut Check
         &[&held],
     )
     .expect("pause the held channel");
-    let max_payload: i64 = su
-        .query_one(
-            "SELECT coalesce(current_setting('outbox.max_payload_bytes', true)::int8, 1048576)",
-            &[],
-        )
-        .expect("outbox.max_payload_bytes")
-        .get(0);
+    let max_payload: i64 = one(
+        &mut su,
+        "SELECT coalesce(current_setting('outbox.max_payload_bytes', true)::int8, 1048576)",
+        &[],
+    );
     let max_payload = max_payload as usize;
     cleanup.bindings.extend(
         hostile_strings()

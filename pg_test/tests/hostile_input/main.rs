@@ -29,7 +29,7 @@
 use openmetrics_parser::prometheus::parse_prometheus;
 use outbox_e2e::cluster::{poll, unique, wait_for_workers, Cluster};
 use outbox_e2e::helpers::{
-    closed_port, code_of, count, create_channel, describe, ident, serial, set_role, short,
+    closed_port, code_of, count, create_channel, describe, ident, one, serial, set_role, short,
     CONTRACT_VIEWS,
 };
 use outbox_e2e::sim::Simulator;

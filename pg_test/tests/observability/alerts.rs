@@ -46,32 +46,21 @@ fn queue_age_alert_is_raised_by_a_stuck_channel_and_clears_when_it_drains() {
     }
 
     // The alert appears once a due message has waited more than 1 s.
-    let mut seen: Vec<AlertRow> = Vec::new();
-    let raised = wait_until(Duration::from_secs(10), || {
-        seen = alerts_of(&mut c, &ch);
-        seen.iter().any(|a| a.alert == "queue_age")
-    });
-    assert!(raised, "no queue_age alert for {ch}; alerts: {seen:?}");
+    wait_for_alert(&mut c, &ch, "queue_age", Duration::from_secs(10));
 
     // Read alert, metrics and the oldest due queued message in one snapshot (one now()).
     {
-        let mut tx = c
-            .build_transaction()
-            .isolation_level(IsolationLevel::RepeatableRead)
-            .start()
-            .unwrap();
+        let mut tx = snapshot(&mut c);
         let rows = alerts_of(&mut tx, &ch);
         let qa: Vec<&AlertRow> = rows.iter().filter(|a| a.alert == "queue_age").collect();
         let m = metrics_of(&mut tx, &ch);
-        let head: Option<f64> = tx
-            .query_one(
-                "SELECT extract(epoch FROM now() - min(m.next_attempt_at))::float8
+        let head: Option<f64> = one(
+            &mut tx,
+            "SELECT extract(epoch FROM now() - min(m.next_attempt_at))::float8
                    FROM outbox._messages m JOIN outbox._channels c ON c.id = m.channel_id
                   WHERE c.name = $1 AND m.state = 'queued' AND m.next_attempt_at <= now()",
-                &[&ch],
-            )
-            .unwrap()
-            .get(0);
+            &[&ch],
+        );
         tx.commit().unwrap();
         // The channel stays blocked for ~4.5 s, long after the alert first showed.
         assert!(
@@ -146,28 +135,18 @@ fn error_streak_alert_follows_503s_and_clears_on_delivery() {
     set_setting_seen(&mut c, "outbox.alert_error_streak", "3");
 
     let sim = Simulator::start();
-    let ch = unique("obs_streak");
-    sim.set_default(&ch, Action::Status(503));
-    create_channel(
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "obs_streak",
         r#"{"retry": {"base_ms": 100, "max_ms": 300, "jitter": "none", "max_attempts": 100}}"#,
     );
+    sim.set_default(&ch, Action::Status(503));
     let id = enqueue(&mut c, &ch, &unique("obs_streak_k"));
 
-    let mut seen: Vec<AlertRow> = Vec::new();
-    let raised = wait_until(SETTLE, || {
-        seen = alerts_of(&mut c, &ch);
-        seen.iter().any(|a| a.alert == "error_streak")
-    });
-    assert!(raised, "no error_streak alert for {ch}; alerts: {seen:?}");
+    wait_for_alert(&mut c, &ch, "error_streak", SETTLE);
     {
-        let mut tx = c
-            .build_transaction()
-            .isolation_level(IsolationLevel::RepeatableRead)
-            .start()
-            .unwrap();
+        let mut tx = snapshot(&mut c);
         let rows = alerts_of(&mut tx, &ch);
         let m = metrics_of(&mut tx, &ch);
         // When the first two attempts started, for `since`.
@@ -234,13 +213,11 @@ fn error_streak_alert_follows_503s_and_clears_on_delivery() {
         sends - 1,
         "every 503 the provider answered is one failed attempt: {m:?}"
     );
-    let attempts: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.attempts WHERE message_id = $1 AND kind = 'send'",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let attempts = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.attempts WHERE message_id = $1 AND kind = 'send'",
+        &[&id],
+    );
     assert_eq!(attempts, sends, "one attempt row per request");
 }
 
@@ -249,30 +226,17 @@ fn error_streak_alert_follows_503s_and_clears_on_delivery() {
 #[test]
 fn terminal_failure_alert_on_401_clears_on_cancel() {
     let _serial = serial();
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("obs_term");
+    let ch = sim_channel(&mut c, &sim, "obs_term", "{}");
     sim.set_plan(&ch, vec![Action::Status(401)]);
-    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
     let id = enqueue(&mut c, &ch, &unique("obs_term_k"));
     wait_state(&cluster, id, "failed");
 
     let (rows, updated_age): (Vec<AlertRow>, f64) = {
-        let mut tx = c
-            .build_transaction()
-            .isolation_level(IsolationLevel::RepeatableRead)
-            .start()
-            .unwrap();
+        let mut tx = snapshot(&mut c);
         let rows = alerts_of(&mut tx, &ch);
-        let age: f64 = tx
-            .query_one(
-                "SELECT extract(epoch FROM now() - updated_at)::float8 FROM outbox._messages WHERE id = $1",
-                &[&id],
-            )
-            .unwrap()
-            .get(0);
+        let age: f64 = one(&mut tx, "SELECT extract(epoch FROM now() - updated_at)::float8 FROM outbox._messages WHERE id = $1", &[&id]);
         tx.commit().unwrap();
         (rows, age)
     };
@@ -316,13 +280,10 @@ fn terminal_failure_alert_on_401_clears_on_cancel() {
 #[test]
 fn uncertain_alert_at_once_without_reconcile_clears_on_resolve() {
     let _serial = serial();
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
-    let ch = unique("obs_unc");
+    let ch = sim_channel(&mut c, &sim, "obs_unc", "{}");
     sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
-    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
     let id = enqueue(&mut c, &ch, &unique("obs_unc_k"));
     wait_state(&cluster, id, "uncertain");
 
@@ -332,13 +293,11 @@ fn uncertain_alert_at_once_without_reconcile_clears_on_resolve() {
     assert_eq!(a.alert, "uncertain");
     assert_eq!(a.severity, "critical");
     assert_eq!(a.value, 1.0);
-    let threshold: i32 = c
-        .query_one(
-            "SELECT current_setting('outbox.alert_uncertain_age_s')::int",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let threshold: i32 = one(
+        &mut c,
+        "SELECT current_setting('outbox.alert_uncertain_age_s')::int",
+        &[],
+    );
     assert_eq!(a.threshold, threshold as f64);
     let age = a.since_age_s.expect("since");
     assert!(
@@ -350,24 +309,16 @@ fn uncertain_alert_at_once_without_reconcile_clears_on_resolve() {
     assert_eq!(sim.stored(&ch).len(), 1, "the provider has it");
     assert_eq!(sim.send_count(&ch), 1, "never blindly resent");
 
-    let after: String = c
-        .query_one(
-            "SELECT outbox.resolve($1, 'delivered', 'obs test: seen in the provider console')::text",
-            &[&id],
-        )
-        .expect("resolve")
-        .get(0);
+    let after: String = one(
+        &mut c,
+        "SELECT outbox.resolve($1, 'delivered', 'obs test: seen in the provider console')::text",
+        &[&id],
+    );
     assert_eq!(after, "delivered");
     let rows = alerts_of(&mut c, &ch);
     assert!(rows.is_empty(), "alert gone after resolve: {rows:?}");
     assert_eq!(metrics_of(&mut c, &ch).uncertain, 0);
-    let by: String = c
-        .query_one(
-            "SELECT recorded_by FROM outbox.ledger WHERE message_id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let by = ledger_recorded_by(&mut c, id);
     assert_eq!(by, "operator");
     assert_eq!(sim.send_count(&ch), 1, "resolve sends nothing");
 }

@@ -24,7 +24,8 @@ use openmetrics_parser::prometheus::parse_prometheus;
 use openmetrics_parser::{MetricsExposition, PrometheusType, PrometheusValue};
 use outbox_e2e::cluster::{unique, wait_for_workers, wait_until, Cluster};
 use outbox_e2e::helpers::{
-    create_channel, enqueue, serial, set_setting_seen, wait_state, SettingsGuard, SETTLE,
+    cluster_and_sim, count, create_channel, enqueue, ledger_recorded_by, one, serial,
+    set_setting_seen, sim_channel, wait_state, SettingsGuard, SETTLE,
 };
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::{Client, IsolationLevel, NoTls, SimpleQueryMessage};
@@ -71,6 +72,24 @@ fn alert_row(r: &postgres::Row) -> AlertRow {
         threshold: r.get(4),
         since_age_s: r.get(5),
     }
+}
+
+/// Waits until `alert` shows for channel `ch`; panics with the alerts last seen.
+fn wait_for_alert(c: &mut Client, ch: &str, alert: &str, timeout: Duration) {
+    let mut seen: Vec<AlertRow> = Vec::new();
+    let raised = wait_until(timeout, || {
+        seen = alerts_of(c, ch);
+        seen.iter().any(|a| a.alert == alert)
+    });
+    assert!(raised, "no {alert} alert for {ch}; alerts: {seen:?}");
+}
+
+/// A repeatable-read transaction: what it reads is one snapshot, at one `now()`.
+fn snapshot(c: &mut Client) -> postgres::Transaction<'_> {
+    c.build_transaction()
+        .isolation_level(IsolationLevel::RepeatableRead)
+        .start()
+        .unwrap()
 }
 
 fn alerts_of<C: postgres::GenericClient>(c: &mut C, channel: &str) -> Vec<AlertRow> {

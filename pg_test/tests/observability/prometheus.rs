@@ -27,10 +27,8 @@ const FAMILIES: [(&str, PrometheusType); 10] = [
 #[test]
 fn prometheus_exposition_parses_and_matches_metrics_and_alerts() {
     let _serial = serial();
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
-    let mut c = cluster.connect();
-    let sim = Simulator::start();
     let sim_ch = unique("obs_prom");
     let ch = format!("obs \"quoted\" \\back\\slash\nline {}", unique("x"));
     create_channel(&mut c, &ch, &sim.send_url(&sim_ch), "{}");
@@ -43,21 +41,15 @@ fn prometheus_exposition_parses_and_matches_metrics_and_alerts() {
     sim.set_plan(&sim_ch, vec![Action::Status(401)]);
     let f = enqueue(&mut c, &ch, &unique("obs_prom_k"));
     wait_state(&cluster, f, "failed");
-    let later: i64 = c
-        .query_one(
-            "SELECT outbox.enqueue($1::text, '{}'::jsonb, $2::text, NULL, now() + interval '1 hour')",
-            &[&ch, &unique("obs_prom_later")],
-        )
-        .unwrap()
-        .get(0);
+    let later: i64 = one(
+        &mut c,
+        "SELECT outbox.enqueue($1::text, '{}'::jsonb, $2::text, NULL, now() + interval '1 hour')",
+        &[&ch, &unique("obs_prom_later")],
+    );
 
     // One snapshot: the text, the metrics and the alerts it was made from.
     let (text, metrics, alerts, workers) = {
-        let mut tx = c
-            .build_transaction()
-            .isolation_level(IsolationLevel::RepeatableRead)
-            .start()
-            .unwrap();
+        let mut tx = snapshot(&mut c);
         let text = prometheus_text(&mut tx);
         let metrics = all_channel_metrics(&mut tx);
         let alerts: Vec<AlertRow> = tx
@@ -66,13 +58,11 @@ fn prometheus_exposition_parses_and_matches_metrics_and_alerts() {
             .iter()
             .map(alert_row)
             .collect();
-        let workers: i64 = tx
-            .query_one(
-                "SELECT count(*) FROM outbox.worker_status() WHERE pid IS NOT NULL",
-                &[],
-            )
-            .unwrap()
-            .get(0);
+        let workers = count(
+            &mut tx,
+            "SELECT count(*) FROM outbox.worker_status() WHERE pid IS NOT NULL",
+            &[],
+        );
         tx.commit().unwrap();
         (text, metrics, alerts, workers)
     };

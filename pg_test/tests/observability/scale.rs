@@ -94,13 +94,11 @@ fn backlog_scans(c: &mut Client, ch: &str, channel_id: i32) -> Vec<Scan> {
         rows.is_empty(),
         "a paused channel raises no queue_age alert: {rows:?}"
     );
-    let total_queued: i64 = c
-        .query_one(
-            "SELECT queued FROM outbox.metrics WHERE scope = 'total'",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let total_queued: i64 = one(
+        c,
+        "SELECT queued FROM outbox.metrics WHERE scope = 'total'",
+        &[],
+    );
     assert!(total_queued >= 200_000);
 
     let plan = explain(c, "SELECT * FROM outbox.metrics");
@@ -219,8 +217,7 @@ fn worker_writes_reach_the_statistics_autovacuum_reads() {
     let before = counts(&mut c);
 
     let sim = Simulator::start();
-    let ch = unique("obs_stats");
-    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
+    let ch = sim_channel(&mut c, &sim, "obs_stats", "{}");
     const N: i64 = 40;
     let last = (0..N)
         .map(|i| enqueue(&mut c, &ch, &format!("{ch}-{i}")))

@@ -91,8 +91,7 @@ fn worker_status_matches_pg_stat_activity_and_counts_deliveries() {
 
     // Five deliveries.
     let sim = Simulator::start();
-    let ch = unique("obs_ws");
-    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
+    let ch = sim_channel(&mut c, &sim, "obs_ws", "{}");
     let ids: Vec<i64> = (0..5)
         .map(|_| enqueue(&mut c, &ch, &unique("obs_ws_k")))
         .collect();
@@ -152,13 +151,11 @@ fn check_monitor_reads(c: &mut Client, who: &str) {
         .unwrap_or_else(|e| panic!("{who}: SELECT FROM outbox.metrics: {e:?}"))
         .get(0);
     assert!(metric_rows >= 2, "{who}: a total row and channel rows");
-    let total: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.metrics WHERE scope = 'total'",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let total = count(
+        c,
+        "SELECT count(*) FROM outbox.metrics WHERE scope = 'total'",
+        &[],
+    );
     assert_eq!(total, 1, "{who}");
     c.query(&format!("SELECT {ALERT_COLUMNS} FROM outbox.alerts"), &[])
         .unwrap_or_else(|e| panic!("{who}: SELECT FROM outbox.alerts: {e:?}"));
@@ -198,25 +195,21 @@ fn pg_monitor_reads_metrics_alerts_and_prometheus_but_not_messages() {
         "http://127.0.0.1:9/ch/none",
         "{}",
     );
-    let channels_as_admin: i64 = admin
-        .query_one(
-            "SELECT count(*) FROM outbox.metrics WHERE scope = 'channel'",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let channels_as_admin = count(
+        &mut admin,
+        "SELECT count(*) FROM outbox.metrics WHERE scope = 'channel'",
+        &[],
+    );
 
     // SET ROLE on a superuser's connection.
     let mut c = cluster.connect();
     c.batch_execute("SET ROLE obs_mon").unwrap();
     check_monitor_reads(&mut c, "SET ROLE obs_mon");
-    let channels_as_monitor: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.metrics WHERE scope = 'channel'",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let channels_as_monitor = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.metrics WHERE scope = 'channel'",
+        &[],
+    );
     assert_eq!(
         channels_as_monitor, channels_as_admin,
         "pg_monitor sees every channel's figures"

@@ -20,15 +20,10 @@ fn binding_log_rows(su: &mut Client, action: &str, role: &str, tenant: &str) -> 
     )
 }
 
-/// A role granted outbox_writer, the tenant it is to be bound to and a channel to enqueue
-/// on; the role goes, with any binding it may have got, when `roles` is dropped.
-struct Bindee<'a> {
-    sim: Simulator,
-    ch: String,
-    roles: Roles<'a>,
-    role: String,
-    t: String,
-}
+/// What a binding test acts on: the simulator and a channel on it to enqueue on, the roles
+/// (which go, with any binding they may have got, when dropped), a role granted
+/// outbox_writer and the tenant it is to be bound to.
+type Bindee<'a> = (Simulator, String, Roles<'a>, String, String);
 
 fn bindee<'a>(cluster: &'a Cluster, su: &mut Client) -> Bindee<'a> {
     check_extension_roles(su);
@@ -39,26 +34,14 @@ fn bindee<'a>(cluster: &'a Cluster, su: &mut Client) -> Bindee<'a> {
     let role = roles.create(su, "bindee", &["outbox_writer"]);
     let t = tenant_name("bind");
     roles.may_be_bound(&role, &t);
-    Bindee {
-        sim,
-        ch,
-        roles,
-        role,
-        t,
-    }
+    (sim, ch, roles, role, t)
 }
 
 /// `bind_tenant` / `unbind_tenant` validate their arguments. An unknown role: 42704.
 #[test]
 fn bind_and_unbind_refuse_an_unknown_role() {
     let (_serial, cluster, mut su) = start();
-    let Bindee {
-        sim: _sim,
-        ch: _,
-        roles: _roles,
-        role: _,
-        t,
-    } = bindee(&cluster, &mut su);
+    let (_sim, _, _roles, _, t) = bindee(&cluster, &mut su);
     let mut problems = Vec::new();
 
     // Unknown role.
@@ -88,13 +71,7 @@ fn bind_and_unbind_refuse_an_unknown_role() {
 #[test]
 fn bind_and_unbind_refuse_bad_tenant_names() {
     let (_serial, cluster, mut su) = start();
-    let Bindee {
-        sim: _sim,
-        ch: _,
-        mut roles,
-        role,
-        t: _,
-    } = bindee(&cluster, &mut su);
+    let (_sim, _, mut roles, role, _) = bindee(&cluster, &mut su);
     let mut problems = Vec::new();
 
     // Bad tenant names: 22023 from both functions.
@@ -138,13 +115,7 @@ fn bind_and_unbind_refuse_bad_tenant_names() {
 #[test]
 fn bind_and_unbind_refuse_null_arguments() {
     let (_serial, cluster, mut su) = start();
-    let Bindee {
-        sim: _sim,
-        ch: _,
-        roles: _roles,
-        role,
-        t,
-    } = bindee(&cluster, &mut su);
+    let (_sim, _, _roles, role, t) = bindee(&cluster, &mut su);
     let mut problems = Vec::new();
 
     // NULLs.
@@ -183,13 +154,7 @@ fn bind_and_unbind_refuse_null_arguments() {
 #[test]
 fn the_longest_tenant_name_binds_and_is_acted_for() {
     let (_serial, cluster, mut su) = start();
-    let Bindee {
-        sim: _sim,
-        ch,
-        mut roles,
-        role,
-        t: _,
-    } = bindee(&cluster, &mut su);
+    let (_sim, ch, mut roles, role, _) = bindee(&cluster, &mut su);
     let mut problems = Vec::new();
 
     // The longest tenant: 128 bytes (in 64 two-byte characters).
@@ -236,13 +201,7 @@ fn the_longest_tenant_name_binds_and_is_acted_for() {
 #[test]
 fn binding_twice_is_once_one_unbind_removes_it_and_both_write_the_operator_log() {
     let (_serial, cluster, mut su) = start();
-    let Bindee {
-        sim: _sim,
-        ch,
-        mut roles,
-        role,
-        t,
-    } = bindee(&cluster, &mut su);
+    let (_sim, ch, mut roles, role, t) = bindee(&cluster, &mut su);
     let admin = roles.create(&mut su, "bind_admin", &["outbox_admin"]);
     let mut problems = Vec::new();
 

@@ -41,6 +41,47 @@ fn named(s: &mut Session, t: &str, problems: &mut Vec<String>) -> bool {
     }
 }
 
+/// Notes a problem when `s` (described by `who`) sees any row of messages, attempts or
+/// the ledger.
+pub(super) fn sees_no_rows(s: &mut Session, who: &str, problems: &mut Vec<String>) {
+    let n = rows_seen(s);
+    if n != 0 {
+        problems.push(format!(
+            "{who} sees {n} rows in messages/attempts/ledger; expected none"
+        ));
+    }
+}
+
+/// `s`, acting for `t` (one of the fixture's tenants `a` and `b`), enqueues a message: it
+/// is `t`'s.
+fn enqueues_for_tenant(s: &mut Session, su: &mut Client, ch: &str, who: &str, t: &str) {
+    let id = s.enqueue(ch, &unique(&format!("ten_{who}")));
+    assert_eq!(
+        tenant_of(su, id).as_deref(),
+        Some(t),
+        "{who} with outbox.tenant = {t} enqueued message {id}"
+    );
+}
+
+/// Notes a problem unless `s` (described by `who`), acting for `t` (one of the fixture's
+/// tenants `a` and `b`), sees at least `at_least` messages, all of them `t`'s.
+fn sees_one_tenant(
+    s: &mut Session,
+    who: &str,
+    (a, b): (&str, &str),
+    t: &str,
+    at_least: i64,
+    problems: &mut Vec<String>,
+) {
+    let (all, in_a, in_b, other) = seen(s, a, b);
+    let (own, theirs) = if t == a { (in_a, in_b) } else { (in_b, in_a) };
+    if !(own >= at_least && theirs == 0 && other == 0 && all == own) {
+        problems.push(format!(
+            "{who} with outbox.tenant = {t} sees {all} messages: {in_a} of {a}, {in_b} of {b}, {other} of other tenants; expected at least {at_least}, all of {t}"
+        ));
+    }
+}
+
 /// Rows `s` sees in messages, attempts and ledger together.
 pub(super) fn rows_seen(s: &mut Session) -> i64 {
     s.count(
@@ -80,12 +121,11 @@ fn a_role_bound_to_one_tenant_acts_for_it_and_may_not_name_another() {
             "42501",
             &format!("writer_a (bound to {a}) enqueueing with outbox.tenant = {b}"),
         );
-        let n = rows_seen(&mut wa);
-        if n != 0 {
-            problems.push(format!(
-                "writer_a with outbox.tenant = {b} (not its tenant) sees {n} rows in messages/attempts/ledger; expected none"
-            ));
-        }
+        sees_no_rows(
+            &mut wa,
+            &format!("writer_a with outbox.tenant = {b} (not its tenant)"),
+            &mut problems,
+        );
     }
     wa.set_tenant(None);
     assert_no_problems(
@@ -109,32 +149,18 @@ fn a_role_bound_to_star_names_a_tenant_per_connection_and_sees_that_tenant_alone
         "42501",
         "shared (bound to '*') enqueueing without outbox.tenant",
     );
-    let n = rows_seen(&mut sh);
-    if n != 0 {
-        problems.push(format!(
-            "shared (bound to '*') without outbox.tenant sees {n} rows in messages/attempts/ledger; expected none"
-        ));
-    }
-    sh.set_tenant(Some(a));
-    let shared_a = sh.enqueue(&fx.ok_ch, &unique("ten_shared_a"));
-    assert_eq!(
-        tenant_of(&mut su, shared_a).as_deref(),
-        Some(a),
-        "shared with outbox.tenant = {a} enqueued message {shared_a}"
+    sees_no_rows(
+        &mut sh,
+        "shared (bound to '*') without outbox.tenant",
+        &mut problems,
     );
-    let (all, in_a, in_b, other) = seen(&mut sh, a, b);
-    if !(in_a >= 4 && in_b == 0 && other == 0 && all == in_a) {
-        problems.push(format!(
-            "shared with outbox.tenant = {a} sees {all} messages: {in_a} of {a} (expected at least 4: the fixture's 3 and its own), {in_b} of {b}, {other} of other tenants (expected 0 and 0)"
-        ));
-    }
+    sh.set_tenant(Some(a));
+    enqueues_for_tenant(&mut sh, &mut su, &fx.ok_ch, "shared", a);
+    // The fixture's 3 and its own.
+    sees_one_tenant(&mut sh, "shared", (a, b), a, 4, &mut problems);
     sh.set_tenant(Some(b));
-    let (all, in_a, in_b, other) = seen(&mut sh, a, b);
-    if !(in_b >= 3 && in_a == 0 && other == 0 && all == in_b) {
-        problems.push(format!(
-            "shared with outbox.tenant = {b} sees {all} messages: {in_b} of {b} (expected at least 3), {in_a} of {a} (incl. the one it just enqueued there), {other} of other tenants (expected 0 and 0)"
-        ));
-    }
+    // Not the one it just enqueued in a.
+    sees_one_tenant(&mut sh, "shared", (a, b), b, 3, &mut problems);
     sh.set_tenant(None);
     assert_no_problems(&problems, "tenant choice (a role bound to star names a tenant per connection and sees that tenant alone)");
 }
@@ -161,25 +187,10 @@ fn a_role_bound_to_several_tenants_names_one_to_enqueue_and_sees_all_or_the_one_
         ));
     }
     mu.set_tenant(Some(a));
-    let multi_a = mu.enqueue(&fx.ok_ch, &unique("ten_multi_a"));
-    assert_eq!(
-        tenant_of(&mut su, multi_a).as_deref(),
-        Some(a),
-        "multi with outbox.tenant = {a} enqueued message {multi_a}"
-    );
-    let (all, in_a, in_b, other) = seen(&mut mu, a, b);
-    if !(in_a >= 3 && in_b == 0 && other == 0 && all == in_a) {
-        problems.push(format!(
-            "multi with outbox.tenant = {a} sees {all} messages: {in_a} of {a}, {in_b} of {b}, {other} of others; expected {a}'s alone"
-        ));
-    }
+    enqueues_for_tenant(&mut mu, &mut su, &fx.ok_ch, "multi", a);
+    sees_one_tenant(&mut mu, "multi", (a, b), a, 3, &mut problems);
     mu.set_tenant(Some(b));
-    let (all, in_a, in_b, other) = seen(&mut mu, a, b);
-    if !(in_b >= 3 && in_a == 0 && other == 0 && all == in_b) {
-        problems.push(format!(
-            "multi with outbox.tenant = {b} sees {all} messages: {in_a} of {a}, {in_b} of {b}, {other} of others; expected {b}'s alone"
-        ));
-    }
+    sees_one_tenant(&mut mu, "multi", (a, b), b, 3, &mut problems);
     let c = tenant_name("c");
     if named(&mut mu, &c, &mut problems) {
         expect_code(
@@ -187,12 +198,11 @@ fn a_role_bound_to_several_tenants_names_one_to_enqueue_and_sees_all_or_the_one_
             "42501",
             &format!("multi (bound to {a} and {b}) enqueueing with outbox.tenant = {c}"),
         );
-        let n = rows_seen(&mut mu);
-        if n != 0 {
-            problems.push(format!(
-                "multi with outbox.tenant = {c} (not one of its tenants) sees {n} rows; expected none"
-            ));
-        }
+        sees_no_rows(
+            &mut mu,
+            &format!("multi with outbox.tenant = {c} (not one of its tenants)"),
+            &mut problems,
+        );
     }
     mu.set_tenant(None);
     assert_no_problems(&problems, "tenant choice (a role bound to several tenants names one to enqueue and sees all or the one named)");
@@ -220,12 +230,7 @@ fn a_role_bound_to_no_tenant_is_refused_and_sees_nothing() {
             &format!("unbound (outbox_writer, no binding) enqueueing with outbox.tenant = {a}"),
         );
     }
-    let n = rows_seen(&mut ub);
-    if n != 0 {
-        problems.push(format!(
-            "unbound (no binding) sees {n} rows in messages/attempts/ledger; expected none"
-        ));
-    }
+    sees_no_rows(&mut ub, "unbound (no binding)", &mut problems);
     assert_no_problems(
         &problems,
         "tenant choice (a role bound to no tenant is refused and sees nothing)",

@@ -1,6 +1,6 @@
 //! Section 8: hostile `outbox.tenant` values are refused and never widen what is seen.
 
-use super::choice::{rows_seen, seen};
+use super::choice::{rows_seen, seen, sees_no_rows};
 use super::*;
 
 // ---------------------------------------------------------------------------------------
@@ -88,12 +88,11 @@ fn hostile_tenant_names_are_refused_and_never_widen_what_is_seen() {
             "42501",
             "writer_a after SET outbox.tenant = $$x' OR '1'='1$$",
         );
-        let n = rows_seen(&mut s);
-        if n != 0 {
-            problems.push(format!(
-                "writer_a after SET outbox.tenant = $$x' OR '1'='1$$ sees {n} rows; expected none"
-            ));
-        }
+        sees_no_rows(
+            &mut s,
+            "writer_a after SET outbox.tenant = $$x' OR '1'='1$$",
+            &mut problems,
+        );
     }
 
     // Bound to '*': any valid name is a tenant of its own (empty here), never A or B.

@@ -29,7 +29,7 @@
 
 use outbox_e2e::cluster::{state_of, unique, wait_for_state, wait_for_workers, Cluster};
 use outbox_e2e::helpers::{
-    code_of, count, create_channel, describe, ident, serial, session_as, try_enqueue_payload,
+    code_of, count, create_channel, describe, ident, one, serial, session_as, try_enqueue_payload,
     wait_state, Params, SETTLE,
 };
 use outbox_e2e::sim::{Action, Simulator};
@@ -62,6 +62,17 @@ const EXTENSION_ROLES: [&str; 4] = [
 // ---------------------------------------------------------------------------------------
 // Helpers (local to this file)
 // ---------------------------------------------------------------------------------------
+
+/// The functions that administer channels and tenant bindings: outbox_admin's alone among
+/// the extension's roles, and SECURITY DEFINER.
+const ADMINISTRATION: [&str; 6] = [
+    "create_channel",
+    "alter_channel",
+    "pause_channel",
+    "resume_channel",
+    "bind_tenant",
+    "unbind_tenant",
+];
 
 /// How every test here starts: the lock that runs them one at a time, the cluster, and a
 /// superuser connection.

@@ -55,13 +55,11 @@ fn a_trigger_on_the_message_table_runs_as_the_restricted_worker_role() {
     check_extension_roles(&mut su);
     // A previous run that failed may have left its trigger.
     drop_probe_trigger(&mut su).expect("drop a leftover probe trigger");
-    let worker_role: String = su
-        .query_one(
-            "SELECT coalesce(nullif(current_setting('outbox.role', true), ''), 'outbox_worker')",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let worker_role: String = one(
+        &mut su,
+        "SELECT coalesce(nullif(current_setting('outbox.role', true), ''), 'outbox_worker')",
+        &[],
+    );
     let guard = ProbeGuard {
         cluster: &cluster,
         table: format!("{}_probe", unique("e2e")),
@@ -151,13 +149,11 @@ CREATE TRIGGER {PROBE_TRIGGER} AFTER UPDATE ON outbox._messages
     let ch = unique("ten_probe");
     create_channel(&mut su, &ch, &sim.send_url(&ch), OPTIONS);
     let mark = cluster.log_mark();
-    let id: i64 = su
-        .query_one(
-            "SELECT outbox.enqueue($1::text, '{\"probe\": true}'::jsonb, $2::text)",
-            &[&ch, &key],
-        )
-        .expect("enqueue the probed message")
-        .get(0);
+    let id: i64 = one(
+        &mut su,
+        "SELECT outbox.enqueue($1::text, '{\"probe\": true}'::jsonb, $2::text)",
+        &[&ch, &key],
+    );
     if !wait_for_state(&cluster, id, "delivered", SETTLE) {
         let log: Vec<String> = cluster
             .log_since(mark)
@@ -297,13 +293,11 @@ fn a_superuser_or_missing_outbox_role_stops_the_worker_and_says_so_once() {
         su.batch_execute("SELECT pg_reload_conf()").unwrap();
         // The workers reload at their next loop.
         std::thread::sleep(Duration::from_millis(1500));
-        let id: i64 = su
-            .query_one(
-                "SELECT outbox.enqueue($1::text, '{}'::jsonb, $2::text)",
-                &[&ch, &unique("ten_role_key")],
-            )
-            .expect("enqueue while outbox.role is wrong")
-            .get(0);
+        let id: i64 = one(
+            &mut su,
+            "SELECT outbox.enqueue($1::text, '{}'::jsonb, $2::text)",
+            &[&ch, &unique("ten_role_key")],
+        );
         held.push(id);
         std::thread::sleep(LONG_QUIET);
         let state = state_of(&cluster, id);

@@ -165,13 +165,11 @@ fn bad_rows_never_stop_the_worker() {
         "the two messages at the counters' ends were sent, the others not"
     );
     // The views read the bad option as unknown instead of failing.
-    let max_attempts: Option<i32> = c
-        .query_one(
-            "SELECT max_attempts FROM outbox.messages WHERE id = $1",
-            &[&bad_opts],
-        )
-        .expect("outbox.messages with a channel's option changed by hand")
-        .get(0);
+    let max_attempts: Option<i32> = one(
+        &mut c,
+        "SELECT max_attempts FROM outbox.messages WHERE id = $1",
+        &[&bad_opts],
+    );
     assert_eq!(max_attempts, Some(8));
     c.execute(
         "SELECT outbox.pause_channel($1::text, 'end of test')",
@@ -247,13 +245,11 @@ fn idle_connections_of_many_channels_leave_postgres_its_file_descriptors() {
         );
         channels.push(ch);
     }
-    let retried: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.messages WHERE channel = ANY($1) AND attempts <> 1",
-            &[&channels],
-        )
-        .unwrap()
-        .get(0);
+    let retried = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.messages WHERE channel = ANY($1) AND attempts <> 1",
+        &[&channels],
+    );
     assert_eq!(retried, 0, "every message went out on its first attempt");
     let log = cluster.log_since(mark);
     let starved: Vec<&str> = log

@@ -44,9 +44,8 @@ fn sighup_changes_batch_size_without_restart() {
 
     // The new size is in force: claims take at most 3 messages.
     let sim = Simulator::start();
-    let ch = unique("w_batch");
+    let ch = sim_channel(&mut c, &sim, "w_batch", "{}");
     sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(20)));
-    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
     let ids: Vec<i64> = {
         let mut tx = c.transaction().unwrap();
         let ids = (0..9)
@@ -124,17 +123,15 @@ fn two_workers_never_send_the_same_message() {
         tx.commit().unwrap();
     }
 
-    let done = poll(&cluster, Duration::from_secs(120), |c| {
-        let n: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'delivered'",
-                &[&ch],
-            )?
-            .get(0);
-        Ok((n as usize == N).then_some(()))
-    });
+    let done = wait_for_count(
+        &cluster,
+        Duration::from_secs(120),
+        "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'delivered'",
+        &[&ch],
+        |n| n as usize == N,
+    );
     let states = states_of(&mut c, &ch);
-    assert!(done.is_some(), "not all delivered: {states:?}");
+    assert!(done, "not all delivered: {states:?}");
 
     let sends = sim.sends(&ch);
     let mut seen: HashMap<String, usize> = HashMap::new();
@@ -227,35 +224,24 @@ fn a_deep_backlog_on_one_channel_does_not_starve_another() {
         .iter()
         .map(|q| enqueue_payload(&mut c, q, r#"{"n": "alone"}"#, &unique("w_quiet_k")))
         .collect();
-    let delivered = poll(&cluster, SETTLE, |c| {
-        let done: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'delivered'",
-                &[&ids],
-            )?
-            .get(0);
-        Ok((done == 2).then_some(()))
-    });
-    assert!(
-        delivered.is_some(),
-        "the quiet channels' messages were not delivered"
+    let delivered = wait_for_count(
+        &cluster,
+        SETTLE,
+        "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'delivered'",
+        &[&ids],
+        |done| done == 2,
     );
+    assert!(delivered, "the quiet channels' messages were not delivered");
     pause_and_settle(&cluster, &mut c, &busy);
     // How far the backlog had gone when the later quiet message was delivered, from the
     // worker's own records (not from when this test happened to look): the busy messages
     // whose first attempt had not started by then.
-    let unclaimed: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.messages b
+    let unclaimed = count(&mut c, "SELECT count(*) FROM outbox.messages b
               WHERE b.channel = $2
                 AND NOT EXISTS (SELECT 1 FROM outbox.attempts a
                                  WHERE a.message_id = b.id
                                    AND a.started_at <= (SELECT max(delivered_at) FROM outbox.messages
-                                                         WHERE id = ANY($1)))",
-            &[&ids, &busy],
-        )
-        .unwrap()
-        .get(0);
+                                                         WHERE id = ANY($1)))", &[&ids, &busy]);
     assert!(
         unclaimed >= BACKLOG / 3,
         "the quiet channels' messages were delivered only when {unclaimed} of the busy channel's \
@@ -273,10 +259,8 @@ fn a_deep_backlog_on_one_channel_does_not_starve_another() {
 #[test]
 fn a_message_committed_late_with_an_older_due_time_is_claimed_during_a_backlog() {
     const BACKLOG: i64 = 12_000;
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
     // 100 ms a request: a batch lasts at least that long, and the backlog some seconds.
     let busy = slow_channel(&mut c, &sim, "w_late", Duration::from_millis(100), 5000);
     c.execute(
@@ -298,15 +282,13 @@ fn a_message_committed_late_with_an_older_due_time_is_claimed_during_a_backlog()
         "the backlog did not start"
     );
     late_tx.commit().unwrap();
-    let older: bool = c
-        .query_one(
-            "SELECT (SELECT next_attempt_at FROM outbox._messages WHERE id = $1)
+    let older: bool = one(
+        &mut c,
+        "SELECT (SELECT next_attempt_at FROM outbox._messages WHERE id = $1)
                   < (SELECT min(next_attempt_at) FROM outbox._messages m JOIN outbox._channels ch
                         ON ch.id = m.channel_id WHERE ch.name = $2 AND m.id <> $1)",
-            &[&late, &busy],
-        )
-        .unwrap()
-        .get(0);
+        &[&late, &busy],
+    );
     assert!(older, "the late message is not due before the backlog");
     let delivered = poll(&cluster, SETTLE, |c| {
         let r = c.query_one(

@@ -11,17 +11,16 @@ fn kill_9_mid_batch_on_deduping_channel_stores_each_effect_once() {
     let cluster = Cluster::from_env();
     let pids_before = wait_for_workers(&cluster, &[]);
     let sim = Simulator::start();
-    let ch = unique("w_kill");
-    sim.set_dedupe(&ch, "Idempotency-Key");
-    sim.set_default(&ch, Action::Hang { store: true });
     let mut c = cluster.connect();
-    create_channel(
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "w_kill",
         r#"{"idempotency_header": "Idempotency-Key", "external_id": "/id",
             "retry": {"base_ms": 200, "max_ms": 1000, "jitter": "none"}}"#,
     );
+    sim.set_dedupe(&ch, "Idempotency-Key");
+    sim.set_default(&ch, Action::Hang { store: true });
     let keys: Vec<String> = (0..5).map(|i| unique(&format!("k9_{i}"))).collect();
     let ids: Vec<i64> = {
         let mut tx = c.transaction().unwrap();
@@ -131,13 +130,11 @@ fn kill_9_mid_batch_on_deduping_channel_stores_each_effect_once() {
             a.iter().any(|a| a.kind == "recovery"),
             "message {id}: a recovery decision: {a:?}"
         );
-        let ledger: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox.ledger WHERE effect_key = $1 AND message_id = $2",
-                &[key, id],
-            )
-            .unwrap()
-            .get(0);
+        let ledger = count(
+            &mut c,
+            "SELECT count(*) FROM outbox.ledger WHERE effect_key = $1 AND message_id = $2",
+            &[key, id],
+        );
         assert_eq!(ledger, 1);
     }
 }
@@ -240,13 +237,7 @@ fn assert_recovered_and_delivered_once(point: &str, expected_sends: usize) {
     let last_send = a.iter().rfind(|a| a.kind == "send").unwrap();
     assert_eq!(last_send.outcome.as_deref(), Some("delivered"));
     assert_eq!(last_send.http_status, Some(200));
-    let ledger: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE message_id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let ledger = ledger_entries(&mut c, id);
     assert_eq!(ledger, 1, "{point}: one ledger entry");
 }
 
@@ -296,13 +287,7 @@ fn assert_uncertain_never_resent(point: &str, sends_left_by_crash: usize) {
     assert_eq!(recovery.len(), 1, "{point}: one recovery decision: {a:?}");
     assert_eq!(recovery[0].outcome.as_deref(), Some("recovered: uncertain"));
     assert_eq!(a.iter().filter(|a| a.kind == "send").count(), 1, "{a:?}");
-    let ledger: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.ledger WHERE message_id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+    let ledger = ledger_entries(&mut c, id);
     assert_eq!(
         ledger, 0,
         "{point}: no ledger entry for an unconfirmed effect"

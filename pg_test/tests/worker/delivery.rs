@@ -9,11 +9,9 @@ use super::*;
 
 #[test]
 fn commit_is_delivered_with_ledger_attempt_and_headers() {
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     cluster.wait_for_worker();
-    let sim = Simulator::start();
     let ch = unique("w_deliver");
-    let mut c = cluster.connect();
     create_channel(
         &mut c,
         &ch,
@@ -107,15 +105,12 @@ fn commit_is_delivered_with_ledger_attempt_and_headers() {
 
 #[test]
 fn reenqueue_returns_same_id_and_ledger_blocks_resend_after_row_deleted() {
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     cluster.wait_for_worker();
-    let sim = Simulator::start();
-    let ch = unique("w_ledger");
-    let mut c = cluster.connect();
-    create_channel(
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "w_ledger",
         r#"{"idempotency_header": "Idempotency-Key", "external_id": "/id"}"#,
     );
     let key = effect_key(&mut c, &unique("turn"), "send_reply");
@@ -128,13 +123,11 @@ fn reenqueue_returns_same_id_and_ledger_blocks_resend_after_row_deleted() {
     // The same effect again: the same message, nothing new.
     let again = enqueue_payload(&mut c, &ch, payload, &key);
     assert_eq!(again, id, "re-enqueue of a delivered effect returns its id");
-    let n: i64 = c
-        .query_one(
-            "SELECT count(*) FROM outbox.messages WHERE effect_key = $1",
-            &[&key],
-        )
-        .unwrap()
-        .get(0);
+    let n = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.messages WHERE effect_key = $1",
+        &[&key],
+    );
     assert_eq!(n, 1, "still one message for the key");
     std::thread::sleep(QUIET);
     assert_eq!(sim.send_count(&ch), 1, "no second request");
@@ -204,12 +197,10 @@ pub(super) fn cluster_status(c: &mut Client, id: i64) -> Option<String> {
 
 #[test]
 fn ordering_key_waits_for_a_failing_first_message() {
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     cluster.wait_for_worker();
-    let sim = Simulator::start();
     let ch = unique("w_order");
     sim.set_plan(&ch, vec![Action::Status(503), Action::Status(503)]);
-    let mut c = cluster.connect();
     create_channel(
         &mut c,
         &ch,

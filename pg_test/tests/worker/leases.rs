@@ -14,10 +14,8 @@ use super::*;
 #[test]
 fn fast_shutdown_under_load_stops_promptly_and_leaves_no_attempt_open() {
     const BACKLOG: i64 = 20_000;
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
-    let mut c = cluster.connect();
     // 200 ms per request: the backlog keeps both workers busy for several seconds.
     let ch = slow_channel(&mut c, &sim, "w_shutdown", Duration::from_millis(200), 1000);
     enqueue_backlog(&mut c, &ch, BACKLOG);
@@ -68,15 +66,14 @@ fn a_request_slower_than_the_lease_but_within_its_timeout_keeps_its_lease() {
     let cluster = with_two_workers();
     let sim = Simulator::start();
     let mut c = cluster.connect();
-    let ch = unique("slow_lease");
-    sim.set_dedupe(&ch, "Idempotency-Key");
-    sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(3000)));
-    create_channel(
+    let ch = sim_channel(
         &mut c,
-        &ch,
-        &sim.send_url(&ch),
+        &sim,
+        "slow_lease",
         r#"{"idempotency_header": "Idempotency-Key", "timeout_ms": 6000}"#,
     );
+    sim.set_dedupe(&ch, "Idempotency-Key");
+    sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(3000)));
     let _lease = short_lease(&cluster, &mut c);
 
     let id = enqueue_payload(&mut c, &ch, r#"{"to": "slow"}"#, &unique("k"));
@@ -165,15 +162,12 @@ fn sql_effects_longer_than_the_lease_are_not_taken_back_and_run_once() {
 /// an operator has decided the earlier one.
 #[test]
 fn an_ordering_key_waits_while_an_earlier_message_is_uncertain() {
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     cluster.wait_for_worker();
-    let sim = Simulator::start();
-    let ch = unique("w_order_u");
+    let ch = sim_channel(&mut c, &sim, "w_order_u", r#"{}"#);
     // The first send is read and stored, and its answer lost: no key, no lookup, so the
     // message stops in uncertain.
     sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
-    let mut c = cluster.connect();
-    create_channel(&mut c, &ch, &sim.send_url(&ch), r#"{}"#);
     let okey = unique("conversation");
     let (first, second) = {
         let mut tx = c.transaction().unwrap();
@@ -230,31 +224,20 @@ fn an_ordering_key_waits_while_an_earlier_message_is_uncertain() {
 /// after.
 #[test]
 fn not_before_holds_a_message_until_its_time() {
-    let cluster = Cluster::from_env();
+    let (cluster, mut c, sim) = cluster_and_sim();
     cluster.wait_for_worker();
-    let sim = Simulator::start();
-    let ch = unique("w_later");
-    let mut c = cluster.connect();
-    create_channel(&mut c, &ch, &sim.send_url(&ch), r#"{}"#);
-    let id: i64 = c
-        .query_one(
-            "SELECT outbox.enqueue($1, '{\"to\": \"later\"}'::jsonb, $2, NULL, clock_timestamp() + interval '2 seconds')",
-            &[&ch, &unique("later")],
-        )
-        .unwrap()
-        .get(0);
+    let ch = sim_channel(&mut c, &sim, "w_later", r#"{}"#);
+    let id: i64 = one(&mut c, "SELECT outbox.enqueue($1, '{\"to\": \"later\"}'::jsonb, $2, NULL, clock_timestamp() + interval '2 seconds')", &[&ch, &unique("later")]);
     std::thread::sleep(Duration::from_millis(1200));
     assert_eq!(sim.send_count(&ch), 0, "sent before not_before");
     assert_eq!(message(&mut c, id).unwrap().unwrap().state, "queued");
     wait_message(&cluster, id, "delivered");
-    let on_time: bool = c
-        .query_one(
-            "SELECT a.started_at >= m.not_before FROM outbox._messages m
+    let on_time: bool = one(
+        &mut c,
+        "SELECT a.started_at >= m.not_before FROM outbox._messages m
                JOIN outbox._attempts a ON a.message_id = m.id WHERE m.id = $1",
-            &[&id],
-        )
-        .unwrap()
-        .get(0);
+        &[&id],
+    );
     assert!(on_time, "the attempt started before not_before");
     assert_eq!(sim.send_count(&ch), 1);
 }

@@ -9,7 +9,8 @@
 
 use outbox_e2e::cluster::{poll, unique, wait_for_workers, Cluster};
 use outbox_e2e::helpers::{
-    arm_fault, count, create_channel, enqueue_payload, enqueue_with, reset_setting, set_setting,
+    arm_fault, attempts, cluster_and_sim, count, create_channel, enqueue_payload, enqueue_with,
+    ledger_entries, one, reset_setting, set_setting, sim_channel, wait_for_count, Attempt,
     SettingsGuard, QUIET, SETTLE,
 };
 use outbox_e2e::sim::{Action, Received, Simulator};
@@ -67,45 +68,6 @@ fn message(c: &mut Client, id: i64) -> Result<Option<Msg>, postgres::Error> {
         last_error: r.get(5),
         last_http_status: r.get(6),
     }))
-}
-
-#[derive(Debug, Clone)]
-#[allow(dead_code)]
-struct Attempt {
-    attempt: i32,
-    kind: String,
-    outcome: Option<String>,
-    error_class: Option<String>,
-    http_status: Option<i32>,
-    error: Option<String>,
-    external_id: Option<String>,
-    effect_key_sent: Option<String>,
-    worker_pid: Option<i32>,
-    started_at_us: i64,
-}
-
-fn attempts(c: &mut Client, id: i64) -> Vec<Attempt> {
-    c.query(
-        "SELECT attempt, kind, outcome, error_class::text, http_status, error, external_id,
-                effect_key_sent, worker_pid, (extract(epoch FROM started_at) * 1000000)::int8
-           FROM outbox.attempts WHERE message_id = $1 ORDER BY attempt_id",
-        &[&id],
-    )
-    .expect("attempts")
-    .iter()
-    .map(|r| Attempt {
-        attempt: r.get(0),
-        kind: r.get(1),
-        outcome: r.get(2),
-        error_class: r.get(3),
-        http_status: r.get(4),
-        error: r.get(5),
-        external_id: r.get(6),
-        effect_key_sent: r.get(7),
-        worker_pid: r.get(8),
-        started_at_us: r.get(9),
-    })
-    .collect()
 }
 
 /// Waits until message `id` satisfies `pred`; panics with the last state seen.

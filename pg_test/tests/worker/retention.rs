@@ -52,17 +52,15 @@ fn retention_purges_old_delivered_and_keeps_everything_else() {
     let _guard = SettingsGuard::new(&cluster, &["outbox.retention"]);
     set_setting(&mut c, "outbox.retention", "1");
 
-    let gone = poll(&cluster, Duration::from_secs(40), |c| {
-        let n: i64 = c
-            .query_one(
-                "SELECT count(*) FROM outbox._messages WHERE id = $1",
-                &[&delivered],
-            )?
-            .get(0);
-        Ok((n == 0).then_some(()))
-    });
+    let gone = wait_for_count(
+        &cluster,
+        Duration::from_secs(40),
+        "SELECT count(*) FROM outbox._messages WHERE id = $1",
+        &[&delivered],
+        |n| n == 0,
+    );
     assert!(
-        gone.is_some(),
+        gone,
         "the delivered message was not purged within 40 s with outbox.retention = 1"
     );
 

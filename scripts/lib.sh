@@ -1,0 +1,14 @@
+# Sourced by the benchmark, profile, demo and test scripts: strict mode, the repository root
+# as the working directory, cargo on PATH, and the throwaway cluster's common steps.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+export PATH="$HOME/.cargo/bin:$PATH"
+
+# A new throwaway cluster (scripts/cluster.sh, located by the OUTBOX_* settings): the old
+# one is removed first, so that it always matches the extension installed. Arguments go to
+# `scripts/cluster.sh start`.
+fresh_cluster() {
+  bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
+  bash scripts/cluster.sh start "$@"
+}
