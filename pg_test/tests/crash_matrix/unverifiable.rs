@@ -26,33 +26,36 @@ fn in_state(c: &mut Client, channel: &str, state: &str) -> i64 {
     )
 }
 
-/// Messages of `channel` that were in an attempt claimed before `crash_at` and not yet
-/// taken back by recovery.
-fn open_before(c: &mut Client, channel: &str, crash_at: SystemTime) -> i64 {
+/// Messages of `channel` still `sending` in an attempt of one of the workers `pids` (not
+/// yet taken back by recovery).
+fn open_by(c: &mut Client, channel: &str, pids: &[i32]) -> i64 {
     count(
         c,
         "SELECT count(*) FROM outbox._messages m JOIN outbox._channels ch ON ch.id = m.channel_id
-          WHERE ch.name = $1 AND m.state = 'sending' AND m.updated_at < $2",
-        &[&channel, &crash_at],
+          WHERE ch.name = $1 AND m.state = 'sending'
+            AND EXISTS (SELECT 1 FROM outbox._attempts a
+                         WHERE a.message_id = m.id AND a.attempt = m.attempts AND a.kind = 'send'
+                           AND a.worker_pid = ANY ($2))",
+        &[&channel, &pids],
     )
 }
 
 /// The messages a crash left, found as the runbook finds them ("after a crash on a channel
 /// that cannot be asked"): uncertain, and their latest attempt was a send of one of the
-/// workers that died, started before the crash.
+/// workers that died, started since `window` (a while before the crash).
 fn found_as_the_runbook_says(
     c: &mut Client,
     channel: &str,
     pids: &[i32],
-    crash_at: SystemTime,
+    window: SystemTime,
 ) -> i64 {
     count(
         c,
         "SELECT count(*) FROM outbox.work_queue w
            JOIN outbox.attempts s ON s.message_id = w.id AND s.kind = 'send' AND s.attempt = w.attempts
           WHERE w.state = 'uncertain' AND w.channel = $1
-            AND s.worker_pid = ANY ($2) AND s.started_at <= $3",
-        &[&channel, &pids, &crash_at],
+            AND s.worker_pid = ANY ($2) AND s.started_at >= $3",
+        &[&channel, &pids, &window],
     )
 }
 
@@ -72,13 +75,15 @@ fn crash_once(cluster: &Cluster, channel: &str, workers: &mut Vec<i32>) -> Optio
         return None;
     }
     let before = in_state(&mut c, channel, "uncertain");
-    let crash_at = SystemTime::now();
+    // The window the runbook's operator reads the log for: from a while before the crash.
+    let window = SystemTime::now() - Duration::from_secs(60);
     let died = workers.clone();
     cluster.kill_worker(workers[0]);
     *workers = wait_for_workers(cluster, workers);
     let mut c = cluster.connect();
+    // Every attempt the dead workers had open is taken back by recovery.
     let settled = poll(cluster, CRASH_SETTLE, |c| {
-        Ok((open_before(c, channel, crash_at) == 0).then_some(()))
+        Ok((open_by(c, channel, &died) == 0).then_some(()))
     });
     assert!(
         settled.is_some(),
@@ -86,9 +91,9 @@ fn crash_once(cluster: &Cluster, channel: &str, workers: &mut Vec<i32>) -> Optio
     );
     let left = in_state(&mut c, channel, "uncertain") - before;
     assert_eq!(
-        found_as_the_runbook_says(&mut c, channel, &died, crash_at),
+        found_as_the_runbook_says(&mut c, channel, &died, window),
         left,
-        "the runbook's query finds the messages the crash left"
+        "the runbook's query finds the messages the crash left (workers {died:?})"
     );
     Some((open.0, left))
 }
