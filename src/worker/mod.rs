@@ -94,7 +94,7 @@ fn log_settings(index: usize) {
     );
 }
 
-pub use crate::spi::PINNED_SEARCH_PATH;
+use crate::spi::PINNED_SEARCH_PATH;
 
 /// Pins the session's search path to [`PINNED_SEARCH_PATH`], after handing the database's
 /// own path (its default, or `ALTER DATABASE … SET search_path`) to the `sql` effects, which
@@ -241,26 +241,7 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
     };
     log_settings(index);
 
-    let mut waited_for_extension = false;
-    while !extension_exists() {
-        if !waited_for_extension {
-            log!("outbox_delivery worker {index}: extension outbox_delivery is not created in \"{database}\" yet; waiting");
-            slots::update(index, |s| s.phase = slots::Phase::WaitingForExtension);
-            waited_for_extension = true;
-        }
-        if !sleep(WAIT_FOR_SETUP) {
-            stop(index);
-        }
-        let _ = reload_config_if_asked(index);
-    }
-    let waited = schema_version::wait_until_current(index, || {
-        let go_on = sleep(WAIT_FOR_SETUP);
-        let _ = reload_config_if_asked(index);
-        go_on
-    });
-    if !waited {
-        stop(index);
-    }
+    wait_for_schema(index, &database);
 
     let role = wait_for_role(index);
     let mut worker = cycle::Worker::new(index, pid, runtime, role);
@@ -300,6 +281,31 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
         }
     }
     stop(index);
+}
+
+/// Waits until the extension exists in `database` and its schema is the version this
+/// library expects (`ALTER EXTENSION … UPDATE` has run); stops the worker when asked to.
+fn wait_for_schema(index: usize, database: &str) {
+    let mut waited_for_extension = false;
+    while !extension_exists() {
+        if !waited_for_extension {
+            log!("outbox_delivery worker {index}: extension outbox_delivery is not created in \"{database}\" yet; waiting");
+            slots::update(index, |s| s.phase = slots::Phase::WaitingForExtension);
+            waited_for_extension = true;
+        }
+        if !sleep(WAIT_FOR_SETUP) {
+            stop(index);
+        }
+        let _ = reload_config_if_asked(index);
+    }
+    let waited = schema_version::wait_until_current(index, || {
+        let go_on = sleep(WAIT_FOR_SETUP);
+        let _ = reload_config_if_asked(index);
+        go_on
+    });
+    if !waited {
+        stop(index);
+    }
 }
 
 /// Runs one step of the worker; an error in it (which rolls its transaction back) is
