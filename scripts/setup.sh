@@ -6,7 +6,7 @@ set -euo pipefail
 
 PGRX_VERSION=0.18.1
 PG_CONFIG=/usr/bin/pg_config
-APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-client-15 libclang-dev clang sudo pkg-config curl binutils)
+APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-client-15 libclang-dev clang sudo pkg-config curl binutils nats-server)
 
 log() { printf '[setup] %s\n' "$*"; }
 

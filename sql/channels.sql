@@ -27,9 +27,21 @@ END;
 CREATE FUNCTION outbox._can_verify(options jsonb) RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 BEGIN ATOMIC
-    SELECT coalesce(options ->> 'kind', 'http') = 'sql'
+    SELECT coalesce(options ->> 'kind', 'http') IN ('sql', 'nats')
         OR jsonb_typeof(options -> 'idempotency_header') = 'string'
         OR jsonb_typeof(options -> 'reconcile') = 'object';
+END;
+
+-- Can an uncertain message of the channel be looked up, read-only (options::can_look_up)?
+-- An http channel with `reconcile`; a nats channel whose subject names {effect_key}, so
+-- that the last message on the subject is the message's.
+CREATE FUNCTION outbox._can_look_up(options jsonb) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+BEGIN ATOMIC
+    SELECT coalesce(CASE coalesce(options ->> 'kind', 'http')
+                      WHEN 'http' THEN jsonb_typeof(options -> 'reconcile') = 'object'
+                      WHEN 'nats' THEN strpos(options ->> 'subject', '{effect_key}') > 0
+                    END, false);
 END;
 
 CREATE FUNCTION outbox._in_flight_bound(options jsonb) RETURNS integer

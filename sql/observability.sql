@@ -118,7 +118,7 @@ SELECT 'uncertain', c.name, 'critical', count(*)::numeric,
                         ORDER BY a.id DESC LIMIT 1),
                       m.updated_at) AS since) u
  WHERE m.state = 'uncertain'
-   AND (jsonb_typeof(c.options -> 'reconcile') IS DISTINCT FROM 'object'
+   AND (NOT outbox._can_look_up(c.options)
         OR u.since < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_uncertain_age_s', 300)))
  GROUP BY c.name;
 COMMENT ON VIEW outbox.alerts IS

@@ -16,7 +16,7 @@ SELECT m.id,
        m.owner,
        pg_catalog.now() - m.created_at AS age,
        CASE
-           WHEN m.state = 'uncertain' AND jsonb_typeof(c.options -> 'reconcile') = 'object'
+           WHEN m.state = 'uncertain' AND outbox._can_look_up(c.options)
                THEN pg_catalog.format('reconcile: SELECT outbox.reconcile(%s)', m.id)
            WHEN m.state = 'uncertain'
                THEN pg_catalog.format('ask the provider, then outbox.resolve(%s, ''delivered''|''failed'', reason) or outbox.retry(%s, reason)', m.id, m.id)
@@ -110,7 +110,7 @@ BEGIN
         v_after := v_msg.state;
         v_detail := jsonb_build_object('result', 'no-op');
     WHEN 'uncertain' THEN
-        IF jsonb_typeof(v_options -> 'reconcile') = 'object' THEN
+        IF outbox._can_look_up(v_options) THEN
             -- The provider may have it: ask before anything is resent.
             v_lookup := outbox.reconcile(v_msg.id);
             v_detail := jsonb_build_object('reconcile', v_lookup);

@@ -21,9 +21,21 @@ SELECT pg_catalog.pg_extension_config_dump('outbox._channel_minutes', '');
 CREATE FUNCTION outbox._can_verify(options jsonb) RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 BEGIN ATOMIC
-    SELECT coalesce(options ->> 'kind', 'http') = 'sql'
+    SELECT coalesce(options ->> 'kind', 'http') IN ('sql', 'nats')
         OR jsonb_typeof(options -> 'idempotency_header') = 'string'
         OR jsonb_typeof(options -> 'reconcile') = 'object';
+END;
+
+-- Can an uncertain message of the channel be looked up, read-only (options::can_look_up)?
+-- An http channel with `reconcile`; a nats channel whose subject names {effect_key}, so
+-- that the last message on the subject is the message's.
+CREATE FUNCTION outbox._can_look_up(options jsonb) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+BEGIN ATOMIC
+    SELECT coalesce(CASE coalesce(options ->> 'kind', 'http')
+                      WHEN 'http' THEN jsonb_typeof(options -> 'reconcile') = 'object'
+                      WHEN 'nats' THEN strpos(options ->> 'subject', '{effect_key}') > 0
+                    END, false);
 END;
 
 CREATE FUNCTION outbox._in_flight_bound(options jsonb) RETURNS integer
@@ -160,6 +172,7 @@ $fn$;
 -- Nothing of the extension is PUBLIC's (sql/privileges.sql): the new functions neither.
 REVOKE ALL ON FUNCTION
     outbox._can_verify(jsonb),
+    outbox._can_look_up(jsonb),
     outbox._in_flight_bound(jsonb),
     outbox._in_flight_reason(jsonb),
     outbox._ledger_entry(text, text),
@@ -168,6 +181,7 @@ REVOKE ALL ON FUNCTION
 GRANT EXECUTE ON FUNCTION outbox._option_int(jsonb, text[]) TO outbox_admin;
 GRANT EXECUTE ON FUNCTION
     outbox._can_verify(jsonb),
+    outbox._can_look_up(jsonb),
     outbox._in_flight_bound(jsonb),
     outbox._in_flight_reason(jsonb)
     TO outbox_worker, outbox_writer, outbox_operator, outbox_admin;
@@ -175,3 +189,162 @@ GRANT EXECUTE ON FUNCTION
     outbox._ledger_entry(text, text),
     outbox._record_delivered(bigint[], text[], integer[], text, boolean)
     TO outbox_worker;
+
+-- The nats channel kind (NATS JetStream): it dedupes by Nats-Msg-Id inside its stream's
+-- duplicate window, and can be looked up where its subject names {effect_key}. Every place
+-- that asked whether a channel can reconcile asks outbox._can_look_up.
+CREATE OR REPLACE VIEW outbox.messages AS
+SELECT m.id,
+       m.tenant,
+       c.name AS channel,
+       m.state,
+       m.effect_key,
+       m.ordering_key,
+       m.attempts,
+       outbox._option_int(c.options, '{retry,max_attempts}') AS max_attempts,
+       -- queued: the next send; uncertain on a channel that can reconcile: the next lookup.
+       CASE WHEN m.state = 'queued'
+              OR (m.state = 'uncertain' AND outbox._can_look_up(c.options))
+            THEN m.next_attempt_at END AS next_attempt_at,
+       m.last_error_class,
+       m.last_error,
+       m.last_http_status,
+       m.external_id,
+       m.owner,
+       m.created_at,
+       m.updated_at,
+       m.delivered_at,
+       m.not_before,
+       m.lease_until,
+       m.payload,
+       m.headers
+  FROM outbox._messages m
+  LEFT JOIN outbox.channels c ON c.id = m.channel_id;
+
+CREATE OR REPLACE VIEW outbox.work_queue AS
+SELECT m.id,
+       c.name AS channel,
+       m.state,
+       CASE m.state
+           WHEN 'uncertain' THEN 'outcome unknown: the provider may or may not have it'
+           WHEN 'exhausted' THEN 'retry budget spent on transient errors'
+           WHEN 'failed'    THEN 'permanent error'
+       END AS reason,
+       m.last_error,
+       m.attempts,
+       m.owner,
+       pg_catalog.now() - m.created_at AS age,
+       CASE
+           WHEN m.state = 'uncertain' AND outbox._can_look_up(c.options)
+               THEN pg_catalog.format('reconcile: SELECT outbox.reconcile(%s)', m.id)
+           WHEN m.state = 'uncertain'
+               THEN pg_catalog.format('ask the provider, then outbox.resolve(%s, ''delivered''|''failed'', reason) or outbox.retry(%s, reason)', m.id, m.id)
+           WHEN m.state = 'exhausted'
+               THEN pg_catalog.format('check the channel for an outage, then outbox.retry(%s, reason)', m.id)
+           ELSE pg_catalog.format('fix the cause (token, recipient, payload), then outbox.retry(%s, reason) or outbox.cancel(%s, reason)', m.id, m.id)
+       END AS suggested_action,
+       m.last_error_class,
+       m.last_http_status,
+       m.effect_key,
+       m.tenant,
+       m.updated_at
+  FROM outbox._messages m
+  LEFT JOIN outbox.channels c ON c.id = m.channel_id
+ WHERE m.state IN ('uncertain', 'exhausted', 'failed');
+
+CREATE OR REPLACE FUNCTION outbox.retry(id bigint, reason text) RETURNS outbox.state
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_msg     outbox._messages;
+    v_options jsonb;
+    v_after   outbox.state;
+    v_lookup  text;
+    v_detail  jsonb := '{}';
+BEGIN
+    PERFORM outbox._require_reason(retry.reason);
+    v_msg := outbox._lock_message(retry.id);
+    SELECT c.options INTO v_options FROM outbox._channels c WHERE c.id = v_msg.channel_id;
+
+    CASE v_msg.state
+    WHEN 'sending' THEN
+        RAISE EXCEPTION 'message % is being sent right now; retry refused', v_msg.id
+            USING ERRCODE = '55000', HINT = 'Wait for the attempt''s outcome (its lease ends by itself), then look again.';
+    WHEN 'delivered', 'cancelled', 'queued' THEN
+        RAISE NOTICE 'message % is %: nothing to retry', v_msg.id, v_msg.state;
+        v_after := v_msg.state;
+        v_detail := jsonb_build_object('result', 'no-op');
+    WHEN 'uncertain' THEN
+        IF outbox._can_look_up(v_options) THEN
+            -- The provider may have it: ask before anything is resent.
+            v_lookup := outbox.reconcile(v_msg.id);
+            v_detail := jsonb_build_object('reconcile', v_lookup);
+            SELECT m.state INTO v_after FROM outbox._messages m WHERE m.id = v_msg.id;
+            IF v_lookup = 'unavailable' THEN
+                RAISE NOTICE 'message %: the provider could not be asked; nothing was resent', v_msg.id
+                    USING HINT = 'Try again later, or settle it with outbox.resolve() after checking by hand.';
+            ELSIF v_lookup = 'not_found' AND v_after = 'uncertain' THEN
+                RAISE NOTICE 'message %: not found yet, but its last attempt may still be in process at the provider; nothing was resent', v_msg.id
+                    USING HINT = 'Retry again once the channel''s reconcile settle time (twice its timeout by default) has passed.';
+            ELSIF v_lookup = 'not_supported' OR (v_lookup = 'not_found' AND v_after <> 'queued') THEN
+                PERFORM outbox._requeue(v_msg.id);
+                v_after := 'queued';
+            END IF;
+        ELSE
+            PERFORM outbox._requeue(v_msg.id);
+            v_after := 'queued';
+        END IF;
+    ELSE -- exhausted, failed: a fresh budget, the same effect key
+        PERFORM outbox._requeue(v_msg.id);
+        v_after := 'queued';
+    END CASE;
+
+    INSERT INTO outbox._operator_log (action, message_id, tenant, reason, state_before, state_after, detail)
+    VALUES ('retry', v_msg.id, v_msg.tenant, retry.reason, v_msg.state, v_after,
+            v_detail || jsonb_build_object('effect_key', v_msg.effect_key));
+    RETURN v_after;
+END
+$fn$;
+
+CREATE OR REPLACE VIEW outbox.alerts AS
+SELECT 'queue_age'::text AS alert,
+       m.channel,
+       CASE WHEN m.oldest_queued_age_s > 4 * outbox._setting('outbox.alert_queue_age_s', 300)
+            THEN 'critical' ELSE 'warning' END AS severity,
+       m.oldest_queued_age_s AS value,
+       outbox._setting('outbox.alert_queue_age_s', 300)::numeric AS threshold,
+       pg_catalog.now() - make_interval(secs => m.oldest_queued_age_s::double precision) AS since
+  FROM outbox.metrics m
+ WHERE m.scope = 'channel' AND NOT m.paused
+   AND m.oldest_queued_age_s > outbox._setting('outbox.alert_queue_age_s', 300)
+UNION ALL
+SELECT 'error_streak', c.name, 'warning', s.error_streak::numeric,
+       outbox._setting('outbox.alert_error_streak', 10)::numeric, s.error_streak_since
+  FROM outbox._channel_stats s
+  JOIN outbox._channels c ON c.id = s.channel_id
+ WHERE s.error_streak >= outbox._setting('outbox.alert_error_streak', 10)
+UNION ALL
+SELECT 'terminal_failures', c.name, 'critical', count(*)::numeric, 0::numeric, min(m.updated_at)
+  FROM outbox._messages m
+  JOIN outbox._channels c ON c.id = m.channel_id
+ WHERE m.state IN ('failed', 'exhausted') AND m.updated_at > pg_catalog.now() - interval '1 hour'
+ GROUP BY c.name
+UNION ALL
+SELECT 'uncertain', c.name, 'critical', count(*)::numeric,
+       outbox._setting('outbox.alert_uncertain_age_s', 300)::numeric, min(u.since)
+  FROM outbox._messages m
+  JOIN outbox._channels c ON c.id = m.channel_id
+  -- Uncertain since the send (or the recovery of a lost lease) that left it so: the
+  -- inconclusive lookups that follow change the row, not how long nobody has known.
+  CROSS JOIN LATERAL (
+      SELECT coalesce((SELECT coalesce(a.finished_at, a.started_at)
+                         FROM outbox._attempts a
+                        WHERE a.message_id = m.id AND a.kind IN ('send', 'recovery')
+                        ORDER BY a.id DESC LIMIT 1),
+                      m.updated_at) AS since) u
+ WHERE m.state = 'uncertain'
+   AND (NOT outbox._can_look_up(c.options)
+        OR u.since < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_uncertain_age_s', 300)))
+ GROUP BY c.name;

@@ -90,6 +90,7 @@ GRANT EXECUTE ON FUNCTION outbox._option_int(jsonb, text[])
 -- worker's claim and by outbox.channels (as its reader).
 GRANT EXECUTE ON FUNCTION
     outbox._can_verify(jsonb),
+    outbox._can_look_up(jsonb),
     outbox._in_flight_bound(jsonb),
     outbox._in_flight_reason(jsonb)
     TO outbox_worker, outbox_writer, outbox_operator, outbox_admin;

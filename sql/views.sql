@@ -45,7 +45,7 @@ SELECT m.id,
        outbox._option_int(c.options, '{retry,max_attempts}') AS max_attempts,
        -- queued: the next send; uncertain on a channel that can reconcile: the next lookup.
        CASE WHEN m.state = 'queued'
-              OR (m.state = 'uncertain' AND jsonb_typeof(c.options -> 'reconcile') = 'object')
+              OR (m.state = 'uncertain' AND outbox._can_look_up(c.options))
             THEN m.next_attempt_at END AS next_attempt_at,
        m.last_error_class,
        m.last_error,

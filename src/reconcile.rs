@@ -7,11 +7,10 @@
 //! The worker reconciles due `uncertain` messages on its own; `outbox.reconcile(id)` and
 //! `outbox.reconcile()` do the same on demand.
 
-use crate::channels::guard::AllowList;
-use crate::channels::http::guarded_client;
-use crate::channels::lookup::{self, Lookup, Subject};
-use crate::channels::lookup_url;
+use crate::channels::http::Transport;
+use crate::channels::lookup::{Lookup, Subject};
 use crate::channels::options::ChannelOptions;
+use crate::channels::remote;
 use crate::clock::now_ms;
 use crate::error::{spi_failure, OrRaise, OutboxError};
 use crate::gucs;
@@ -20,8 +19,6 @@ use crate::outbox::state::State;
 use crate::retry_policy::DEFAULT_MAX_ATTEMPTS;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
-use std::cell::RefCell;
-use std::sync::Arc;
 
 /// Applies a lookup that concluded nothing final — not found, or no usable answer — to one
 /// message, and records it as an attempt of kind `reconcile`. A message that is `sending`
@@ -85,7 +82,8 @@ SELECT m.id, m.tenant, m.attempts, 'reconcile', now(), 'delivered', $2, $4,
 /// tenant's message is not found, exactly as an id that does not exist.
 const LOCK_SUBJECT: &str = "
 SELECT m.state::text, outbox._provider_key(m.tenant, m.effect_key), m.external_id, m.payload::text,
-       (outbox._epoch_ms(m.created_at) / 1000.0)::int8, m.reconcile_attempts, c.id, c.options::text
+       (outbox._epoch_ms(m.created_at) / 1000.0)::int8, m.reconcile_attempts, c.id, c.options::text,
+       c.endpoint
   FROM outbox._messages m
   LEFT JOIN outbox._channels c ON c.id = m.channel_id
  WHERE m.id = $1 AND outbox._tenant_visible(m.tenant)
@@ -96,7 +94,7 @@ const RECONCILABLE: &str = "
 SELECT m.id
   FROM outbox._messages m
   JOIN outbox._channels c ON c.id = m.channel_id
- WHERE m.state = 'uncertain' AND jsonb_typeof(c.options -> 'reconcile') = 'object'
+ WHERE m.state = 'uncertain' AND outbox._can_look_up(c.options)
    AND outbox._tenant_visible(m.tenant)
  ORDER BY m.id";
 
@@ -146,7 +144,8 @@ pub fn record_lookup(
         }
         Lookup::NotFound { http_status } => (
             format!(
-                "reconcile: the provider does not have it (HTTP {http_status}); requeued with the same effect key once the last attempt has settled"
+                "reconcile: the provider does not have it ({}); requeued with the same effect key once the last attempt has settled",
+                http_status.map_or("no message with its key on the subject".to_string(), |s| format!("HTTP {s}"))
             ),
             None,
         ),
@@ -175,106 +174,32 @@ pub fn record_lookup(
     rows.first().get_one::<String>()
 }
 
-thread_local! {
-    /// A backend's own runtime for on-demand lookups: one I/O thread, built on first use.
-    static BACKEND_RUNTIME: RefCell<Option<tokio::runtime::Runtime>> = const { RefCell::new(None) };
-}
-
-/// How often a backend waiting for a lookup looks at its interrupts (a cancel, a terminate,
-/// `statement_timeout`) and at the lookup.
-const INTERRUPT_CHECK: std::time::Duration = std::time::Duration::from_millis(10);
-
-/// Builds a runtime whose threads block every signal: the backend's signals (SIGINT for a
-/// cancel, SIGTERM, SIGALRM for `statement_timeout`) must reach its main thread, where
-/// PostgreSQL's handlers run. The main thread itself keeps its signals.
-fn backend_runtime() -> std::io::Result<tokio::runtime::Runtime> {
-    crate::runtime::build_with_threads(1)
-}
-
-/// Ends a lookup that is still running when the backend stops waiting for it (an error
-/// raised by an interrupt unwinds through here).
-struct AbortOnDrop(tokio::task::AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// Runs a lookup from a backend. The request runs on the runtime's I/O thread; the backend
-/// waits on its latch and checks for interrupts every [`INTERRUPT_CHECK`], so that a
-/// cancel, a terminate or `statement_timeout` ends the call at once (the transaction is
-/// rolled back: nothing of the lookup is recorded). The request is bounded by the
-/// channel's timeout and held to this session's `outbox.allowed_hosts`.
-fn lookup_from_backend(options: &ChannelOptions, url: String, subject: Subject) -> Lookup {
-    let allowed = match AllowList::parse(&gucs::allowed_hosts()) {
-        Ok(list) => Arc::new(list),
-        Err(e) => {
-            return Lookup::Unavailable {
-                error: format!("lookup not sent: outbox.allowed_hosts is invalid: {e}"),
-                http_status: None,
-            }
-        }
+/// Runs a lookup from a backend ([`crate::runtime::wait_in_backend`]: a cancel, a
+/// terminate or `statement_timeout` ends the call at once, and nothing of the lookup is
+/// recorded). The lookup is bounded by the channel's timeout and held to this session's
+/// `outbox.allowed_hosts`.
+fn lookup_from_backend(
+    channel_id: i32,
+    endpoint: &str,
+    options: &ChannelOptions,
+    subject: &Subject,
+) -> Lookup {
+    let unavailable = |error: String| Lookup::Unavailable {
+        error,
+        http_status: None,
     };
-    let client = match guarded_client(
-        allowed.clone(),
-        std::time::Duration::from_millis(options.connect_timeout_ms),
-    )
-    .build()
-    {
+    let mut transport = Transport::default();
+    if let Some(Err(e)) = transport.set_allowed_hosts(&gucs::allowed_hosts()) {
+        return unavailable(format!(
+            "lookup not sent: outbox.allowed_hosts is invalid: {e}"
+        ));
+    }
+    let channel = match remote::open(&mut transport, channel_id, "", endpoint, options, 1) {
         Ok(c) => c,
-        Err(e) => {
-            return Lookup::Unavailable {
-                error: format!("HTTP client could not be built: {e}"),
-                http_status: None,
-            }
-        }
+        Err(e) => return unavailable(e),
     };
-    let (answer, mut answered) = tokio::sync::oneshot::channel();
-    let request = lookup::lookup(client, options.clone(), url, subject, allowed);
-    let spawned = BACKEND_RUNTIME.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        if slot.is_none() {
-            *slot = backend_runtime().ok();
-        }
-        slot.as_ref().map(|rt| {
-            rt.spawn(async move {
-                let _ = answer.send(request.await);
-            })
-            .abort_handle()
-        })
-    });
-    let Some(task) = spawned else {
-        return Lookup::Unavailable {
-            error: "no runtime for the lookup".into(),
-            http_status: None,
-        };
-    };
-    let _abort = AbortOnDrop(task);
-    loop {
-        match answered.try_recv() {
-            Ok(result) => return result,
-            Err(tokio::sync::oneshot::error::TryRecvError::Closed) => {
-                return Lookup::Unavailable {
-                    error: "the lookup ended without an answer".into(),
-                    http_status: None,
-                }
-            }
-            Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
-        }
-        unsafe {
-            pgrx::pg_sys::WaitLatch(
-                pgrx::pg_sys::MyLatch,
-                (pgrx::pg_sys::WL_LATCH_SET
-                    | pgrx::pg_sys::WL_TIMEOUT
-                    | pgrx::pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
-                INTERRUPT_CHECK.as_millis() as std::ffi::c_long,
-                pgrx::pg_sys::PG_WAIT_EXTENSION,
-            );
-            pgrx::pg_sys::ResetLatch(pgrx::pg_sys::MyLatch);
-        }
-        pgrx::pg_sys::check_for_interrupts!();
-    }
+    crate::runtime::wait_in_backend(channel.lookup(subject, transport.allowed()))
+        .unwrap_or_else(|e| unavailable(format!("the lookup ended without an answer: {e}")))
 }
 
 fn unknown_message(id: i64) -> ! {
@@ -346,13 +271,12 @@ fn reconcile_locked(client: &mut SpiClient<'_>, id: i64) -> SpiResult<Answer> {
     else {
         return Ok(Answer::NotSupported);
     };
-    let Some(config) = options.reconcile.clone() else {
+    if !options.can_look_up() {
         return Ok(Answer::NotSupported);
-    };
-    let Ok(url) = lookup_url::fill(&config.url, &subject) else {
-        return Ok(Answer::NotSupported);
-    };
-    let result = lookup_from_backend(&options, url, subject);
+    }
+    let channel_id: i32 = row.get(7)?.unwrap_or_default();
+    let endpoint: String = row.get(9)?.unwrap_or_default();
+    let result = lookup_from_backend(channel_id, &endpoint, &options, &subject);
     let pid = unsafe { pgrx::pg_sys::MyProcPid };
     record_lookup(client, id, &result, &options, lookups_so_far, pid)?;
     Ok(Answer::of(&result))

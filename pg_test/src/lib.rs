@@ -14,6 +14,7 @@
 
 pub mod cluster;
 pub mod helpers;
+pub mod nats;
 pub mod releases;
 pub mod schema_dump;
 pub mod sim;

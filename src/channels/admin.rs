@@ -5,6 +5,7 @@ use super::lookup_url;
 use super::options::{unverifiable_notice, validate_endpoint, ChannelOptions, Kind, OptionError};
 use super::secrets::mask_url;
 use super::sql_effect;
+use super::{nats_options, nats_window};
 use crate::error::{spi_failure, OrRaise, OutboxError};
 use crate::gucs;
 use pgrx::pg_sys::panic::ErrorReport;
@@ -72,6 +73,9 @@ fn check_target(
     endpoint: &str,
     options: &ChannelOptions,
 ) -> Result<(), pgrx::spi::Error> {
+    if let Kind::Nats(_) = &options.kind {
+        return check_nats_endpoint(endpoint);
+    }
     let Kind::Sql { function, run_as } = &options.kind else {
         validate_endpoint("endpoint", endpoint)
             .map_err(option_error)
@@ -153,6 +157,66 @@ fn check_target(
     }
 }
 
+/// A `nats` channel's endpoint is `nats://host:port`, and `outbox.allowed_hosts` allows
+/// its host (42501 naming it otherwise). The worker checks every connection again.
+fn check_nats_endpoint(endpoint: &str) -> Result<(), pgrx::spi::Error> {
+    let url = nats_options::validate_endpoint(endpoint)
+        .map_err(option_error)
+        .or_raise();
+    let list = AllowList::parse(&gucs::allowed_hosts())
+        .map_err(OutboxError::InvalidAllowedHosts)
+        .or_raise();
+    guard::check_url(&list, &url)
+        .map_err(|refusal| OutboxError::DestinationRefused {
+            option: "endpoint",
+            refusal,
+            allowed_hosts: list.source().to_string(),
+        })
+        .or_raise();
+    Ok(())
+}
+
+/// Reads a `nats` channel's duplicate window from its stream and applies it to `options`
+/// (`nats_window::apply_window`); a stream whose window cannot be read refuses the channel
+/// (22023 naming the stream), since without it no republish is known to be safe.
+fn read_nats_window(endpoint: &str, options: &mut ChannelOptions, explicit_max_age: bool) {
+    if !matches!(options.kind, Kind::Nats(_)) {
+        return;
+    }
+    let list = AllowList::parse(&gucs::allowed_hosts())
+        .map_err(OutboxError::InvalidAllowedHosts)
+        .or_raise();
+    let window = nats_window::read_from_backend(endpoint, options, list)
+        .map_err(|e| {
+            option_error(OptionError::new(
+                "stream",
+                format!(
+                    "its duplicate window cannot be read from {}: {e}",
+                    mask_url(endpoint)
+                ),
+            ))
+        })
+        .or_raise();
+    let note = nats_window::apply_window(options, window, explicit_max_age)
+        .map_err(option_error)
+        .or_raise();
+    if let Some(note) = note {
+        ErrorReport::new(
+            PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
+            note,
+            "outbox_delivery",
+        )
+        .report(PgLogLevel::NOTICE);
+    }
+}
+
+/// Did the caller set `retry.max_age_ms` in this call?
+fn sets_max_age(options: &Value) -> bool {
+    options
+        .pointer("/retry/max_age_ms")
+        .is_some_and(|v| !v.is_null())
+}
+
 fn required<'a>(argument: &'static str, v: Option<&'a str>) -> &'a str {
     match v {
         Some(s) if !s.trim().is_empty() => s,
@@ -208,13 +272,14 @@ fn create_channel(name: Option<&str>, endpoint: Option<&str>, options: Option<&s
     let name = required("name", name);
     let endpoint = required("endpoint", endpoint);
     let options = options_argument(options).unwrap_or_else(|| Value::Object(Default::default()));
-    let parsed = ChannelOptions::from_json(&options)
+    let mut parsed = ChannelOptions::from_json(&options)
         .map_err(option_error)
         .or_raise();
-    let normalized = parsed.to_json();
 
     Spi::connect_mut(|client| -> Result<(), pgrx::spi::Error> {
         check_target(client, endpoint, &parsed)?;
+        read_nats_window(endpoint, &mut parsed, sets_max_age(&options));
+        let normalized = parsed.to_json();
         let inserted = client.update(
             INSERT_CHANNEL,
             None,
@@ -290,10 +355,11 @@ fn alter_channel(name: Option<&str>, options: Option<&str>) {
         let merged = ChannelOptions::merge(&current_options, &changes)
             .map_err(option_error)
             .or_raise();
-        let parsed = ChannelOptions::from_json(&merged)
+        let mut parsed = ChannelOptions::from_json(&merged)
             .map_err(option_error)
             .or_raise();
         check_target(client, &endpoint, &parsed)?;
+        read_nats_window(&endpoint, &mut parsed, sets_max_age(&changes));
         let normalized = parsed.to_json();
 
         client.update(

@@ -414,31 +414,6 @@ fn failure_phase(e: &reqwest::Error) -> (Phase, bool) {
     (Phase::Wait, timed_out)
 }
 
-/// Sends every request concurrently on `runtime` and returns their transmissions in order;
-/// each is held to `allowed`.
-pub fn transmit_all(
-    runtime: &tokio::runtime::Runtime,
-    requests: Vec<(reqwest::Client, Outgoing)>,
-    allowed: Arc<AllowList>,
-) -> Vec<Transmission> {
-    runtime.block_on(async move {
-        let handles: Vec<_> = requests
-            .into_iter()
-            .map(|(client, out)| tokio::spawn(transmit(client, out, allowed.clone())))
-            .collect();
-        let mut results = Vec::with_capacity(handles.len());
-        for h in handles {
-            results.push(h.await.unwrap_or_else(|e| Transmission::Failed {
-                phase: Phase::Wait,
-                timed_out: false,
-                error: format!("send task ended abnormally: {e}"),
-                elapsed_ms: 0,
-            }));
-        }
-        results
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

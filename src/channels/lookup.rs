@@ -16,10 +16,10 @@ pub enum Lookup {
     /// The provider has the message.
     Found {
         external_id: Option<String>,
-        http_status: u16,
+        http_status: Option<u16>,
     },
     /// The provider answered that it does not have it.
-    NotFound { http_status: u16 },
+    NotFound { http_status: Option<u16> },
     /// No usable answer: try again later; nothing is concluded.
     Unavailable {
         error: String,
@@ -39,10 +39,9 @@ impl Lookup {
 
     pub fn http_status(&self) -> Option<u16> {
         match self {
-            Lookup::Found { http_status, .. } | Lookup::NotFound { http_status } => {
-                Some(*http_status)
-            }
-            Lookup::Unavailable { http_status, .. } => *http_status,
+            Lookup::Found { http_status, .. }
+            | Lookup::NotFound { http_status }
+            | Lookup::Unavailable { http_status, .. } => *http_status,
         }
     }
 }
@@ -52,7 +51,7 @@ impl Lookup {
 pub fn interpret(status: u16, body: &[u8], config: &ReconcileConfig) -> Lookup {
     if status == 404 {
         return Lookup::NotFound {
-            http_status: status,
+            http_status: Some(status),
         };
     }
     if !(200..300).contains(&status) {
@@ -75,7 +74,7 @@ pub fn interpret(status: u16, body: &[u8], config: &ReconcileConfig) -> Lookup {
     };
     if !found {
         return Lookup::NotFound {
-            http_status: status,
+            http_status: Some(status),
         };
     }
     Lookup::Found {
@@ -83,7 +82,7 @@ pub fn interpret(status: u16, body: &[u8], config: &ReconcileConfig) -> Lookup {
             .external_id
             .as_ref()
             .and_then(|p| body_pointer(body, p)),
-        http_status: status,
+        http_status: Some(status),
     }
 }
 
@@ -201,13 +200,15 @@ mod tests {
         let c = config(None, Some("/id"));
         assert_eq!(
             interpret(404, b"", &c),
-            Lookup::NotFound { http_status: 404 }
+            Lookup::NotFound {
+                http_status: Some(404)
+            }
         );
         assert_eq!(
             interpret(200, br#"{"id": "m-9"}"#, &c),
             Lookup::Found {
                 external_id: Some("m-9".into()),
-                http_status: 200
+                http_status: Some(200)
             }
         );
         assert!(matches!(
@@ -224,19 +225,27 @@ mod tests {
         let f = config(Some("/found"), None);
         assert_eq!(
             interpret(200, br#"{"found": false}"#, &f),
-            Lookup::NotFound { http_status: 200 }
+            Lookup::NotFound {
+                http_status: Some(200)
+            }
         );
         assert_eq!(
             interpret(200, br#"{"found": null}"#, &f),
-            Lookup::NotFound { http_status: 200 }
+            Lookup::NotFound {
+                http_status: Some(200)
+            }
         );
         assert_eq!(
             interpret(200, br#"{}"#, &f),
-            Lookup::NotFound { http_status: 200 }
+            Lookup::NotFound {
+                http_status: Some(200)
+            }
         );
         assert_eq!(
             interpret(200, b"garbage", &f),
-            Lookup::NotFound { http_status: 200 }
+            Lookup::NotFound {
+                http_status: Some(200)
+            }
         );
         assert!(matches!(
             interpret(200, br#"{"found": true}"#, &f),
@@ -245,24 +254,32 @@ mod tests {
         let list = config(Some("/items"), Some("/items/0/id"));
         assert_eq!(
             interpret(200, br#"{"items": []}"#, &list),
-            Lookup::NotFound { http_status: 200 }
+            Lookup::NotFound {
+                http_status: Some(200)
+            }
         );
         assert_eq!(
             interpret(200, br#"{"items": [{"id": 7}]}"#, &list),
             Lookup::Found {
                 external_id: Some("7".into()),
-                http_status: 200
+                http_status: Some(200)
             }
         );
     }
 
     #[test]
     fn names() {
-        assert_eq!(Lookup::NotFound { http_status: 404 }.as_str(), "not_found");
+        assert_eq!(
+            Lookup::NotFound {
+                http_status: Some(404)
+            }
+            .as_str(),
+            "not_found"
+        );
         assert_eq!(
             Lookup::Found {
                 external_id: None,
-                http_status: 200
+                http_status: Some(200)
             }
             .as_str(),
             "delivered"

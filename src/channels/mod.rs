@@ -1,5 +1,8 @@
-//! Channels: where messages go and how (options, the SQL to manage them, the destinations
-//! they may reach, the HTTP transport).
+//! Channels: where messages go and how. `options` (and `nats_options`) parse and validate a
+//! channel's options; `admin` is the SQL to manage channels; `guard` holds every destination
+//! to `outbox.allowed_hosts`; `remote` is the `Channel` trait that the HTTP (`http`,
+//! `request`, `lookup`) and NATS JetStream (`nats`, `nats_subject`) transports implement;
+//! `sql_effect` runs a `sql` channel's function in the record transaction.
 
 pub mod admin;
 pub mod guard;
@@ -7,7 +10,12 @@ pub mod http;
 pub mod json_pointer;
 pub mod lookup;
 pub mod lookup_url;
+pub mod nats;
+pub mod nats_options;
+pub mod nats_subject;
+pub mod nats_window;
 pub mod options;
+pub mod remote;
 pub mod request;
 pub mod secrets;
 pub mod sql_effect;

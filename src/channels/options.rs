@@ -1,6 +1,7 @@
 //! Channel options: parsed and validated as a whole, normalized with every default filled
 //! in. Pure Rust: used by `create_channel` / `alter_channel` and by the worker.
 
+use super::nats_options::{self, NatsTarget, NATS_ONLY};
 use crate::classify::Overrides;
 use crate::retry_policy::RetryPolicy;
 use serde_json::{json, Map, Value};
@@ -122,6 +123,8 @@ pub enum Kind {
         function: String,
         run_as: String,
     },
+    /// Publish to a NATS JetStream stream, acknowledged.
+    Nats(NatsTarget),
 }
 
 /// Options that only mean something for an HTTP channel.
@@ -146,7 +149,7 @@ pub struct OptionError {
 }
 
 impl OptionError {
-    fn new(option: impl Into<String>, message: impl Into<String>) -> Self {
+    pub(crate) fn new(option: impl Into<String>, message: impl Into<String>) -> Self {
         OptionError {
             option: option.into(),
             message: message.into(),
@@ -173,6 +176,10 @@ const KNOWN_KEYS: &[&str] = &[
     "run_as",
     "tenants",
     "max_response_bytes",
+    "subject",
+    "stream",
+    "auth",
+    "duplicate_window_ms",
 ];
 
 const METHODS: &[&str] = &["POST", "PUT", "PATCH", "GET", "DELETE"];
@@ -298,8 +305,22 @@ impl ChannelOptions {
             }
             o.set(key, value)?;
         }
-        if obj.get("kind").and_then(Value::as_str) == Some("sql") {
+        let kind = obj.get("kind").and_then(Value::as_str);
+        if kind != Some("nats") {
+            if let Some(k) = NATS_ONLY
+                .iter()
+                .find(|k| obj.get(**k).is_some_and(|v| !v.is_null()))
+            {
+                return Err(OptionError::new(
+                    *k,
+                    "is only used by channels of kind nats",
+                ));
+            }
+        }
+        if kind == Some("sql") {
             o.kind = sql_kind(obj)?;
+        } else if kind == Some("nats") {
+            o.kind = nats_kind(obj)?;
         } else if let Some(k) = ["function", "run_as"]
             .iter()
             .find(|k| obj.get(**k).is_some_and(|v| !v.is_null()))
@@ -330,14 +351,15 @@ impl ChannelOptions {
         match key {
             "kind" => {
                 let kind = string(key, value)?;
-                if kind != "http" && kind != "sql" {
+                if !["http", "sql", "nats"].contains(&kind) {
                     return Err(OptionError::new(
                         key,
-                        format!("\"{kind}\" is not a supported kind; supported: http, sql"),
+                        format!("\"{kind}\" is not a supported kind; supported: http, sql, nats"),
                     ));
                 }
             }
             "function" | "run_as" => {} // read below, with kind
+            "subject" | "stream" | "auth" | "duplicate_window_ms" => {} // read below, with kind
             "method" => {
                 let m = string(key, value)?.to_ascii_uppercase();
                 if !METHODS.contains(&m.as_str()) {
@@ -429,6 +451,16 @@ impl ChannelOptions {
                 "tenants": self.tenants,
             });
         }
+        if let Kind::Nats(target) = &self.kind {
+            let mut m = target.to_json();
+            m.insert("kind".into(), json!("nats"));
+            m.insert("timeout_ms".into(), json!(self.timeout_ms));
+            m.insert("connect_timeout_ms".into(), json!(self.connect_timeout_ms));
+            m.insert("retry".into(), self.retry.to_json());
+            m.insert("max_in_flight".into(), json!(self.max_in_flight));
+            m.insert("tenants".into(), json!(self.tenants));
+            return Value::Object(m);
+        }
         json!({
             "kind": "http",
             "method": self.method,
@@ -491,8 +523,32 @@ impl ChannelOptions {
     /// transaction, so a crash leaves nothing half done.
     pub fn can_verify(&self) -> bool {
         match self.kind {
-            Kind::Sql { .. } => true,
+            Kind::Sql { .. } | Kind::Nats(_) => true,
             Kind::Http => self.idempotency_header.is_some() || self.reconcile.is_some(),
+        }
+    }
+
+    /// Does the destination store a message resent with the same key once? `Some(window)`
+    /// if so (None: no known end); an HTTP channel with `idempotency_header`, and a `nats`
+    /// channel (`Nats-Msg-Id`, inside the stream's duplicate window).
+    pub fn key_dedupe(&self) -> Option<Option<u64>> {
+        match &self.kind {
+            Kind::Http => self
+                .idempotency_header
+                .as_ref()
+                .map(|_| self.idempotency_window_ms),
+            Kind::Nats(t) => Some(Some(t.duplicate_window_ms.unwrap_or(0))),
+            Kind::Sql { .. } => None,
+        }
+    }
+
+    /// Can the destination be asked, read-only, whether it has a message? An HTTP channel
+    /// with `reconcile`; a `nats` channel whose subject names the effect key.
+    pub fn can_look_up(&self) -> bool {
+        match &self.kind {
+            Kind::Http => self.reconcile.is_some(),
+            Kind::Nats(t) => t.can_look_up(),
+            Kind::Sql { .. } => false,
         }
     }
 
@@ -529,6 +585,16 @@ pub fn is_function_name(name: &str) -> bool {
     };
     let parts: Vec<&str> = name.split('.').collect();
     (1..=2).contains(&parts.len()) && parts.iter().all(|p| part(p))
+}
+
+fn nats_kind(obj: &Map<String, Value>) -> Result<Kind, OptionError> {
+    if let Some(k) = HTTP_ONLY
+        .iter()
+        .find(|k| obj.get(**k).is_some_and(|v| !v.is_null()))
+    {
+        return Err(OptionError::new(*k, "is not used by channels of kind nats"));
+    }
+    Ok(Kind::Nats(nats_options::parse(obj)?))
 }
 
 fn sql_kind(obj: &Map<String, Value>) -> Result<Kind, OptionError> {

@@ -86,9 +86,16 @@ pub fn mask_url_in(text: &str, url: &str) -> String {
 }
 
 /// A channel's options as shown to anyone but the owner of its table: header values
-/// masked, the reconcile URL masked.
+/// masked, the reconcile URL masked, a `nats` channel's token and password masked.
 pub fn mask_options(options: &Value) -> Value {
     let mut v = options.clone();
+    if let Some(Value::Object(auth)) = v.get_mut("auth") {
+        for key in ["token", "password"] {
+            if let Some(value) = auth.get_mut(key) {
+                *value = Value::String(MASK.into());
+            }
+        }
+    }
     if let Some(Value::Object(h)) = v.get_mut("headers") {
         for value in h.values_mut() {
             *value = Value::String(MASK.into());
@@ -116,6 +123,16 @@ fn _masked_options(options: pgrx::JsonB) -> pgrx::JsonB {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn nats_credentials_are_masked() {
+        let masked =
+            mask_options(&json!({"kind": "nats", "auth": {"user": "u", "password": "SECRET"}}));
+        assert_eq!(masked["auth"], json!({"user": "u", "password": MASK}));
+        let masked = mask_options(&json!({"kind": "nats", "auth": {"token": "SECRET"}}));
+        assert_eq!(masked["auth"], json!({"token": MASK}));
+        assert_eq!(mask_options(&json!({"auth": null}))["auth"], json!(null));
+    }
 
     #[test]
     fn urls_lose_userinfo_query_values_and_fragments() {

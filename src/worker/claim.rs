@@ -346,7 +346,7 @@ WITH due AS (
       FROM outbox._messages m
       JOIN outbox._channels c ON c.id = m.channel_id
      WHERE m.state = 'uncertain'
-       AND jsonb_typeof(c.options -> 'reconcile') = 'object'
+       AND outbox._can_look_up(c.options)
        AND NOT c.paused
        AND m.next_attempt_at <= now()
      ORDER BY m.next_attempt_at

@@ -10,10 +10,9 @@ use super::record::{self, Outcomes, Tally};
 use super::send::{self, unusable_channel};
 use super::sweep::SweepClock;
 use super::{lease, recovery, retention, slots};
-use crate::channels::http::Transport;
-use crate::channels::lookup::{self, Lookup};
-use crate::channels::lookup_url;
+use crate::channels::lookup::Lookup;
 use crate::channels::options::Kind;
+use crate::channels::remote::Remotes;
 use crate::channels::sql_effect;
 use crate::classify::Class;
 use crate::clock::now_ms;
@@ -53,7 +52,8 @@ pub struct Worker {
     index: usize,
     pid: i32,
     runtime: tokio::runtime::Runtime,
-    transport: Transport,
+    /// The remote channels (HTTP pools, NATS connections).
+    remotes: Remotes,
     /// The random source of retry jitter, seeded per worker process.
     jitter: SplitMix64,
     first_cycle: bool,
@@ -92,7 +92,7 @@ impl Worker {
             index,
             pid,
             runtime,
-            transport: Transport::default(),
+            remotes: Remotes::default(),
             jitter: SplitMix64::new(SplitMix64::seed_from(now_ms(), pid)),
             first_cycle: true,
             longest_retry_horizon_ms: 0,
@@ -118,7 +118,7 @@ impl Worker {
             next_due_ms,
         } = self.claim();
         self.longest_retry_horizon_ms = channels.longest_retry_horizon_ms();
-        self.transport.retain(|id| channels.by_id.contains_key(&id));
+        self.remotes.retain(|id| channels.by_id.contains_key(&id));
         if !lookups.is_empty() {
             self.reconcile(&channels, lookups);
         }
@@ -139,8 +139,8 @@ impl Worker {
             mut outcomes,
             effects,
             requests,
-        } = send::sort(&mut self.transport, &channels, &jobs);
-        let sent = send::send(&self.runtime, &self.transport, requests);
+        } = send::sort(&mut self.remotes, &channels, &jobs, &mut self.jitter);
+        let sent = send::send(&self.runtime, requests);
         crash_if(FaultPoint::CrashAfterSend, fault, &jobs);
         send::decide_all(&channels, &jobs, &sent, &mut self.jitter, &mut outcomes);
         crash_if(FaultPoint::CrashAfterResponse, fault, &jobs);
@@ -251,7 +251,7 @@ impl Worker {
     /// set (its check hook refuses it); were one seen, nothing would be sent until fixed.
     fn refresh_allowed_hosts(&mut self) {
         let text = gucs::allowed_hosts();
-        match self.transport.set_allowed_hosts(&text) {
+        match self.remotes.set_allowed_hosts(&text) {
             None => {}
             Some(Ok(())) => log!(
                 "outbox_delivery worker {}: outbox.allowed_hosts = '{text}'",
@@ -275,38 +275,29 @@ impl Worker {
             let Ok(options) = &channel.options else {
                 continue;
             };
-            let Some(config) = &options.reconcile else {
+            if !options.can_look_up() {
                 continue;
-            };
-            let result = match (
-                lookup_url::fill(&config.url, &job.subject),
-                self.transport.client(
-                    job.channel_id,
-                    &channel.version,
-                    options,
-                    gucs::batch_size(),
-                ),
+            }
+            match self.remotes.channel(
+                job.channel_id,
+                &channel.version,
+                &channel.endpoint,
+                options,
+                gucs::batch_size(),
             ) {
-                (Ok(url), Ok(client)) => {
-                    runs.push((
-                        job.clone(),
-                        options.clone(),
-                        self.runtime.spawn(lookup::lookup(
-                            client,
-                            options.clone(),
-                            url,
-                            job.subject.clone(),
-                            self.transport.allowed(),
-                        )),
-                    ));
-                    continue;
+                Ok(remote) => {
+                    let lookup = remote.lookup(&job.subject, self.remotes.allowed());
+                    runs.push((job, options.clone(), self.runtime.spawn(lookup)));
                 }
-                (Err(e), _) | (_, Err(e)) => Lookup::Unavailable {
-                    error: e,
-                    http_status: None,
-                },
-            };
-            settled.push((job, options.clone(), result));
+                Err(error) => settled.push((
+                    job,
+                    options.clone(),
+                    Lookup::Unavailable {
+                        error,
+                        http_status: None,
+                    },
+                )),
+            }
         }
         for (job, options, handle) in runs {
             let result = self

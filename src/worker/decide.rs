@@ -7,7 +7,9 @@
 //! for reconcile or an operator.
 
 use crate::channels::http::Transmission;
+use crate::channels::nats::Publication;
 use crate::channels::options::{ChannelOptions, Kind};
+use crate::channels::remote::Sent;
 use crate::classify::{classify, Class, SendFacts};
 use crate::classify::{classify_sqlstate, EffectOutcome};
 use crate::outbox::state::State;
@@ -54,6 +56,132 @@ pub struct Verdict {
     pub error: Option<String>,
     /// Short outcome for the attempt row: delivered, transient, permanent, ambiguous, ...
     pub outcome: String,
+}
+
+/// Decides after one send on a remote channel, whatever its kind.
+pub fn after_send(
+    sent: &Sent,
+    options: &ChannelOptions,
+    ctx: AttemptContext,
+    rng: &mut dyn FnMut() -> f64,
+) -> Verdict {
+    match sent {
+        Sent::Http(t) => after_transmission(t, options, ctx, rng),
+        Sent::Nats(p) => after_publish(p, options, ctx, rng),
+    }
+}
+
+/// Decides after one publish to NATS JetStream: an acknowledgement from the channel's
+/// stream is delivered (`stream:sequence`); one from another stream is a permanent failure
+/// naming both; nothing written or no stream on the subject is transient (nothing was
+/// stored); a publish with no acknowledgement is ambiguous.
+pub fn after_publish(
+    p: &Publication,
+    options: &ChannelOptions,
+    ctx: AttemptContext,
+    rng: &mut dyn FnMut() -> f64,
+) -> Verdict {
+    let expected = match &options.kind {
+        Kind::Nats(t) => t.stream.as_str(),
+        _ => "",
+    };
+    let (class, external_id, what) = match p {
+        Publication::Acked {
+            stream,
+            sequence,
+            duplicate,
+            elapsed_ms,
+        } if stream == expected => {
+            let mut v = settle(
+                Class::Delivered,
+                None,
+                None,
+                Some(format!("{stream}:{sequence}")),
+                String::new(),
+                options,
+                ctx,
+                rng,
+            );
+            if *duplicate {
+                v.outcome = "delivered (duplicate: the stream already held this Nats-Msg-Id)".into();
+            }
+            let _ = elapsed_ms;
+            return v;
+        }
+        Publication::Acked {
+            stream, sequence, elapsed_ms, ..
+        } => (
+            Class::Permanent,
+            None,
+            format!("wrong stream: acknowledged by stream \"{stream}\" (sequence {sequence}), not \"{expected}\", after {elapsed_ms} ms"),
+        ),
+        Publication::NotWritten { error, permanent } => (
+            if *permanent { Class::Permanent } else { Class::Transient },
+            None,
+            format!("not published: {error}"),
+        ),
+        Publication::Rejected {
+            error,
+            permanent,
+            elapsed_ms,
+        } => (
+            if *permanent {
+                Class::Permanent
+            } else {
+                Class::Transient
+            },
+            None,
+            format!("{error} after {elapsed_ms} ms"),
+        ),
+        Publication::NoAck {
+            error,
+            timed_out,
+            elapsed_ms,
+        } => (
+            Class::Ambiguous,
+            None,
+            if *timed_out {
+                format!("published, {error} within {elapsed_ms} ms")
+            } else {
+                format!("published, {error} after {elapsed_ms} ms")
+            },
+        ),
+    };
+    settle(class, None, None, external_id, what, options, ctx, rng)
+}
+
+/// Before a republish on a `nats` channel whose subject does not name the effect key: once
+/// the stream's duplicate window has closed since the first publish, a republish could be
+/// stored twice, so the message is not published again; it takes the ambiguous path
+/// (`uncertain`, for an operator). `attempt` is the message's attempt number, this one
+/// included. None: publish. (A subject that names the key is guarded by the server: a
+/// publish is stored only while the subject holds no message.)
+pub fn before_republish(
+    options: &ChannelOptions,
+    attempt: i32,
+    ctx: AttemptContext,
+    rng: &mut dyn FnMut() -> f64,
+) -> Option<Verdict> {
+    let Kind::Nats(target) = &options.kind else {
+        return None;
+    };
+    let window = target.duplicate_window_ms.unwrap_or(0) as i64;
+    if attempt <= 1 || target.can_look_up() || ctx.now_ms - ctx.first_attempt_at_ms <= window {
+        return None;
+    }
+    let what = format!(
+        "not republished: the stream's duplicate window ({window} ms) has closed since the first publish"
+    );
+    Some(settle(
+        Class::Ambiguous,
+        None,
+        None,
+        None,
+        what,
+        options,
+        ctx,
+        rng,
+    ))
 }
 
 /// Decides after one transmission.
@@ -206,7 +334,7 @@ pub fn after_lost_lease(
             Class::Transient,
             "recovery: the worker stopped before the effect's transaction committed; nothing happened".to_string(),
         ),
-        Kind::Http => (
+        Kind::Http | Kind::Nats(_) => (
             Class::Ambiguous,
             "recovery: the attempt was in flight when its worker stopped (lease expired)".to_string(),
         ),
@@ -291,8 +419,8 @@ fn settle(
                 note(&mut v, format!("key window of {window_ms} ms closed"));
             }
         },
-        Class::Ambiguous => match &options.idempotency_header {
-            Some(_) => match retry(options.idempotency_window_ms, rng) {
+        Class::Ambiguous => match options.key_dedupe() {
+            Some(window) => match retry(window, rng) {
                 Decision::RetryAt {
                     at_ms, delay_ms, ..
                 } => {
@@ -315,7 +443,7 @@ fn settle(
                     note(&mut v, format!("the provider's key window ({window_ms} ms) has closed: a resend could duplicate"));
                 }
             },
-            None if options.reconcile.is_some() => {
+            None if options.can_look_up() => {
                 v.state = State::Uncertain;
                 // The first lookup waits until the provider has had time to finish
                 // processing the request whose answer never came.
@@ -497,6 +625,126 @@ mod tests {
             // Only a channel that can reconcile schedules anything: its read-only lookup.
             assert_eq!(v.next_at_ms.is_some(), o.reconcile.is_some());
         }
+    }
+
+    fn nats(subject: &str, window_ms: u64) -> ChannelOptions {
+        opts(
+            json!({"kind": "nats", "subject": subject, "stream": "ORDERS",
+            "duplicate_window_ms": window_ms, "retry": {"jitter": "none"}}),
+        )
+    }
+
+    fn no_ack() -> Publication {
+        Publication::NoAck {
+            error: "no acknowledgement: timed out".into(),
+            timed_out: true,
+            elapsed_ms: 5000,
+        }
+    }
+
+    #[test]
+    fn a_publish_acked_by_the_channels_stream_is_delivered_with_its_sequence() {
+        let o = nats("o.{effect_key}", 120_000);
+        for duplicate in [false, true] {
+            let acked = Publication::Acked {
+                stream: "ORDERS".into(),
+                sequence: 42,
+                duplicate,
+                elapsed_ms: 1,
+            };
+            let v = after_publish(&acked, &o, ctx(1), &mut half());
+            assert_eq!(v.state, State::Delivered);
+            assert_eq!(v.external_id.as_deref(), Some("ORDERS:42"));
+            assert_eq!(v.outcome.contains("duplicate"), duplicate);
+        }
+        let elsewhere = Publication::Acked {
+            stream: "OTHER".into(),
+            sequence: 1,
+            duplicate: false,
+            elapsed_ms: 1,
+        };
+        let v = after_publish(&elsewhere, &o, ctx(1), &mut half());
+        assert_eq!(v.state, State::Failed);
+        let e = v.error.unwrap();
+        assert!(
+            e.contains("wrong stream") && e.contains("OTHER") && e.contains("ORDERS"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_publish_nothing_stored_is_retried_and_a_bad_message_fails() {
+        let o = nats("o.{effect_key}", 120_000);
+        let cases = [
+            (
+                Publication::NotWritten {
+                    error: "connect: refused".into(),
+                    permanent: false,
+                },
+                State::Queued,
+            ),
+            (
+                Publication::Rejected {
+                    error: "no stream stored it: no responders".into(),
+                    permanent: false,
+                    elapsed_ms: 1,
+                },
+                State::Queued,
+            ),
+            (
+                Publication::Rejected {
+                    error: "wrong stream".into(),
+                    permanent: true,
+                    elapsed_ms: 1,
+                },
+                State::Failed,
+            ),
+            (
+                Publication::NotWritten {
+                    error: "subject".into(),
+                    permanent: true,
+                },
+                State::Failed,
+            ),
+        ];
+        for (p, want) in cases {
+            let v = after_publish(&p, &o, ctx(1), &mut half());
+            assert_eq!(v.state, want, "{p:?}");
+        }
+    }
+
+    #[test]
+    fn an_unacknowledged_publish_is_republished_only_inside_the_duplicate_window() {
+        // Inside the window: the same Nats-Msg-Id again; the stream stores it once.
+        let v = after_publish(
+            &no_ack(),
+            &nats("o.{effect_key}", 120_000),
+            ctx(1),
+            &mut half(),
+        );
+        assert_eq!(v.state, State::Queued);
+        assert!(v.error.unwrap().contains("same-key retry"));
+        // Past it: looked up where the subject names the key, an operator's otherwise.
+        for (subject, lookup) in [("o.{effect_key}", true), ("o.created", false)] {
+            let v = after_publish(&no_ack(), &nats(subject, 100), ctx(1), &mut half());
+            assert_eq!(v.state, State::Uncertain, "{subject}");
+            assert_eq!(nats(subject, 100).can_look_up(), lookup);
+        }
+        // A lost lease takes the same path.
+        let v = after_lost_lease(&nats("o.created", 120_000), ctx(1), &mut half());
+        assert_eq!(v.state, State::Queued);
+    }
+
+    #[test]
+    fn a_fixed_subject_is_not_republished_past_the_duplicate_window() {
+        let fixed = nats("o.created", 100);
+        // ctx(2): first publish 500 ms ago, the window 100 ms.
+        let v = before_republish(&fixed, 2, ctx(2), &mut half()).unwrap();
+        assert_eq!(v.state, State::Uncertain);
+        assert!(before_republish(&fixed, 1, ctx(1), &mut half()).is_none());
+        assert!(before_republish(&nats("o.created", 120_000), 2, ctx(2), &mut half()).is_none());
+        assert!(before_republish(&nats("o.{effect_key}", 100), 2, ctx(2), &mut half()).is_none());
+        assert!(before_republish(&opts(json!({})), 2, ctx(2), &mut half()).is_none());
     }
 
     #[test]

@@ -1,12 +1,13 @@
 //! The sending phase of a cycle, with no transaction open: the claimed jobs are sorted
 //! (already in the ledger, on an unusable channel, a `sql` effect for the record
-//! transaction, or a request), the requests are sent together, and each answer is decided.
+//! transaction, or a send on a remote channel: HTTP or NATS), the sends run together, and
+//! each outcome is decided.
 
 use super::claim::{Channels, Job};
 use super::decide::{self, Verdict};
 use super::record::Outcomes;
-use crate::channels::http::{self, Outgoing, Transport};
 use crate::channels::options::{ChannelOptions, Kind};
+use crate::channels::remote::{self, Pending, Remotes, Sent};
 use crate::channels::request;
 use crate::classify::Class;
 use crate::clock::now_ms;
@@ -22,14 +23,19 @@ pub struct Sorted {
     pub outcomes: Outcomes,
     /// Jobs (by index) whose `sql` effect runs in the record transaction.
     pub effects: Vec<usize>,
-    /// Jobs (by index) to send, with their client and request.
-    pub requests: Vec<(usize, reqwest::Client, Outgoing)>,
+    /// Jobs (by index) to send, with their send ready to run.
+    pub requests: Vec<(usize, Pending<Sent>)>,
 }
 
 /// Sorts `jobs`: an effect already in the ledger is not sent again (the barrier); a job
 /// whose channel is gone or cannot build its request fails; effects wait for the record
-/// transaction; everything else becomes a request.
-pub fn sort(transport: &mut Transport, channels: &Channels, jobs: &[Job]) -> Sorted {
+/// transaction; everything else becomes a send on its remote channel.
+pub fn sort(
+    remotes: &mut Remotes,
+    channels: &Channels,
+    jobs: &[Job],
+    jitter: &mut SplitMix64,
+) -> Sorted {
     let mut sorted = Sorted::default();
     for (i, job) in jobs.iter().enumerate() {
         if let Some((recorded_by, external_id)) = &job.ledger {
@@ -57,14 +63,24 @@ pub fn sort(transport: &mut Transport, channels: &Channels, jobs: &[Job]) -> Sor
             sorted.effects.push(i);
             continue;
         }
+        if let Ok(options) = &channel.options {
+            let ctx = job.context(now_ms());
+            if let Some(v) =
+                decide::before_republish(options, job.attempt, ctx, &mut || jitter.unit())
+            {
+                sorted.outcomes.push_job(job, true, v);
+                continue;
+            }
+        }
         let built = channel
             .options
             .as_ref()
             .map_err(Clone::clone)
             .and_then(|options| {
-                let client = transport.client(
+                let remote = remotes.channel(
                     job.channel_id,
                     &channel.version,
+                    &channel.endpoint,
                     options,
                     gucs::batch_size(),
                 )?;
@@ -74,13 +90,10 @@ pub fn sort(transport: &mut Transport, channels: &Channels, jobs: &[Job]) -> Sor
                     payload: &job.payload,
                     effect_key: &job.effect_key,
                 };
-                Ok((
-                    client,
-                    request::outgoing(&message, &channel.endpoint, options)?,
-                ))
+                remote.prepare(&message, remotes.allowed())
             });
         match built {
-            Ok((client, out)) => sorted.requests.push((i, client, out)),
+            Ok(pending) => sorted.requests.push((i, pending)),
             Err(error) => sorted.outcomes.push_job(
                 job,
                 true,
@@ -91,30 +104,24 @@ pub fn sort(transport: &mut Transport, channels: &Channels, jobs: &[Job]) -> Sor
     sorted
 }
 
-/// Sends the requests together on `runtime`; returns each job's index with what happened.
+/// Runs the sends together on `runtime`; returns each job's index with what happened.
 pub fn send(
     runtime: &tokio::runtime::Runtime,
-    transport: &Transport,
-    requests: Vec<(usize, reqwest::Client, Outgoing)>,
-) -> Vec<(usize, http::Transmission)> {
-    let order: Vec<usize> = requests.iter().map(|(i, _, _)| *i).collect();
-    let transmissions = http::transmit_all(
-        runtime,
-        requests
-            .into_iter()
-            .map(|(_, client, out)| (client, out))
-            .collect(),
-        transport.allowed(),
-    );
-    order.into_iter().zip(transmissions).collect()
+    requests: Vec<(usize, Pending<Sent>)>,
+) -> Vec<(usize, Sent)> {
+    let (order, sends): (Vec<usize>, Vec<Pending<Sent>>) = requests.into_iter().unzip();
+    order
+        .into_iter()
+        .zip(remote::run_all(runtime, sends))
+        .collect()
 }
 
-/// Decides each transmission (retry policy, classification) into `outcomes`; a message that
-/// did not end delivered or queued is said in the server log.
+/// Decides each send (retry policy, classification) into `outcomes`; a message that did
+/// not end delivered or queued is said in the server log.
 pub fn decide_all(
     channels: &Channels,
     jobs: &[Job],
-    sent: &[(usize, http::Transmission)],
+    sent: &[(usize, Sent)],
     jitter: &mut SplitMix64,
     outcomes: &mut Outcomes,
 ) {
@@ -127,8 +134,7 @@ pub fn decide_all(
         let Ok(options) = &channel.options else {
             continue;
         };
-        let verdict =
-            decide::after_transmission(t, options, job.context(now), &mut || jitter.unit());
+        let verdict = decide::after_send(t, options, job.context(now), &mut || jitter.unit());
         if verdict.state != State::Delivered && verdict.state != State::Queued {
             log!(
                 "outbox_delivery: message {} on channel \"{}\" is {} after attempt {} ({}): {}",

@@ -41,6 +41,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 // The scenarios, the matrix that runs them, the soak, and the page they are compared with.
 mod matrix;
+mod nats;
 mod network_and_retries;
 mod page;
 mod restart_points;
