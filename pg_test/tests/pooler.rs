@@ -36,21 +36,8 @@ const TURNS: usize = 15;
 const POOL_SIZE: u32 = 3;
 
 /// The application's own tables (made once, shared by every run: rows carry their run's
-/// request ids and tenants). `server_pid` records which server connection wrote an order.
-const SHOP_SCHEMA: &str = "
-CREATE SCHEMA IF NOT EXISTS shop;
-CREATE TABLE IF NOT EXISTS shop.orders (
-    tenant     text NOT NULL,
-    request_id text NOT NULL,
-    item       text NOT NULL,
-    client     text NOT NULL,
-    server_pid int  NOT NULL DEFAULT pg_backend_pid(),
-    PRIMARY KEY (tenant, request_id));
-CREATE TABLE IF NOT EXISTS shop.stock (
-    tenant text NOT NULL,
-    item   text NOT NULL,
-    sold   int  NOT NULL DEFAULT 0,
-    PRIMARY KEY (tenant, item));";
+/// request ids and tenants).
+const SHOP_SCHEMA: &str = include_str!("../../examples/shop.sql");
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
