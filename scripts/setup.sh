@@ -6,7 +6,15 @@ set -euo pipefail
 
 PGRX_VERSION=0.18.1
 PG_CONFIG=/usr/bin/pg_config
-APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-client-15 libclang-dev clang sudo pkg-config curl binutils nats-server)
+# nats-server: the JetStream server the nats channel tests start on ports of their own.
+# pgbouncer: the transaction-mode pooler the application examples reach the cluster through
+# (pg_test/tests/pooler.rs starts one of its own; the packaged service is left alone).
+APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-client-15 libclang-dev clang sudo pkg-config curl binutils pgbouncer nats-server)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# The Python example's psycopg, pinned in its requirements.txt, installed beside it with pip
+# (--target: outside any environment Debian manages).
+PY_DEPS=$ROOT/examples/python/.deps
+PY_REQUIREMENTS=$ROOT/examples/python/requirements.txt
 
 log() { printf '[setup] %s\n' "$*"; }
 
@@ -21,6 +29,21 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 else
   log "apt packages present"
+fi
+
+psycopg_pin=$(sed -n 's/^psycopg\[binary\]==//p' "$PY_REQUIREMENTS")
+if command -v python3 >/dev/null && PYTHONPATH=$PY_DEPS python3 -c \
+     "import psycopg, sys; sys.exit(psycopg.__version__ != '$psycopg_pin')" 2>/dev/null; then
+  log "psycopg $psycopg_pin present"
+else
+  if ! command -v python3 >/dev/null || ! python3 -m pip --version >/dev/null 2>&1; then
+    log "installing python3-pip"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends python3 python3-pip >/dev/null
+  fi
+  log "installing psycopg $psycopg_pin into $PY_DEPS"
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --upgrade --target "$PY_DEPS" -r "$PY_REQUIREMENTS"
 fi
 
 # The Debian package starts a cluster of its own on 5432; this project's clusters are

@@ -10,11 +10,13 @@
 //!   state, error text, roles, server-wide settings and fault points reset on drop.
 //! - [`releases`]: packages, released versions built from their commits, private copies of
 //!   PostgreSQL to install them into, and clusters on those copies.
+//! - [`pooler`]: PgBouncer in transaction mode in front of the cluster, as applications reach it.
 //! - [`schema_dump`]: the extension's schema as comparable text (fresh install vs upgrade).
 
 pub mod cluster;
 pub mod helpers;
 pub mod nats;
+pub mod pooler;
 pub mod releases;
 pub mod schema_dump;
 pub mod sim;

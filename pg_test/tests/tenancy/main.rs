@@ -17,7 +17,10 @@
 //! 8. hostile `outbox.tenant` values never widen what a role sees;
 //! 9. a superuser or missing `outbox.role` stops the worker, said once in the server log;
 //! 10. the catalog: SECURITY DEFINER writers with a pinned `search_path`, RLS on the
-//!     tenant tables, `security_invoker` views, NOLOGIN roles.
+//!     tenant tables, `security_invoker` views, NOLOGIN roles;
+//! 11. a tenant named per transaction (`SET LOCAL outbox.tenant`, as under a
+//!     transaction-mode pooler) works everywhere `SET outbox.tenant` does, and ends with its
+//!     transaction.
 //!
 //! Run: `cargo test -p outbox_e2e --release --test tenancy`.
 //!
@@ -44,6 +47,7 @@ mod catalog;
 mod choice;
 mod hostile_names;
 mod isolation;
+mod per_transaction;
 mod privileges;
 mod worker_role;
 
