@@ -175,3 +175,7 @@ GRANT EXECUTE ON FUNCTION
     outbox._ledger_entry(text, text),
     outbox._record_delivered(bigint[], text[], integer[], text, boolean)
     TO outbox_worker;
+
+-- worker_status() answers for the database it is called in (outbox.database lists several).
+COMMENT ON FUNCTION outbox.worker_status() IS
+    'One row per delivery worker of the current database: pid, database, state, last loop, in-flight requests and totals since the server started.';
