@@ -19,9 +19,8 @@ use pgrx::prelude::*;
 /// The database's OID, when it exists.
 pub fn database_oid(name: &str) -> Option<pg_sys::Oid> {
     let cname = std::ffi::CString::new(name).ok()?;
-    let oid = BackgroundWorker::transaction(|| unsafe {
-        pg_sys::get_database_oid(cname.as_ptr(), true)
-    });
+    let oid =
+        BackgroundWorker::transaction(|| unsafe { pg_sys::get_database_oid(cname.as_ptr(), true) });
     (oid != pg_sys::InvalidOid).then_some(oid)
 }
 
@@ -80,8 +79,7 @@ pub fn look_around() -> Surroundings {
     BackgroundWorker::transaction(|| unsafe {
         if excluded_from(pg_sys::MyDatabaseId) {
             Surroundings::DatabaseLeaving
-        } else if pg_sys::get_extension_oid(c"outbox_delivery".as_ptr(), true)
-            == pg_sys::InvalidOid
+        } else if pg_sys::get_extension_oid(c"outbox_delivery".as_ptr(), true) == pg_sys::InvalidOid
         {
             Surroundings::ExtensionGone
         } else {
