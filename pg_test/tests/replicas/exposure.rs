@@ -170,8 +170,9 @@ fn exposure_of_a_failover_under_asynchronous_replication() {
     for run in 1..=runs {
         let f = one_failover(load);
         println!(
-            "{run} | {} | {} | {} / {} / {} | {} | {} | {} | {:.0}",
+            "{run} | {} ({:.0}) | {} | {} / {} / {} | {} | {} | {} | {:.0}",
             f.acked,
+            f.acked as f64 / load.as_secs_f64(),
             f.lost_committed,
             f.exposed_queued,
             f.exposed_sending,
