@@ -16,14 +16,6 @@ use pgrx::bgworkers::BackgroundWorker;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
-/// The database's OID, when it exists.
-pub fn database_oid(name: &str) -> Option<pg_sys::Oid> {
-    let cname = std::ffi::CString::new(name).ok()?;
-    let oid =
-        BackgroundWorker::transaction(|| unsafe { pg_sys::get_database_oid(cname.as_ptr(), true) });
-    (oid != pg_sys::InvalidOid).then_some(oid)
-}
-
 /// Does the extension exist in the connected database?
 pub fn extension_exists() -> bool {
     BackgroundWorker::transaction(|| unsafe {
