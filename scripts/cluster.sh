@@ -9,9 +9,15 @@
 #   scripts/cluster.sh psql [args]    psql into the outbox database
 #   scripts/cluster.sh destroy        stop and remove the data directory
 #   scripts/cluster.sh env            print the connection settings
+#   scripts/cluster.sh standby HOST PORT NAME
+#                                     a streaming hot standby of the primary at HOST:PORT
+#                                     (pg_basebackup -R; NAME is its application_name, for
+#                                     synchronous_standby_names), on this cluster's port
+#   scripts/cluster.sh promote        promote a standby (pg_ctl promote, waits)
 #
 # Settings (environment): OUTBOX_PGPORT (54815), OUTBOX_PGDATA (/tmp/outbox_delivery/pgdata),
-# OUTBOX_DB (outbox), OUTBOX_WORKERS (1), OUTBOX_EXTRA_CONF (extra postgresql.conf lines),
+# OUTBOX_DB (outbox: one database, or a comma-separated list, each created with the
+# extension), OUTBOX_WORKERS (1), OUTBOX_EXTRA_CONF (extra postgresql.conf lines),
 # OUTBOX_PGBIN (the server's binaries: a private copy of PostgreSQL, see scripts/pg_prefix.sh).
 set -euo pipefail
 
@@ -60,6 +66,7 @@ outbox.database = '$DB'
 outbox.workers = $WORKERS
 outbox.poll_interval_ms = 500
 max_connections = 200
+max_worker_processes = 32
 shared_buffers = 512MB
 log_line_prefix = '%m [%p] %q%a '
 log_min_messages = log
@@ -81,11 +88,45 @@ CONF
       sleep 2
     done
   fi
-  if [ "$(psql_db postgres -Atc "SELECT count(*) FROM pg_database WHERE datname = '$DB'")" = 0 ]; then
-    psql_db postgres -qc "CREATE DATABASE $DB"
+  if [ -f "$PGDATA/standby.signal" ]; then
+    echo "[cluster] running (hot standby): port $PORT, data $PGDATA, log $LOG"
+    return
   fi
-  psql_db "$DB" -qc "CREATE EXTENSION IF NOT EXISTS outbox_delivery" 2>&1 | grep -v '^$' || true
+  local db
+  for db in $(databases); do
+    if [ "$(psql_db postgres -Atc "SELECT count(*) FROM pg_database WHERE datname = '$db'")" = 0 ]; then
+      psql_db postgres -qc "CREATE DATABASE $db"
+    fi
+    psql_db "$db" -qc "CREATE EXTENSION IF NOT EXISTS outbox_delivery" 2>&1 | grep -v '^$' || true
+  done
   echo "[cluster] running: port $PORT, database $DB, data $PGDATA, log $LOG"
+}
+
+# The databases of OUTBOX_DB, one a line.
+databases() { tr ',' '\n' <<<"$DB" | tr -d ' \t' | grep -v '^$'; }
+
+# A hot standby of the primary at $1:$2 in this cluster's data directory, streaming under
+# the application_name $3, with this cluster's port and socket directory.
+cmd_standby() {
+  local host=${1:?primary host} port=${2:?primary port} name=${3:?application_name}
+  cmd_stop immediate >/dev/null
+  rm -rf "$PGDATA"
+  mkdir -p "$BASE" "$SOCKDIR"
+  chown postgres "$BASE" "$SOCKDIR"
+  as_pg "$PGBIN/pg_basebackup" -D "$PGDATA" -R -X stream -c fast \
+    -d "host=$host port=$port user=postgres application_name=$name" >/dev/null
+  cat >>"$PGDATA/postgresql.conf" <<CONF
+# --- the standby's own ---
+port = $PORT
+unix_socket_directories = '$SOCKDIR'
+hot_standby = on
+CONF
+  cmd_start
+}
+
+cmd_promote() {
+  pg_ctl promote -w -t 60 >/dev/null
+  echo "[cluster] promoted: port $PORT"
 }
 
 cmd_stop() {
@@ -99,8 +140,10 @@ case "${1:-}" in
   start) cmd_start ;;
   stop) cmd_stop "${2:-fast}" ;;
   restart) cmd_stop "${2:-fast}"; cmd_start ;;
-  psql) shift; psql_db "$DB" "$@" ;;
+  psql) shift; psql_db "$(databases | head -n1)" "$@" ;;
+  standby) shift; cmd_standby "$@" ;;
+  promote) cmd_promote ;;
   destroy) cmd_stop immediate || true; rm -rf "$PGDATA" ;;
   env) echo "OUTBOX_PGHOST=$SOCKDIR OUTBOX_PGPORT=$PORT OUTBOX_DB=$DB OUTBOX_PGDATA=$PGDATA OUTBOX_LOG=$LOG" ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  *) sed -n '2,22p' "$0"; exit 2 ;;
 esac

@@ -348,3 +348,7 @@ SELECT 'uncertain', c.name, 'critical', count(*)::numeric,
    AND (NOT outbox._can_look_up(c.options)
         OR u.since < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_uncertain_age_s', 300)))
  GROUP BY c.name;
+
+-- worker_status() answers for the database it is called in (outbox.database lists several).
+COMMENT ON FUNCTION outbox.worker_status() IS
+    'One row per delivery worker of the current database: pid, database, state, last loop, in-flight requests and totals since the server started.';

@@ -37,8 +37,10 @@ impl FaultPoint {
     }
 }
 
-/// Upper bound of `outbox.workers`; the shared-memory slot array has this many entries.
+/// Upper bound of `outbox.workers` (workers of each database served).
 pub const MAX_WORKERS: usize = 16;
+/// Worker slots in shared memory: every database served times `outbox.workers`, at most.
+pub const MAX_SLOTS: usize = 64;
 
 static DATABASE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"postgres"));
@@ -71,8 +73,8 @@ pub fn init() {
 fn define_postmaster_settings() {
     GucRegistry::define_string_guc(
         c"outbox.database",
-        c"Database the delivery worker connects to.",
-        c"The outbox_delivery extension must be created in this database.",
+        c"Databases the delivery workers serve: a comma-separated list.",
+        c"Each database gets its own outbox.workers workers; one without the extension is waited for.",
         &DATABASE,
         GucContext::Postmaster,
         GucFlags::default(),
@@ -236,6 +238,35 @@ pub fn workers() -> usize {
     (WORKERS.get().max(0) as usize).min(MAX_WORKERS)
 }
 
+/// The databases of `outbox.database`, in their order, each once.
+pub fn databases() -> Vec<String> {
+    parse_database_list(&database())
+}
+
+/// A comma-separated list of database names: whitespace around a name is ignored, empty
+/// entries and repeats are dropped (a database is served by one set of workers).
+pub fn parse_database_list(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for name in text.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        if !out.iter().any(|n| n == name) {
+            out.push(name.to_string());
+        }
+    }
+    out
+}
+
+/// The worker slot `slot` of a server with `workers` workers per database: the index of
+/// the database it serves, in the order of [`databases`].
+pub fn database_index_of_slot(slot: usize, workers: usize) -> usize {
+    slot.checked_div(workers).unwrap_or(0)
+}
+
+/// The slots to run: `workers` for each of `databases` databases, no more than
+/// [`MAX_SLOTS`].
+pub fn slots_in_use(databases: usize, workers: usize) -> usize {
+    databases.saturating_mul(workers).min(MAX_SLOTS)
+}
+
 /// Largest payload `enqueue` accepts (bytes of its JSON text).
 /// `outbox.tenant`; `None` when unset or empty.
 pub fn tenant() -> Option<String> {
@@ -339,4 +370,38 @@ pub unsafe fn set_in_nest(name: &CStr, value: &CStr) {
         0,
         false,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_database_list_ignores_whitespace_empty_entries_and_repeats() {
+        assert_eq!(parse_database_list("app"), vec!["app"]);
+        assert_eq!(
+            parse_database_list(" app , billing,\tsearch "),
+            vec!["app", "billing", "search"]
+        );
+        assert_eq!(parse_database_list("a,,b, ,a"), vec!["a", "b"]);
+        assert!(parse_database_list(" , ").is_empty());
+        assert!(parse_database_list("").is_empty());
+    }
+
+    #[test]
+    fn slots_go_to_databases_in_blocks_of_workers() {
+        assert_eq!(database_index_of_slot(0, 2), 0);
+        assert_eq!(database_index_of_slot(1, 2), 0);
+        assert_eq!(database_index_of_slot(2, 2), 1);
+        assert_eq!(database_index_of_slot(5, 2), 2);
+        assert_eq!(database_index_of_slot(3, 0), 0);
+    }
+
+    #[test]
+    fn slots_in_use_never_exceed_shared_memory() {
+        assert_eq!(slots_in_use(3, 2), 6);
+        assert_eq!(slots_in_use(1, 16), 16);
+        assert_eq!(slots_in_use(10, 16), MAX_SLOTS);
+        assert_eq!(slots_in_use(0, 4), 0);
+    }
 }

@@ -11,11 +11,16 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+#[derive(Clone)]
 pub struct Cluster {
     pub base: PathBuf,
     pub port: u16,
+    /// The database (or a comma-separated list of them, the first the one [`Cluster::connect`]
+    /// opens).
     pub db: String,
     pub script: PathBuf,
+    /// More environment for `scripts/cluster.sh` (`OUTBOX_WORKERS`, `OUTBOX_EXTRA_CONF`).
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for Cluster {
@@ -67,16 +72,43 @@ impl Cluster {
             port,
             db,
             script,
+            env: Vec::new(),
         }
     }
 
+    /// The first database of [`Cluster::db`].
+    pub fn first_db(&self) -> &str {
+        self.db
+            .split(',')
+            .map(str::trim)
+            .find(|d| !d.is_empty())
+            .unwrap_or("postgres")
+    }
+
     pub fn conninfo(&self) -> String {
+        self.conninfo_for(self.first_db())
+    }
+
+    pub fn conninfo_for(&self, db: &str) -> String {
         format!(
-            "host={} port={} user=postgres dbname={} connect_timeout=5 application_name=outbox_e2e",
+            "host={} port={} user=postgres dbname={db} connect_timeout=5 application_name=outbox_e2e",
             self.base.join("sock").display(),
             self.port,
-            self.db
         )
+    }
+
+    /// Connects to `db`, waiting up to 60 s for the server.
+    pub fn connect_to(&self, db: &str) -> Client {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match Client::connect(&self.conninfo_for(db), NoTls) {
+                Ok(c) => return c,
+                Err(e) if Instant::now() >= deadline => {
+                    panic!("cannot connect to {db} of {}: {e}", self.base.display())
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
     }
 
     /// Connects, waiting up to 60 s for the server (it may be restarting).
@@ -105,6 +137,8 @@ impl Cluster {
             .env("OUTBOX_BASE", &self.base)
             .env("OUTBOX_PGPORT", self.port.to_string())
             .env("OUTBOX_DB", &self.db)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdout(std::process::Stdio::null())
             .status()
             .expect("run scripts/cluster.sh");
         assert!(
@@ -186,6 +220,80 @@ impl Cluster {
     pub fn log_since(&self, mark: u64) -> String {
         let all = std::fs::read(self.log_path()).unwrap_or_default();
         String::from_utf8_lossy(&all[(mark as usize).min(all.len())..]).into_owned()
+    }
+}
+
+/// A cluster a test starts for itself beside the suite's (a primary and its standby,
+/// several databases): `scripts/cluster.sh` under `base` on `port`, serving `databases` (a
+/// comma-separated list, each created with the extension), stopped (immediate) when dropped.
+/// Its data directory is kept for inspection until the next start of the same name.
+pub struct OwnCluster {
+    pub cluster: Cluster,
+}
+
+impl std::ops::Deref for OwnCluster {
+    type Target = Cluster;
+    fn deref(&self) -> &Cluster {
+        &self.cluster
+    }
+}
+
+impl OwnCluster {
+    fn new(base: PathBuf, port: u16, databases: &str, workers: u32, extra_conf: &str) -> Self {
+        let mut cluster = Cluster::from_env();
+        cluster.base = base;
+        cluster.port = port;
+        cluster.db = databases.to_string();
+        cluster.env = vec![
+            ("OUTBOX_WORKERS".into(), workers.to_string()),
+            ("OUTBOX_EXTRA_CONF".into(), extra_conf.to_string()),
+        ];
+        OwnCluster { cluster }
+    }
+
+    /// A new cluster (its data directory removed first), started.
+    pub fn fresh(
+        base: PathBuf,
+        port: u16,
+        databases: &str,
+        workers: u32,
+        extra_conf: &str,
+    ) -> Self {
+        let own = Self::new(base, port, databases, workers, extra_conf);
+        own.script(&["destroy"]);
+        own.script(&["start"]);
+        own
+    }
+
+    /// A streaming hot standby of `primary` (`pg_basebackup -R`), started, under `base` on
+    /// `port`; `name` is its application_name (for `synchronous_standby_names`). Its
+    /// settings are the primary's (the extension preloaded, the same databases and workers).
+    pub fn standby_of(primary: &Cluster, base: PathBuf, port: u16, name: &str) -> Self {
+        let own = Self::new(base, port, &primary.db, 1, "");
+        own.script(&["standby", "127.0.0.1", &primary.port.to_string(), name]);
+        own
+    }
+
+    /// Promotes a standby; returns when it accepts writes.
+    pub fn promote(&self) {
+        self.script(&["promote"]);
+    }
+
+    /// `pg_ctl stop -m immediate`: the server dies as in a crash.
+    pub fn kill(&self) {
+        self.script(&["stop", "immediate"]);
+    }
+}
+
+impl Drop for OwnCluster {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(&self.cluster.script)
+            .args(["stop", "immediate"])
+            .env("OUTBOX_BASE", &self.cluster.base)
+            .env("OUTBOX_PGPORT", self.cluster.port.to_string())
+            .stdout(std::process::Stdio::null())
+            .status();
     }
 }
 

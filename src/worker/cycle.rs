@@ -103,6 +103,11 @@ impl Worker {
         }
     }
 
+    /// The worker's slot.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
     /// One cycle: claim, look up, send, record.
     pub fn run_once(&mut self) -> CycleReport {
         let fault = gucs::fault_injection();

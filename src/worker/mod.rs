@@ -1,6 +1,8 @@
-//! The delivery worker: a background worker in the database named by `outbox.database`
-//! that claims due messages, sends them with no transaction open, and records the outcome
-//! and the ledger entry in one local transaction.
+//! The delivery workers: `outbox.workers` background workers in each database named by
+//! `outbox.database`, each of which claims due messages, sends them with no transaction
+//! open, and records the outcome and the ledger entry in one local transaction. On a hot
+//! standby they deliver nothing until the server is promoted (`standby`); a database or an
+//! extension that comes or goes is waited for or left (`served_database`).
 
 pub mod claim;
 pub mod claim_cursor;
@@ -13,7 +15,9 @@ pub mod recovery;
 pub mod retention;
 pub mod schema_version;
 pub mod send;
+pub mod served_database;
 pub mod slots;
+pub mod standby;
 pub mod sweep;
 
 use crate::clock::now_ms;
@@ -33,24 +37,46 @@ const RESTART_AFTER: Duration = Duration::from_secs(1);
 const WAIT_FOR_SETUP: Duration = Duration::from_secs(2);
 /// How often retention runs.
 const RETENTION_EVERY: Duration = Duration::from_secs(10);
+/// Longest sleep of a connected worker: it looks at least this often whether its database
+/// is being dropped (DROP DATABASE waits five seconds for the sessions to leave).
+const LOOK_AROUND_EVERY: Duration = Duration::from_secs(1);
 
-/// Registers the workers; only when loaded through shared_preload_libraries.
+/// Registers the workers, `outbox.workers` for each database of `outbox.database`; only
+/// when loaded through shared_preload_libraries. They start once a standby is consistent.
 pub fn register() {
     if !unsafe { pg_sys::process_shared_preload_libraries_in_progress } {
         return;
     }
     slots::init_shmem();
-    for index in 0..gucs::workers() {
-        BackgroundWorkerBuilder::new(&format!("outbox_delivery worker {index}"))
+    let databases = gucs::databases();
+    let workers = gucs::workers();
+    let in_use = gucs::slots_in_use(databases.len(), workers);
+    if in_use < databases.len() * workers {
+        warning!(
+            "outbox_delivery: {} databases times outbox.workers = {workers} is more than {} workers; only the first {in_use} are started",
+            databases.len(),
+            gucs::MAX_SLOTS
+        );
+    }
+    for slot in 0..in_use {
+        let database = &databases[gucs::database_index_of_slot(slot, workers)];
+        BackgroundWorkerBuilder::new(&format!("outbox_delivery worker {slot} ({database})"))
             .set_type("outbox_delivery worker")
             .set_library("outbox_delivery")
             .set_function("outbox_delivery_worker_main")
-            .set_argument(Some(pg_sys::Datum::from(index as i64)))
+            .set_argument(Some(pg_sys::Datum::from(slot as i64)))
             .enable_spi_access()
-            .set_start_time(BgWorkerStartTime::RecoveryFinished)
+            .set_start_time(BgWorkerStartTime::ConsistentState)
             .set_restart_time(Some(RESTART_AFTER))
             .load();
     }
+}
+
+/// The database worker slot `index` serves.
+fn database_of(index: usize) -> String {
+    let databases = gucs::databases();
+    let at = gucs::database_index_of_slot(index, gucs::workers());
+    databases.get(at).cloned().unwrap_or_default()
 }
 
 #[pg_guard]
@@ -63,27 +89,9 @@ unsafe extern "C-unwind" fn clear_slot(_code: i32, arg: pg_sys::Datum) {
     });
 }
 
-/// Does the named database exist? Asked before connecting, so that a worker whose
-/// database is not created yet waits instead of failing at every restart.
-fn database_exists(name: &str) -> bool {
-    let Ok(cname) = std::ffi::CString::new(name) else {
-        return false;
-    };
-    BackgroundWorker::transaction(|| unsafe {
-        pg_sys::get_database_oid(cname.as_ptr(), true) != pg_sys::InvalidOid
-    })
-}
-
-fn extension_exists() -> bool {
-    BackgroundWorker::transaction(|| unsafe {
-        pg_sys::get_extension_oid(c"outbox_delivery".as_ptr(), true) != pg_sys::InvalidOid
-    })
-}
-
-fn log_settings(index: usize) {
+fn log_settings(index: usize, database: &str) {
     log!(
-        "outbox_delivery worker {index} settings: database={} workers={} batch_size={} poll_interval_ms={} lease_ms={} retention={}s ledger_retention={}s fault_injection={}",
-        gucs::database(),
+        "outbox_delivery worker {index} settings: database={database} workers={} batch_size={} poll_interval_ms={} lease_ms={} retention={}s ledger_retention={}s fault_injection={}",
         gucs::workers(),
         gucs::batch_size(),
         gucs::poll_interval().as_millis(),
@@ -122,10 +130,26 @@ fn pin_search_path() {
 fn reload_config_if_asked(index: usize) -> bool {
     if BackgroundWorker::sighup_received() {
         unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
-        log_settings(index);
+        log_settings(index, &database_of(index));
         return true;
     }
     false
+}
+
+/// The sleep of a connected worker that waits: at most [`LOOK_AROUND_EVERY`], then it
+/// leaves a database that is being dropped. False when the worker must stop.
+fn pause_connected(index: usize, timeout: Duration) -> bool {
+    if !sleep(timeout.min(LOOK_AROUND_EVERY)) {
+        return false;
+    }
+    if let served_database::Surroundings::DatabaseLeaving = served_database::look_around() {
+        served_database::leave_if_gone(
+            index,
+            &database_of(index),
+            served_database::Surroundings::DatabaseLeaving,
+        );
+    }
+    true
 }
 
 /// The role of `outbox.role`; while it is missing or a superuser the worker does nothing
@@ -149,7 +173,7 @@ fn wait_for_role(index: usize) -> pg_sys::Oid {
                 }
             }
         }
-        if !sleep(WAIT_FOR_SETUP) {
+        if !pause_connected(index, WAIT_FOR_SETUP) {
             stop(index);
         }
         reload_config_if_asked(index);
@@ -182,32 +206,58 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
             pid,
             phase: slots::Phase::Starting,
             connecting: s.connecting,
+            told_gone: s.told_gone,
             ..Default::default()
         }
     });
     unsafe { pg_sys::on_shmem_exit(Some(clear_slot), pg_sys::Datum::from(index)) };
 
-    let database = gucs::database();
-    // A worker that died while connecting (the database does not exist) comes back in
-    // probe mode: bound to no database, it watches pg_database and restarts itself once
-    // the database is there, instead of failing at every restart.
-    let previous_connect_failed = slots::read(index).connecting;
-    if previous_connect_failed {
+    let database = database_of(index);
+    connect(index, &database);
+    let runtime = prepare_session(index, &database);
+    if !standby::wait_for_promotion(index, &database, sleep) {
+        stop(index);
+    }
+    wait_for_schema(index, &database);
+    let role = wait_for_role(index);
+    slots::update(index, |s| s.told_gone = false);
+    deliver(cycle::Worker::new(index, pid, runtime, role));
+}
+
+/// Connects to `database`. A worker that died while connecting (the database does not
+/// exist) or that left its database (it was being dropped) comes back in probe mode: bound
+/// to no database, it watches pg_database and restarts itself once the database can be
+/// served, instead of failing at every restart.
+fn connect(index: usize, database: &str) {
+    if slots::read(index).connecting {
         BackgroundWorker::connect_worker_to_spi(None, None);
         slots::update(index, |s| s.phase = slots::Phase::WaitingForDatabase);
-        log!("outbox_delivery worker {index}: database \"{database}\" does not exist yet; waiting (see outbox.database)");
-        while !database_exists(&database) {
+        if !slots::read(index).told_gone {
+            log!("outbox_delivery worker {index}: database \"{database}\" does not exist yet; waiting (see outbox.database)");
+        }
+        while !served_database::can_serve(database) {
             if !sleep(WAIT_FOR_SETUP) {
                 stop(index);
             }
         }
         log!("outbox_delivery worker {index}: database \"{database}\" exists now; restarting to connect");
-        slots::update(index, |s| s.connecting = false);
+        slots::update(index, |s| {
+            s.connecting = false;
+            s.told_gone = false;
+        });
         unsafe { pg_sys::proc_exit(1) };
     }
     slots::update(index, |s| s.connecting = true);
-    BackgroundWorker::connect_worker_to_spi(Some(&database), None);
-    slots::update(index, |s| s.connecting = false);
+    BackgroundWorker::connect_worker_to_spi(Some(database), None);
+    let oid = u32::from(unsafe { pg_sys::MyDatabaseId });
+    slots::update(index, |s| {
+        s.connecting = false;
+        s.database_oid = oid;
+    });
+}
+
+/// The session's settings, its descriptors and its HTTP runtime.
+fn prepare_session(index: usize, database: &str) -> tokio::runtime::Runtime {
     // Many short statements: a JIT compilation (triggered by a misestimate on a large
     // table) would cost more than any query it speeds up.
     unsafe {
@@ -239,12 +289,14 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
             unsafe { pg_sys::proc_exit(1) }
         }
     };
-    log_settings(index);
+    log_settings(index, database);
+    runtime
+}
 
-    wait_for_schema(index, &database);
-
-    let role = wait_for_role(index);
-    let mut worker = cycle::Worker::new(index, pid, runtime, role);
+/// The delivery loop: a cycle, retention now and then, and a sleep when nothing was due.
+fn deliver(mut worker: cycle::Worker) -> ! {
+    let index = worker.index();
+    let database = database_of(index);
     let mut last_retention = Instant::now() - RETENTION_EVERY;
     loop {
         if reload_config_if_asked(index) {
@@ -253,9 +305,10 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
         if stop_requested() {
             break;
         }
-        let report = guarded(index, "delivery cycle", || worker.run_once());
+        served_database::leave_if_gone(index, &database, served_database::look_around());
+        let report = guarded(index, &database, "delivery cycle", || worker.run_once());
         if last_retention.elapsed() >= RETENTION_EVERY {
-            guarded(index, "retention", || worker.retention());
+            guarded(index, &database, "retention", || worker.retention());
             last_retention = Instant::now();
         }
         if report.claimed > 0 {
@@ -276,7 +329,7 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
         };
         slots::update(index, |s| s.phase = slots::Phase::Idle);
         identity::report_statistics(true);
-        if !sleep(timeout) {
+        if !sleep(timeout.min(LOOK_AROUND_EVERY)) {
             break;
         }
     }
@@ -285,21 +338,27 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
 
 /// Waits until the extension exists in `database` and its schema is the version this
 /// library expects (`ALTER EXTENSION … UPDATE` has run); stops the worker when asked to.
+/// A worker that said its extension was dropped waits without saying it again.
 fn wait_for_schema(index: usize, database: &str) {
     let mut waited_for_extension = false;
-    while !extension_exists() {
+    while !served_database::extension_exists() {
         if !waited_for_extension {
-            log!("outbox_delivery worker {index}: extension outbox_delivery is not created in \"{database}\" yet; waiting");
+            if !slots::read(index).told_gone {
+                log!("outbox_delivery worker {index}: extension outbox_delivery is not created in \"{database}\" yet; waiting");
+            }
             slots::update(index, |s| s.phase = slots::Phase::WaitingForExtension);
             waited_for_extension = true;
         }
-        if !sleep(WAIT_FOR_SETUP) {
+        if !pause_connected(index, WAIT_FOR_SETUP) {
             stop(index);
         }
         let _ = reload_config_if_asked(index);
     }
+    if waited_for_extension && slots::read(index).told_gone {
+        log!("outbox_delivery worker {index}: extension outbox_delivery was created in \"{database}\"; delivering");
+    }
     let waited = schema_version::wait_until_current(index, || {
-        let go_on = sleep(WAIT_FOR_SETUP);
+        let go_on = pause_connected(index, WAIT_FOR_SETUP);
         let _ = reload_config_if_asked(index);
         go_on
     });
@@ -309,11 +368,14 @@ fn wait_for_schema(index: usize, database: &str) {
 }
 
 /// Runs one step of the worker; an error in it (which rolls its transaction back) is
-/// written to the server log with its SQLSTATE, and the worker exits to be restarted.
-fn guarded<R>(index: usize, what: &str, f: impl FnOnce() -> R) -> R {
+/// written to the server log with its SQLSTATE, and the worker exits to be restarted. A
+/// step that failed because its database or its extension is going away says that instead,
+/// once (`served_database`).
+fn guarded<R>(index: usize, database: &str, what: &str, f: impl FnOnce() -> R) -> R {
     PgTryBuilder::new(std::panic::AssertUnwindSafe(f))
         .catch_others(|caught| {
             let (code, message) = crate::error::sqlstate_and_message(&caught);
+            served_database::leave_if_gone(index, database, served_database::after_failure());
             let hint = if code == "42703" || code == "42P01" || code == "42883" {
                 " (the extension's SQL objects do not match the installed library: update or recreate the extension)"
             } else {
@@ -327,7 +389,18 @@ fn guarded<R>(index: usize, what: &str, f: impl FnOnce() -> R) -> R {
 
 /// Stops the worker. The exit code is 1 so that the postmaster restarts a worker that was
 /// terminated on its own (pg_terminate_backend); at server shutdown nothing is restarted.
+/// A worker terminated by `DROP DATABASE … WITH (FORCE)` leaves its database as for a
+/// plain `DROP DATABASE`.
 fn stop(index: usize) -> ! {
+    if slots::read(index).database_oid != 0 && !standby::in_recovery() {
+        if let served_database::Surroundings::DatabaseLeaving = served_database::look_around() {
+            served_database::leave_if_gone(
+                index,
+                &database_of(index),
+                served_database::Surroundings::DatabaseLeaving,
+            );
+        }
+    }
     log!("outbox_delivery worker {index}: stopping");
     unsafe { pg_sys::proc_exit(1) }
 }

@@ -1,6 +1,7 @@
 //! Recovery: a `sending` message whose lease ran out (its worker crashed or the server
 //! restarted mid-attempt) is an ambiguous attempt, never a blind resend. At start a worker
-//! also takes back the messages its slot had leased, since their worker is gone.
+//! also takes back the messages its slot had leased, since their worker is gone; and after
+//! a promotion, every message claimed on the old primary (`standby`).
 
 use crate::spi::{self, Statement};
 use pgrx::spi::{SpiClient, SpiResult};
@@ -15,7 +16,9 @@ SELECT m.id, m.channel_id, m.attempts,
   FROM outbox._messages m
  WHERE m.state = 'sending'
    -- A lease without an end (written by hand) has ended.
-   AND (coalesce(m.lease_until, '-infinity') < now() OR ($1 AND m.lease_owner = $2))
+   AND (coalesce(m.lease_until, '-infinity') < now() OR ($1 AND m.lease_owner = $2)
+        -- Claimed on the old primary, before this server was promoted (0: it was not).
+        OR ($4 > 0 AND m.updated_at < pg_catalog.to_timestamp($4::float8 / 1000)))
  ORDER BY m.id
  LIMIT $3
    FOR UPDATE OF m SKIP LOCKED",
@@ -52,11 +55,17 @@ pub fn find_lost_leases(
     worker_index: i32,
     limit: i64,
 ) -> SpiResult<Vec<LostLease>> {
+    let promoted_at_ms = crate::worker::standby::claimed_by_old_primary_before_ms();
     let rows = spi::run(
         client,
         &FIND_LOST_LEASES,
         None,
-        &[include_own_slot.into(), worker_index.into(), limit.into()],
+        &[
+            include_own_slot.into(),
+            worker_index.into(),
+            limit.into(),
+            promoted_at_ms.into(),
+        ],
     )?;
     let mut out = Vec::with_capacity(rows.len());
     for row in rows {

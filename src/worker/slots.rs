@@ -1,7 +1,7 @@
 //! Worker slots in shared memory: each worker's PID (so a committing backend can set its
 //! latch) and its live figures for `outbox.worker_status()`.
 
-use crate::gucs::MAX_WORKERS;
+use crate::gucs::{self, MAX_SLOTS};
 use pgrx::lwlock::PgLwLock;
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, pg_sys, PGRXSharedMemory};
@@ -18,6 +18,8 @@ pub enum Phase {
     WaitingForExtension,
     WaitingForUpdate,
     WaitingForRole,
+    /// The server is a hot standby: nothing is delivered until it is promoted.
+    Standby,
     Idle,
     Claiming,
     Sending,
@@ -33,6 +35,7 @@ impl Phase {
             Phase::WaitingForExtension => "waiting for extension",
             Phase::WaitingForUpdate => "waiting for extension update",
             Phase::WaitingForRole => "waiting for outbox.role",
+            Phase::Standby => "standby",
             Phase::Idle => "idle",
             Phase::Claiming => "claiming",
             Phase::Sending => "sending",
@@ -50,19 +53,29 @@ pub struct Slot {
     pub claimed_total: i64,
     pub delivered_total: i64,
     /// Set while the worker connects to its database; still set at the next start means
-    /// the connection failed (the database does not exist).
+    /// the connection failed (the database does not exist), or the worker left a database
+    /// that is being dropped: the next start waits for the database, bound to none.
     pub connecting: bool,
+    /// The database the worker is connected to (0 before it is).
+    pub database_oid: u32,
+    /// The worker said in the log that its database or its extension is gone; the next
+    /// start waits without saying it again.
+    pub told_gone: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
 pub struct Slots {
-    pub slots: [Slot; MAX_WORKERS],
+    pub slots: [Slot; MAX_SLOTS],
+    /// When a worker of this server first saw it promoted from a hot standby (Unix ms; 0:
+    /// never). An attempt claimed before it was claimed on the old primary.
+    pub promoted_at_ms: i64,
 }
 
 impl Default for Slots {
     fn default() -> Self {
         Slots {
-            slots: [Slot::default(); MAX_WORKERS],
+            slots: [Slot::default(); MAX_SLOTS],
+            promoted_at_ms: 0,
         }
     }
 }
@@ -85,17 +98,19 @@ pub fn preloaded() -> bool {
     PRELOADED.load(Ordering::Relaxed)
 }
 
-/// Sets the latch of every running worker. Called at COMMIT of an enqueuing transaction.
+/// Sets the latch of every running worker of this database. Called at COMMIT of an
+/// enqueuing transaction.
 pub fn wake_workers() {
     if !preloaded() {
         return;
     }
+    let database = u32::from(unsafe { pg_sys::MyDatabaseId });
     let pids: Vec<i32> = SLOTS
         .share()
         .slots
         .iter()
+        .filter(|s| s.pid > 0 && (s.database_oid == 0 || s.database_oid == database))
         .map(|s| s.pid)
-        .filter(|p| *p > 0)
         .collect();
     for pid in pids {
         unsafe {
@@ -109,17 +124,36 @@ pub fn wake_workers() {
 
 /// Updates this worker's slot.
 pub fn update(index: usize, f: impl FnOnce(&mut Slot)) {
-    if index < MAX_WORKERS {
+    if index < MAX_SLOTS {
         f(&mut SLOTS.exclusive().slots[index]);
     }
 }
 
 /// A copy of one slot.
 pub fn read(index: usize) -> Slot {
-    if index < MAX_WORKERS && preloaded() {
+    if index < MAX_SLOTS && preloaded() {
         SLOTS.share().slots[index]
     } else {
         Slot::default()
+    }
+}
+
+/// The time this server was first seen promoted (Unix ms), recorded by the first worker
+/// that saw it; every worker gets the same answer.
+pub fn promoted_at_ms(seen_now_ms: i64) -> i64 {
+    let mut slots = SLOTS.exclusive();
+    if slots.promoted_at_ms == 0 {
+        slots.promoted_at_ms = seen_now_ms;
+    }
+    slots.promoted_at_ms
+}
+
+/// The time this server was promoted, when a worker saw it; 0 when it never was.
+pub fn promoted_at_ms_if_any() -> i64 {
+    if preloaded() {
+        SLOTS.share().promoted_at_ms
+    } else {
+        0
     }
 }
 
@@ -130,7 +164,20 @@ pub fn snapshot() -> Vec<Slot> {
     SLOTS.share().slots.to_vec()
 }
 
-/// `outbox.worker_status()`: one row per worker slot in use.
+/// The name of the database this backend is connected to.
+fn current_database() -> String {
+    unsafe {
+        let name = pg_sys::get_database_name(pg_sys::MyDatabaseId);
+        if name.is_null() {
+            return String::new();
+        }
+        std::ffi::CStr::from_ptr(name)
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// `outbox.worker_status()`: one row per worker of the database it is called in.
 #[pg_extern(volatile)]
 #[allow(clippy::type_complexity)]
 fn worker_status() -> TableIterator<
@@ -146,12 +193,17 @@ fn worker_status() -> TableIterator<
         name!(delivered_total, i64),
     ),
 > {
-    let database = crate::gucs::database();
-    let configured = crate::gucs::workers();
+    let database = current_database();
+    let databases = gucs::databases();
+    let workers = gucs::workers();
+    let in_use = gucs::slots_in_use(databases.len(), workers);
     let rows: Vec<_> = snapshot()
         .into_iter()
         .enumerate()
-        .take(configured)
+        .take(in_use)
+        .filter(|(i, _)| {
+            databases.get(gucs::database_index_of_slot(*i, workers)) == Some(&database)
+        })
         .map(|(i, s)| {
             let last = (s.last_loop_at_ms > 0)
                 .then(|| {
@@ -184,7 +236,7 @@ fn unix_ms_to_pg_micros(ms: i64) -> i64 {
 
 extension_sql!(
     r#"COMMENT ON FUNCTION outbox.worker_status() IS
-    'One row per configured delivery worker: pid, database, state, last loop, in-flight requests and totals since the server started.';"#,
+    'One row per delivery worker of the current database: pid, database, state, last loop, in-flight requests and totals since the server started.';"#,
     name = "worker_status_comment",
     requires = [worker_status]
 );

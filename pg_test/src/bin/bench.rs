@@ -17,8 +17,13 @@
 //!   be asked, at its default bound and a few others, beside an ordinary channel's: R
 //!   alternating rounds (`scripts/bench_unverifiable.sh`).
 //!
+//! - with `--several-databases R`, for a server serving the databases of `OUTBOX_DB` (a
+//!   comma-separated list, `outbox.database` the same): the drain of a backlog of N in the
+//!   first database alone, beside the drains of N in every database at once (their sum), in
+//!   R alternating rounds (`scripts/bench_databases.sh`).
+//!
 //!   bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--latency-samples 200]
-//!         [--price-of-safety 0]
+//!         [--price-of-safety 0] [--several-databases 0]
 
 use outbox_e2e::cluster::{unique, wait_until, Cluster};
 use outbox_e2e::sim::{Received, Simulator};
@@ -142,6 +147,38 @@ fn throughput(cluster: &Cluster, sim: &Simulator, n: usize) -> Drain {
 /// [`throughput`] on a channel with `options` (JSON text).
 fn throughput_on(cluster: &Cluster, sim: &Simulator, n: usize, options: &str) -> Drain {
     let mut c = cluster.connect();
+    let ch = load_paused(&mut c, sim, n, options);
+    if n >= 100_000 {
+        explain_views_at_backlog(&mut c, n);
+    }
+    let start = Instant::now();
+    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
+        .unwrap();
+    let mut progress = Vec::new();
+    let mut vacuums = Vec::new();
+    let ok = wait_until(Duration::from_secs(900), || {
+        let done = delivered(&mut c, &ch);
+        progress.push((start.elapsed().as_secs_f64(), done));
+        if progress.len() % 50 == 1 {
+            vacuums.push((start.elapsed().as_secs_f64(), vacuums_running(&mut c)));
+        }
+        // Every half second at least, in case a message ends other than delivered.
+        (done >= n as i64 || progress.len() % 25 == 0) && !pending(&mut c, &ch)
+    });
+    let secs = start.elapsed().as_secs_f64();
+    if !ok {
+        eprintln!("backlog of {n} not delivered within 900 s");
+    }
+    Drain {
+        rate: n as f64 / secs,
+        progress,
+        vacuums,
+    }
+}
+
+/// A channel of its own with `n` messages queued on it, paused; vacuumed and checkpointed
+/// so that the drain starts from a settled table.
+fn load_paused(c: &mut Client, sim: &Simulator, n: usize, options: &str) -> String {
     let ch = unique("bench_tp");
     c.execute(
         "SELECT outbox.create_channel($1, $2, $3::text::jsonb)",
@@ -167,54 +204,34 @@ fn throughput_on(cluster: &Cluster, sim: &Simulator, n: usize, options: &str) ->
     // Two statements: VACUUM cannot run in the implicit transaction of a multi-statement query.
     c.batch_execute("VACUUM ANALYZE outbox._messages").unwrap();
     c.batch_execute("CHECKPOINT").unwrap();
-    if n >= 100_000 {
-        for (name, sql) in [
-            ("metrics", "SELECT * FROM outbox.metrics"),
-            ("prometheus", "SELECT outbox.prometheus()"),
-        ] {
-            let plan: Vec<String> = c
-                .query(
-                    &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) {sql}"),
-                    &[],
-                )
-                .unwrap()
-                .iter()
-                .map(|r| r.get::<_, String>(0))
-                .collect();
-            let took = plan
-                .iter()
-                .find(|l| l.starts_with("Execution Time"))
-                .cloned()
-                .unwrap_or_default();
-            let seq_scans = plan
-                .iter()
-                .filter(|l| l.contains("Seq Scan on _messages"))
-                .count();
-            println!("{name}_at_backlog_{n} {took} (sequential scans of _messages: {seq_scans})");
-        }
-    }
-    let start = Instant::now();
-    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
-        .unwrap();
-    let mut progress = Vec::new();
-    let mut vacuums = Vec::new();
-    let ok = wait_until(Duration::from_secs(900), || {
-        let done = delivered(&mut c, &ch);
-        progress.push((start.elapsed().as_secs_f64(), done));
-        if progress.len() % 50 == 1 {
-            vacuums.push((start.elapsed().as_secs_f64(), vacuums_running(&mut c)));
-        }
-        // Every half second at least, in case a message ends other than delivered.
-        (done >= n as i64 || progress.len() % 25 == 0) && !pending(&mut c, &ch)
-    });
-    let secs = start.elapsed().as_secs_f64();
-    if !ok {
-        eprintln!("backlog of {n} not delivered within 900 s");
-    }
-    Drain {
-        rate: n as f64 / secs,
-        progress,
-        vacuums,
+    ch
+}
+
+/// The execution time of the views over `_messages` with a backlog of `n`.
+fn explain_views_at_backlog(c: &mut Client, n: usize) {
+    for (name, sql) in [
+        ("metrics", "SELECT * FROM outbox.metrics"),
+        ("prometheus", "SELECT outbox.prometheus()"),
+    ] {
+        let plan: Vec<String> = c
+            .query(
+                &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) {sql}"),
+                &[],
+            )
+            .unwrap()
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect();
+        let took = plan
+            .iter()
+            .find(|l| l.starts_with("Execution Time"))
+            .cloned()
+            .unwrap_or_default();
+        let seq_scans = plan
+            .iter()
+            .filter(|l| l.contains("Seq Scan on _messages"))
+            .count();
+        println!("{name}_at_backlog_{n} {took} (sequential scans of _messages: {seq_scans})");
     }
 }
 
@@ -424,14 +441,91 @@ fn price_of_safety(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: u
     }
 }
 
+/// The cluster `cluster`, connected to `db`.
+fn in_database(cluster: &Cluster, db: &str) -> Cluster {
+    Cluster {
+        db: db.to_string(),
+        ..cluster.clone()
+    }
+}
+
+/// Drains of `n` messages in every database of `dbs` at once: the sum of their rates (all
+/// the messages over the time until the last database is done).
+fn drain_together(dbs: &[Cluster], sim: &Simulator, n: usize) -> f64 {
+    let mut lanes: Vec<(Client, String)> = dbs
+        .iter()
+        .map(|db| {
+            let mut c = db.connect();
+            let ch = load_paused(&mut c, sim, n, THROUGHPUT_OPTIONS);
+            (c, ch)
+        })
+        .collect();
+    let start = Instant::now();
+    for (c, ch) in lanes.iter_mut() {
+        c.execute("SELECT outbox.resume_channel($1)", &[&*ch])
+            .unwrap();
+    }
+    let ok = wait_until(Duration::from_secs(900), || {
+        lanes.iter_mut().all(|(c, ch)| !pending(c, ch))
+    });
+    if !ok {
+        eprintln!("backlogs of {n} not delivered within 900 s");
+    }
+    (n * dbs.len()) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// One database's drain beside every database's at once, in alternating rounds.
+fn several_databases(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
+    let dbs: Vec<Cluster> = cluster
+        .db
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(|d| in_database(cluster, d))
+        .collect();
+    for db in &dbs {
+        wait_for_delivery_loop(db);
+    }
+    let (mut one, mut all) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        one.push(throughput(&dbs[0], sim, backlog).rate);
+        all.push(drain_together(&dbs, sim, backlog));
+    }
+    let shown = |v: &[f64]| {
+        v.iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (one_shown, all_shown) = (shown(&one), shown(&all));
+    let (m_one, m_all) = (median(&mut one), median(&mut all));
+    println!(
+        "deliveries_per_s_backlog_{backlog}_one_database {m_one:.0} msg/s (drains: {one_shown})"
+    );
+    println!(
+        "deliveries_per_s_backlog_{backlog}_each_of_{}_databases_at_once_sum {m_all:.0} msg/s ({:.2}x one database; drains: {all_shown})",
+        dbs.len(),
+        m_all / m_one
+    );
+}
+
 fn main() {
     let backlog = arg("--backlog", 10_000);
     let samples = arg("--latency-samples", 200);
     let cluster = Cluster::from_env();
-    wait_for_delivery_loop(&cluster);
     let sim = Simulator::start();
     sim.set_record_bodies(false);
     sim.set_record_requests(false);
+    let databases = arg("--several-databases", 0);
+    if databases > 0 {
+        several_databases(&cluster, &sim, backlog, databases);
+        return;
+    }
+    wait_for_delivery_loop(&cluster);
     let rounds = arg("--price-of-safety", 0);
     if rounds > 0 {
         price_of_safety(&cluster, &sim, backlog, rounds);
@@ -458,6 +552,7 @@ fn main() {
                 port,
                 db,
                 script: Default::default(),
+                env: Vec::new(),
             };
             let mut c = cluster.connect();
             let ch = unique("bench_bg");

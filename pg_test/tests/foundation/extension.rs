@@ -348,6 +348,7 @@ fn without_preload_create_extension_warns_and_enqueue_still_queues() {
         port: NOPRELOAD_PORT,
         db: main.db.clone(),
         script: main.script.clone(),
+        env: Vec::new(),
     };
     let _destroy = Destroy(&cluster);
     nopreload_script(&cluster, "destroy");
