@@ -10,6 +10,7 @@
 //!   state, error text, roles, server-wide settings and fault points reset on drop.
 //! - [`releases`]: packages, released versions built from their commits, private copies of
 //!   PostgreSQL to install them into, and clusters on those copies.
+//! - [`webhook_verify`]: a receiver's check of Standard Webhooks signatures.
 //! - [`schema_dump`]: the extension's schema as comparable text (fresh install vs upgrade).
 
 pub mod cluster;
@@ -17,3 +18,4 @@ pub mod helpers;
 pub mod releases;
 pub mod schema_dump;
 pub mod sim;
+pub mod webhook_verify;

@@ -10,4 +10,5 @@ pub mod lookup_url;
 pub mod options;
 pub mod request;
 pub mod secrets;
+pub mod signing;
 pub mod sql_effect;

@@ -56,6 +56,8 @@ pub struct ChannelOptions {
     /// Most bytes of a response body the worker reads (for the external id); the rest of a
     /// longer body is not read.
     pub max_response_bytes: u64,
+    /// Standard Webhooks signatures on every request (`signing`).
+    pub signing: Option<super::signing::Signing>,
 }
 
 /// Attempts open at once on a channel unless its `max_in_flight` says otherwise.
@@ -136,6 +138,7 @@ const HTTP_ONLY: &[&str] = &[
     "external_id",
     "reconcile",
     "classify",
+    "signing",
 ];
 
 /// A rejected option, named by its path (e.g. `retry.base_ms`).
@@ -146,7 +149,7 @@ pub struct OptionError {
 }
 
 impl OptionError {
-    fn new(option: impl Into<String>, message: impl Into<String>) -> Self {
+    pub(crate) fn new(option: impl Into<String>, message: impl Into<String>) -> Self {
         OptionError {
             option: option.into(),
             message: message.into(),
@@ -173,6 +176,7 @@ const KNOWN_KEYS: &[&str] = &[
     "run_as",
     "tenants",
     "max_response_bytes",
+    "signing",
 ];
 
 const METHODS: &[&str] = &["POST", "PUT", "PATCH", "GET", "DELETE"];
@@ -196,6 +200,7 @@ impl Default for ChannelOptions {
             max_unverifiable_in_flight: DEFAULT_MAX_UNVERIFIABLE_IN_FLIGHT,
             tenants: vec!["*".into()],
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            signing: None,
         }
     }
 }
@@ -405,6 +410,7 @@ impl ChannelOptions {
             "max_response_bytes" => {
                 o.max_response_bytes = positive_int(key, value, MAX_RESPONSE_BYTES)?
             }
+            "signing" => o.signing = Some(super::signing::Signing::from_json(value)?),
             _ => unreachable!("unknown keys were rejected above"),
         }
         Ok(())
@@ -452,6 +458,7 @@ impl ChannelOptions {
             "max_unverifiable_in_flight": self.max_unverifiable_in_flight,
             "tenants": self.tenants,
             "max_response_bytes": self.max_response_bytes,
+            "signing": self.signing.as_ref().map(|s| s.to_json()),
         })
     }
 
