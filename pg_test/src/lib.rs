@@ -10,6 +10,8 @@
 //!   state, error text, roles, server-wide settings and fault points reset on drop.
 //! - [`releases`]: packages, released versions built from their commits, private copies of
 //!   PostgreSQL to install them into, and clusters on those copies.
+//! - [`test_ca`], [`tls_front`]: certificates made at test time and HTTPS in front of the
+//!   simulator (a private CA, mutual TLS).
 //! - [`webhook_verify`]: a receiver's check of Standard Webhooks signatures.
 //! - [`schema_dump`]: the extension's schema as comparable text (fresh install vs upgrade).
 
@@ -18,4 +20,6 @@ pub mod helpers;
 pub mod releases;
 pub mod schema_dump;
 pub mod sim;
+pub mod test_ca;
+pub mod tls_front;
 pub mod webhook_verify;

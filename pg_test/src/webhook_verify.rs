@@ -105,13 +105,23 @@ mod tests {
             verify(secret, &req, 1614265330, 300).as_deref(),
             Ok("msg_p5jXN8AQM9LWM0D4loKWxJek")
         );
-        assert_eq!(verify(secret, &req, 1614265330 + 301, 300), Err(Rejection::Stale));
-        let tampered = Signed { headers: &h, body: br#"{"test": 2432232315}"# };
+        assert_eq!(
+            verify(secret, &req, 1614265330 + 301, 300),
+            Err(Rejection::Stale)
+        );
+        let tampered = Signed {
+            headers: &h,
+            body: br#"{"test": 2432232315}"#,
+        };
         assert_eq!(
             verify(secret, &tampered, 1614265330, 300),
             Err(Rejection::NoSignatureMatches)
         );
-        let h = headers("msg_p5jXN8AQM9LWM0D4loKWxJek", "1614265330", "v1,bm9ldHZhbGlk");
+        let h = headers(
+            "msg_p5jXN8AQM9LWM0D4loKWxJek",
+            "1614265330",
+            "v1,bm9ldHZhbGlk",
+        );
         assert_eq!(
             verify(secret, &Signed { headers: &h, body }, 1614265330, 300),
             Err(Rejection::NoSignatureMatches)

@@ -58,6 +58,12 @@ pub struct ChannelOptions {
     pub max_response_bytes: u64,
     /// Standard Webhooks signatures on every request (`signing`).
     pub signing: Option<super::signing::Signing>,
+    /// Extra roots and a client certificate (`tls`).
+    pub tls: Option<super::tls::TlsOptions>,
+    /// Sends per second, all workers together (`rate_limit`).
+    pub rate_limit: Option<super::rate_limit::RateLimit>,
+    /// Circuit breaking (`circuit`).
+    pub circuit: Option<super::circuit::CircuitOptions>,
 }
 
 /// Attempts open at once on a channel unless its `max_in_flight` says otherwise.
@@ -139,6 +145,9 @@ const HTTP_ONLY: &[&str] = &[
     "reconcile",
     "classify",
     "signing",
+    "tls",
+    "rate_limit",
+    "circuit",
 ];
 
 /// A rejected option, named by its path (e.g. `retry.base_ms`).
@@ -177,6 +186,9 @@ const KNOWN_KEYS: &[&str] = &[
     "tenants",
     "max_response_bytes",
     "signing",
+    "tls",
+    "rate_limit",
+    "circuit",
 ];
 
 const METHODS: &[&str] = &["POST", "PUT", "PATCH", "GET", "DELETE"];
@@ -201,6 +213,9 @@ impl Default for ChannelOptions {
             tenants: vec!["*".into()],
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             signing: None,
+            tls: None,
+            rate_limit: None,
+            circuit: None,
         }
     }
 }
@@ -411,6 +426,9 @@ impl ChannelOptions {
                 o.max_response_bytes = positive_int(key, value, MAX_RESPONSE_BYTES)?
             }
             "signing" => o.signing = Some(super::signing::Signing::from_json(value)?),
+            "tls" => o.tls = Some(super::tls::TlsOptions::from_json(value)?),
+            "rate_limit" => o.rate_limit = Some(super::rate_limit::RateLimit::from_json(value)?),
+            "circuit" => o.circuit = Some(super::circuit::CircuitOptions::from_json(value)?),
             _ => unreachable!("unknown keys were rejected above"),
         }
         Ok(())
@@ -459,6 +477,9 @@ impl ChannelOptions {
             "tenants": self.tenants,
             "max_response_bytes": self.max_response_bytes,
             "signing": self.signing.as_ref().map(|s| s.to_json()),
+            "tls": self.tls.as_ref().map(|t| t.to_json()),
+            "rate_limit": self.rate_limit.as_ref().map(|r| r.to_json()),
+            "circuit": self.circuit.as_ref().map(|c| c.to_json()),
         })
     }
 

@@ -103,7 +103,8 @@ pub fn mask_options(options: &Value) -> Value {
             *secret = Value::String(MASK.into());
         }
     }
-    if let Some(key @ Value::String(_)) = v.get_mut("tls").and_then(|t| t.get_mut("client_key_pem")) {
+    if let Some(key @ Value::String(_)) = v.get_mut("tls").and_then(|t| t.get_mut("client_key_pem"))
+    {
         *key = Value::String(MASK.into());
     }
     v
@@ -195,7 +196,10 @@ mod tests {
         });
         let masked = mask_options(&options);
         assert!(!masked.to_string().contains("SECRET"), "{masked}");
-        assert_eq!(masked["signing"]["secrets"], json!(["********", "********"]));
+        assert_eq!(
+            masked["signing"]["secrets"],
+            json!(["********", "********"])
+        );
         assert_eq!(masked["signing"]["scheme"], "standard-webhooks");
         assert_eq!(masked["tls"]["ca_pem"], "-----BEGIN CERTIFICATE-----");
         assert_eq!(

@@ -125,13 +125,7 @@ impl Signing {
     }
 
     /// Replaces any header of the three names in `headers` with the signed ones.
-    pub fn sign(
-        &self,
-        headers: &mut Vec<(String, String)>,
-        id: &str,
-        timestamp: u64,
-        body: &[u8],
-    ) {
+    pub fn sign(&self, headers: &mut Vec<(String, String)>, id: &str, timestamp: u64, body: &[u8]) {
         headers.retain(|(n, _)| {
             ![ID_HEADER, TIMESTAMP_HEADER, SIGNATURE_HEADER]
                 .iter()

@@ -77,7 +77,12 @@ pub fn sort(transport: &mut Transport, channels: &Channels, jobs: &[Job]) -> Sor
                 let mut out = request::outgoing(&message, &channel.endpoint, options)?;
                 if let Some(signing) = &options.signing {
                     let now_s = (now_ms() / 1000) as u64;
-                    signing.sign(&mut out.headers, &job.effect_key, now_s, out.body.as_bytes());
+                    signing.sign(
+                        &mut out.headers,
+                        &job.effect_key,
+                        now_s,
+                        out.body.as_bytes(),
+                    );
                 }
                 Ok((client, out))
             });

@@ -5,7 +5,11 @@
 //! 1. `signing`: Standard Webhooks signatures checked by an independent receiver
 //!    (`outbox_e2e::webhook_verify`, its own HMAC) on every attempt, with rotating secrets;
 //!    malformed secrets refused with 22023; secrets masked in every view.
+//! 2. `tls`: HTTPS with a test CA made at test time (`outbox_e2e::test_ca`) in front of the
+//!    simulator (`outbox_e2e::tls_front`): a private CA, an unknown CA, a wrong host name,
+//!    mutual TLS without and with a client certificate, invalid PEM.
 //!
 //! Run: `cargo test -p outbox_e2e --release --test webhooks -- --test-threads=1`.
 
 mod signing;
+mod tls;

@@ -32,7 +32,11 @@ fn every_attempt_verifies_with_either_secret_and_keeps_its_id() {
     wait_state(&cluster, first, "delivered");
     wait_state(&cluster, second, "delivered");
     let sends = sim.sends(&ch);
-    assert_eq!(sends.len(), 3, "two attempts of the first, one of the second");
+    assert_eq!(
+        sends.len(),
+        3,
+        "two attempts of the first, one of the second"
+    );
     let key_first = effect_key_of(&mut c, first);
     let mut ids = Vec::new();
     for r in &sends {
@@ -57,14 +61,25 @@ fn every_attempt_verifies_with_either_secret_and_keeps_its_id() {
     let key_second = effect_key_of(&mut c, second);
     let mut counts = [&key_first, &key_second].map(|k| ids.iter().filter(|id| *id == k).count());
     counts.sort();
-    assert_eq!(counts, [2, 4], "webhook-id is the effect key as sent, the same on the retry: {ids:?}");
+    assert_eq!(
+        counts,
+        [2, 4],
+        "webhook-id is the effect key as sent, the same on the retry: {ids:?}"
+    );
     // The signed body is the payload (as jsonb prints it), non-ASCII bytes included.
     let of_first = sends
         .iter()
-        .find(|r| r.headers.iter().any(|(n, v)| n == "webhook-id" && *v == key_first))
+        .find(|r| {
+            r.headers
+                .iter()
+                .any(|(n, v)| n == "webhook-id" && *v == key_first)
+        })
         .expect("a request of the first message");
     let body: serde_json::Value = serde_json::from_slice(&of_first.body).unwrap();
-    assert_eq!(body, serde_json::from_str::<serde_json::Value>(payload).unwrap());
+    assert_eq!(
+        body,
+        serde_json::from_str::<serde_json::Value>(payload).unwrap()
+    );
 }
 
 #[test]
@@ -87,7 +102,10 @@ fn malformed_secrets_are_refused_with_22023_and_secrets_are_masked() {
         assert_eq!(code_of(&e), "22023", "{bad}: {}", describe(&e));
         let text = describe(&e);
         assert!(text.contains("signing"), "{text}");
-        assert!(!text.contains("MfKQ9r8"), "the secret is not quoted: {text}");
+        assert!(
+            !text.contains("MfKQ9r8"),
+            "the secret is not quoted: {text}"
+        );
         assert!(
             e.as_db_error().and_then(|d| d.hint()).is_some(),
             "a hint: {text}"
@@ -118,9 +136,15 @@ fn malformed_secrets_are_refused_with_22023_and_secrets_are_masked() {
     let id = enqueue_payload(&mut c, &ch, "{}", &unique("rotated"));
     wait_state(&cluster, id, "delivered");
     let r = sim.sends(&ch).pop().unwrap();
-    let request = Signed { headers: &r.headers, body: &r.body };
+    let request = Signed {
+        headers: &r.headers,
+        body: &r.body,
+    };
     assert!(verify(NEW, &request, now_s(), 300).is_ok());
-    assert_eq!(verify(OLD, &request, now_s(), 300), Err(Rejection::NoSignatureMatches));
+    assert_eq!(
+        verify(OLD, &request, now_s(), 300),
+        Err(Rejection::NoSignatureMatches)
+    );
     assert_nothing_shows(&cluster, &ch);
 }
 
