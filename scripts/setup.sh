@@ -6,7 +6,9 @@ set -euo pipefail
 
 PGRX_VERSION=0.18.1
 PG_CONFIG=/usr/bin/pg_config
-APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-client-15 libclang-dev clang sudo pkg-config curl binutils)
+# openssl: the test CA of the HTTPS tests; prometheus (with promtool): the scrape test and the
+# check of docs/prometheus-rules.yml.
+APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-client-15 libclang-dev clang sudo pkg-config curl binutils openssl prometheus)
 
 log() { printf '[setup] %s\n' "$*"; }
 

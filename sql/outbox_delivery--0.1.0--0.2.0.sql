@@ -175,3 +175,330 @@ GRANT EXECUTE ON FUNCTION
     outbox._ledger_entry(text, text),
     outbox._record_delivered(bigint[], text[], integer[], text, boolean)
     TO outbox_worker;
+-- outbox_delivery 0.1.0 -> 0.2.0 (ALTER EXTENSION outbox_delivery UPDATE)
+--
+-- Turns the schema of 0.1.0 into the schema a fresh install of 0.2.0 creates; the upgrade
+-- test compares the two (RELEASES.md, "Changing the SQL surface").
+
+-- pg_dump keeps the per-minute delivery figures too, like every other table of the
+-- extension (a restored database shows the same 5-minute metrics).
+SELECT pg_catalog.pg_extension_config_dump('outbox._channel_minutes', '');
+
+-- The bound on attempts open at once on a channel that can neither dedupe nor be asked
+-- (max_unverifiable_in_flight), read by the worker's claim and by outbox.channels.
+-- Attempts open at once on a channel, all workers together: `max_in_flight` (default 64)
+-- where an interrupted attempt can be settled without an operator — the provider dedupes
+-- by key (idempotency_header) or answers lookups (reconcile), or the effect is a `sql`
+-- function run in the record transaction — and `max_unverifiable_in_flight` (default 8)
+-- elsewhere, since a crash there leaves every open attempt `uncertain` for an operator.
+-- The defaults are literals (options::DEFAULT_MAX_IN_FLIGHT and
+-- DEFAULT_MAX_UNVERIFIABLE_IN_FLIGHT; a test holds them equal): with a parameter, the
+-- claim's plan made once claimed a message that committed late behind a backlog only
+-- once the backlog was drained. IMMUTABLE and not STRICT, so that the planner inlines it.
+CREATE FUNCTION outbox._can_verify(options jsonb) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+BEGIN ATOMIC
+    SELECT coalesce(options ->> 'kind', 'http') = 'sql'
+        OR jsonb_typeof(options -> 'idempotency_header') = 'string'
+        OR jsonb_typeof(options -> 'reconcile') = 'object';
+END;
+
+CREATE FUNCTION outbox._in_flight_bound(options jsonb) RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+BEGIN ATOMIC
+    SELECT CASE WHEN outbox._can_verify(options)
+                THEN coalesce(outbox._option_int(options, '{max_in_flight}'), 64)
+                ELSE coalesce(outbox._option_int(options, '{max_unverifiable_in_flight}'), 8)
+           END;
+END;
+
+CREATE FUNCTION outbox._in_flight_reason(options jsonb) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+BEGIN ATOMIC
+    SELECT CASE WHEN outbox._can_verify(options) THEN 'max_in_flight'
+                ELSE 'max_unverifiable_in_flight: no dedupe, no lookup' END;
+END;
+
+-- outbox.channels shows the bound in force and why.
+CREATE OR REPLACE VIEW outbox.channels AS
+SELECT c.id,
+       c.name,
+       outbox._masked_url(c.endpoint) AS endpoint,
+       outbox._masked_options(c.options) AS options,
+       c.paused,
+       c.paused_reason,
+       c.paused_at,
+       c.created_at,
+       c.updated_at,
+       outbox._in_flight_bound(c.options) AS in_flight_bound,
+       outbox._in_flight_reason(c.options) AS in_flight_reason
+  FROM outbox._channels c
+ WHERE outbox._channel_visible(c.options -> 'tenants');
+
+-- The ledger's one way of recording a confirmed effect, and its check (sql/ledger.sql).
+CREATE FUNCTION outbox._ledger_entry(tenant text, effect_key text)
+RETURNS TABLE (message_id bigint, external_id text)
+LANGUAGE sql STABLE PARALLEL SAFE
+-- No SET clause and no SECURITY DEFINER: the claim inlines it as one index probe per
+-- claimed message. OFFSET 0 keeps the probe a subquery of its own, so that the planner
+-- never hashes the whole ledger, which grows with every delivery.
+AS $fn$
+    SELECT l.message_id, l.external_id
+      FROM outbox._ledger l
+     WHERE l.tenant OPERATOR(pg_catalog.=) $1 AND l.effect_key OPERATOR(pg_catalog.=) $2
+    OFFSET 0
+$fn$;
+COMMENT ON FUNCTION outbox._ledger_entry(text, text) IS
+    'The ledger entry of one effect (tenant, effect key), if it was recorded: the message that recorded it and its external id.';
+
+CREATE FUNCTION outbox._record_delivered(
+    message_ids bigint[], external_ids text[], http_statuses integer[], recorder text,
+    leave_sending boolean)
+RETURNS SETOF bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF recorder IS NULL OR recorder NOT IN ('worker', 'reconcile', 'operator') THEN
+        RAISE EXCEPTION 'recorder must be worker, reconcile or operator, not %', coalesce(quote_literal(recorder), 'NULL')
+            USING ERRCODE = '22023';
+    END IF;
+    RETURN QUERY
+    WITH d AS (
+        SELECT * FROM unnest(message_ids, external_ids, http_statuses) AS d(id, external_id, http_status)
+    ), m AS (
+        UPDATE outbox._messages m
+           SET state = 'delivered',
+               delivered_at = now(),
+               updated_at = now(),
+               external_id = coalesce(d.external_id, m.external_id),
+               last_http_status = coalesce(d.http_status, m.last_http_status),
+               lease_until = NULL,
+               lease_owner = NULL
+          FROM d
+         WHERE m.id = d.id AND m.state <> 'delivered'
+           AND NOT (leave_sending AND m.state = 'sending')
+     RETURNING m.id, m.tenant, m.effect_key, m.external_id
+    ), l AS (
+        INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
+        SELECT m.tenant, m.effect_key, m.id, m.external_id, recorder FROM m
+            ON CONFLICT (tenant, effect_key) DO NOTHING
+    )
+    SELECT m.id FROM m;
+END
+$fn$;
+COMMENT ON FUNCTION outbox._record_delivered(bigint[], text[], integer[], text, boolean) IS
+    'Confirms effects: marks each message delivered (unless it already is, or is being sent and leave_sending is set), clears its lease and writes its ledger entry; an effect already in the ledger keeps its first entry. Returns the messages it marked.';
+
+-- resolve(…, 'delivered', …) records through the ledger's function.
+CREATE OR REPLACE FUNCTION outbox.resolve(id bigint, outcome text, reason text, external_id text DEFAULT NULL)
+RETURNS outbox.state
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_msg   outbox._messages;
+    v_after outbox.state;
+BEGIN
+    IF outcome IS NULL OR outcome NOT IN ('delivered', 'failed', 'cancelled') THEN
+        RAISE EXCEPTION 'outcome must be delivered, failed or cancelled, not %', coalesce(pg_catalog.quote_literal(outcome), 'NULL')
+            USING ERRCODE = '22023';
+    END IF;
+    PERFORM outbox._require_reason(resolve.reason);
+    v_msg := outbox._lock_message(resolve.id);
+    IF v_msg.state = 'sending' THEN
+        RAISE EXCEPTION 'message % is being sent right now; resolve refused', v_msg.id
+            USING ERRCODE = '55000', HINT = 'Wait for the attempt''s outcome, then look again.';
+    END IF;
+    IF v_msg.state = 'delivered' AND outcome <> 'delivered' THEN
+        RAISE EXCEPTION 'message % was delivered (confirmed); it cannot be resolved as %', v_msg.id, outcome
+            USING ERRCODE = '55000';
+    END IF;
+    v_after := outcome::outbox.state;
+    IF v_msg.state = 'delivered' THEN
+        RAISE NOTICE 'message % is already delivered', v_msg.id;
+    ELSIF v_after = 'delivered' THEN
+        PERFORM outbox._record_delivered(ARRAY[v_msg.id], ARRAY[resolve.external_id], ARRAY[NULL::integer],
+                                         'operator', false);
+    ELSE
+        UPDATE outbox._messages m
+           SET state = v_after, external_id = coalesce(resolve.external_id, m.external_id),
+               lease_until = NULL, lease_owner = NULL, updated_at = pg_catalog.now()
+         WHERE m.id = v_msg.id;
+    END IF;
+    INSERT INTO outbox._operator_log (action, message_id, tenant, reason, state_before, state_after, detail)
+    VALUES ('resolve', v_msg.id, v_msg.tenant, resolve.reason, v_msg.state, v_after,
+            jsonb_build_object('outcome', outcome, 'external_id', resolve.external_id));
+    RETURN v_after;
+END
+$fn$;
+
+-- Nothing of the extension is PUBLIC's (sql/privileges.sql): the new functions neither.
+REVOKE ALL ON FUNCTION
+    outbox._can_verify(jsonb),
+    outbox._in_flight_bound(jsonb),
+    outbox._in_flight_reason(jsonb),
+    outbox._ledger_entry(text, text),
+    outbox._record_delivered(bigint[], text[], integer[], text, boolean)
+    FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox._option_int(jsonb, text[]) TO outbox_admin;
+GRANT EXECUTE ON FUNCTION
+    outbox._can_verify(jsonb),
+    outbox._in_flight_bound(jsonb),
+    outbox._in_flight_reason(jsonb)
+    TO outbox_worker, outbox_writer, outbox_operator, outbox_admin;
+GRANT EXECUTE ON FUNCTION
+    outbox._ledger_entry(text, text),
+    outbox._record_delivered(bigint[], text[], integer[], text, boolean)
+    TO outbox_worker;
+
+-- Flow control of a channel, shared by every worker of the database: the token bucket of
+-- its rate_limit, a Retry-After that holds the whole channel back, and its circuit
+-- (src/channels/rate_limit.rs, src/channels/circuit.rs, src/worker/flow.rs). A row exists
+-- for a channel with rate_limit or circuit once a worker has claimed for it.
+CREATE TABLE outbox._channel_flow (
+    channel_id     integer          NOT NULL PRIMARY KEY
+                                    REFERENCES outbox._channels (id) ON DELETE CASCADE,
+    tokens         double precision NOT NULL DEFAULT 0,
+    tokens_at      timestamptz      NOT NULL DEFAULT now(),
+    hold_until     timestamptz,
+    circuit_state  text             NOT NULL DEFAULT 'closed',
+    circuit_since  timestamptz,
+    circuit_streak integer          NOT NULL DEFAULT 0,
+    probe_until    timestamptz,
+    CONSTRAINT circuit_state_known CHECK (circuit_state IN ('closed', 'open', 'half_open'))
+);
+COMMENT ON TABLE outbox._channel_flow IS 'Rate limit tokens, channel-wide Retry-After and circuit state per channel (private; see outbox.channels).';
+SELECT pg_catalog.pg_extension_config_dump('outbox._channel_flow', '');
+REVOKE ALL ON outbox._channel_flow FROM PUBLIC;
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox._channel_flow TO outbox_worker;
+
+-- outbox.channels shows the circuit.
+CREATE OR REPLACE VIEW outbox.channels AS
+SELECT c.id,
+       c.name,
+       outbox._masked_url(c.endpoint) AS endpoint,
+       outbox._masked_options(c.options) AS options,
+       c.paused,
+       c.paused_reason,
+       c.paused_at,
+       c.created_at,
+       c.updated_at,
+       outbox._in_flight_bound(c.options) AS in_flight_bound,
+       outbox._in_flight_reason(c.options) AS in_flight_reason,
+       CASE WHEN jsonb_typeof(c.options -> 'circuit') = 'object'
+            THEN coalesce(f.circuit_state, 'closed') END AS circuit_state,
+       f.circuit_since
+  FROM outbox._channels c
+  LEFT JOIN outbox._channel_flow f ON f.channel_id = c.id
+ WHERE outbox._channel_visible(c.options -> 'tenants');
+
+-- outbox.alerts raises circuit_open.
+CREATE OR REPLACE VIEW outbox.alerts AS
+SELECT 'queue_age'::text AS alert,
+       m.channel,
+       CASE WHEN m.oldest_queued_age_s > 4 * outbox._setting('outbox.alert_queue_age_s', 300)
+            THEN 'critical' ELSE 'warning' END AS severity,
+       m.oldest_queued_age_s AS value,
+       outbox._setting('outbox.alert_queue_age_s', 300)::numeric AS threshold,
+       pg_catalog.now() - make_interval(secs => m.oldest_queued_age_s::double precision) AS since
+  FROM outbox.metrics m
+ WHERE m.scope = 'channel' AND NOT m.paused
+   AND m.oldest_queued_age_s > outbox._setting('outbox.alert_queue_age_s', 300)
+UNION ALL
+SELECT 'error_streak', c.name, 'warning', s.error_streak::numeric,
+       outbox._setting('outbox.alert_error_streak', 10)::numeric, s.error_streak_since
+  FROM outbox._channel_stats s
+  JOIN outbox._channels c ON c.id = s.channel_id
+ WHERE s.error_streak >= outbox._setting('outbox.alert_error_streak', 10)
+UNION ALL
+SELECT 'terminal_failures', c.name, 'critical', count(*)::numeric, 0::numeric, min(m.updated_at)
+  FROM outbox._messages m
+  JOIN outbox._channels c ON c.id = m.channel_id
+ WHERE m.state IN ('failed', 'exhausted') AND m.updated_at > pg_catalog.now() - interval '1 hour'
+ GROUP BY c.name
+UNION ALL
+SELECT 'uncertain', c.name, 'critical', count(*)::numeric,
+       outbox._setting('outbox.alert_uncertain_age_s', 300)::numeric, min(u.since)
+  FROM outbox._messages m
+  JOIN outbox._channels c ON c.id = m.channel_id
+  -- Uncertain since the send (or the recovery of a lost lease) that left it so: the
+  -- inconclusive lookups that follow change the row, not how long nobody has known.
+  CROSS JOIN LATERAL (
+      SELECT coalesce((SELECT coalesce(a.finished_at, a.started_at)
+                         FROM outbox._attempts a
+                        WHERE a.message_id = m.id AND a.kind IN ('send', 'recovery')
+                        ORDER BY a.id DESC LIMIT 1),
+                      m.updated_at) AS since) u
+ WHERE m.state = 'uncertain'
+   AND (jsonb_typeof(c.options -> 'reconcile') IS DISTINCT FROM 'object'
+        OR u.since < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_uncertain_age_s', 300)))
+ GROUP BY c.name
+UNION ALL
+-- A channel whose circuit is open (or half open, probing): value = seconds in that state.
+SELECT 'circuit_open', c.name, 'critical',
+       round(extract(epoch FROM pg_catalog.now() - f.circuit_since), 3)::numeric, 0::numeric,
+       f.circuit_since
+  FROM outbox._channel_flow f
+  JOIN outbox._channels c ON c.id = f.channel_id
+ WHERE f.circuit_state IN ('open', 'half_open');
+COMMENT ON VIEW outbox.alerts IS
+    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can), a channel whose circuit is open. since = when it began.';
+
+
+-- outbox.prometheus() gains outbox_queued (what /metrics serves, src/metrics_server.rs).
+CREATE OR REPLACE FUNCTION outbox.prometheus() RETURNS text
+LANGUAGE sql STABLE
+AS $fn$
+WITH m AS (SELECT * FROM outbox.metrics WHERE scope = 'channel'),
+families(ord, name, kind, help) AS (VALUES
+    (1, 'outbox_messages', 'gauge', 'Messages by channel and state.'),
+    (2, 'outbox_oldest_queued_age_seconds', 'gauge', 'How long the oldest due queued message of a channel has waited.'),
+    (3, 'outbox_delivered_total', 'counter', 'Messages confirmed delivered (by a 2xx or by reconcile).'),
+    (4, 'outbox_attempts_failed_total', 'counter', 'Attempts that did not deliver.'),
+    (5, 'outbox_exhausted_total', 'counter', 'Messages whose retry budget ran out.'),
+    (6, 'outbox_failed_total', 'counter', 'Messages that failed permanently.'),
+    (7, 'outbox_error_streak', 'gauge', 'Consecutive failed attempts on a channel.'),
+    (8, 'outbox_success_rate_5m', 'gauge', 'Share of attempts in the last 5 minutes that delivered.'),
+    (9, 'outbox_alert', 'gauge', 'Active alerts (1 per alert).'),
+    (10, 'outbox_worker_up', 'gauge', 'Delivery workers running.'),
+    (11, 'outbox_queued', 'gauge', 'Queued messages of a channel (outbox_messages with state queued).')
+),
+samples(ord, line) AS (
+    SELECT 1, format('outbox_messages{channel="%s",state="%s"} %s', outbox._prom_label(m.channel), s.state, s.n)
+      FROM m CROSS JOIN LATERAL (VALUES ('queued', m.queued), ('sending', m.sending), ('uncertain', m.uncertain),
+                                        ('exhausted', m.exhausted), ('failed', m.failed)) AS s(state, n)
+    UNION ALL
+    SELECT 2, format('outbox_oldest_queued_age_seconds{channel="%s"} %s', outbox._prom_label(m.channel), coalesce(m.oldest_queued_age_s, 0)) FROM m
+    UNION ALL
+    SELECT 3, format('outbox_delivered_total{channel="%s"} %s', outbox._prom_label(m.channel), m.delivered_total) FROM m
+    UNION ALL
+    SELECT 4, format('outbox_attempts_failed_total{channel="%s"} %s', outbox._prom_label(m.channel), m.attempts_failed_total) FROM m
+    UNION ALL
+    SELECT 5, format('outbox_exhausted_total{channel="%s"} %s', outbox._prom_label(m.channel), m.exhausted_total) FROM m
+    UNION ALL
+    SELECT 6, format('outbox_failed_total{channel="%s"} %s', outbox._prom_label(m.channel), m.failed_total) FROM m
+    UNION ALL
+    SELECT 7, format('outbox_error_streak{channel="%s"} %s', outbox._prom_label(m.channel), m.error_streak) FROM m
+    UNION ALL
+    SELECT 8, format('outbox_success_rate_5m{channel="%s"} %s', outbox._prom_label(m.channel), m.success_rate_5m)
+      FROM m WHERE m.success_rate_5m IS NOT NULL
+    UNION ALL
+    SELECT 9, format('outbox_alert{alert="%s",channel="%s",severity="%s"} 1', a.alert, outbox._prom_label(a.channel), a.severity)
+      FROM outbox.alerts a
+    UNION ALL
+    SELECT 10, format('outbox_worker_up %s', count(*)) FROM outbox.worker_status() w WHERE w.pid IS NOT NULL
+    UNION ALL
+    SELECT 11, format('outbox_queued{channel="%s"} %s', outbox._prom_label(m.channel), m.queued) FROM m
+)
+SELECT string_agg(x.line, E'\n' ORDER BY x.ord, x.sub, x.line) || E'\n'
+  FROM (SELECT f.ord, 0 AS sub, format('# HELP %s %s', f.name, f.help) AS line FROM families f
+        UNION ALL
+        SELECT f.ord, 1, format('# TYPE %s %s', f.name, f.kind) FROM families f
+        UNION ALL
+        SELECT s.ord, 2, s.line FROM samples s) x
+$fn$;
+COMMENT ON FUNCTION outbox.prometheus() IS
+    'Prometheus text exposition of outbox.metrics, outbox.alerts and the workers; *_total counters are kept in the database and only grow across restarts.';
+

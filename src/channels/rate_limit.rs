@@ -67,10 +67,23 @@ pub struct Bucket {
     pub at_ms: i64,
 }
 
+/// How long after its claim a request may arrive at the provider (a connection to open, the
+/// claim to commit): the bucket holds this much of the rate less than `burst`, so that the
+/// provider's count in any one second stays within `burst` + `per_second`.
+pub const ARRIVAL_SKEW_MS: u32 = 30;
+
+impl RateLimit {
+    /// Most tokens the bucket holds: `burst` less [`ARRIVAL_SKEW_MS`] of the rate, at least 1.
+    pub fn capacity(&self) -> f64 {
+        let skew = (self.per_second as u64 * ARRIVAL_SKEW_MS as u64).div_ceil(1000) as u32;
+        self.burst.saturating_sub(skew).max(1) as f64
+    }
+}
+
 /// The bucket refilled up to `now_ms`.
 fn refilled(b: Bucket, r: &RateLimit, now_ms: i64) -> f64 {
     let elapsed_s = (now_ms - b.at_ms).max(0) as f64 / 1000.0;
-    (b.tokens + elapsed_s * r.per_second as f64).min(r.burst as f64)
+    (b.tokens + elapsed_s * r.per_second as f64).min(r.capacity())
 }
 
 /// Takes up to `want` whole tokens now: how many, and the bucket after.
@@ -89,7 +102,7 @@ pub fn take(b: Bucket, r: &RateLimit, now_ms: i64, want: u32) -> (u32, Bucket) {
 /// Gives back `unused` tokens taken by a claim that found fewer messages.
 pub fn give_back(b: Bucket, r: &RateLimit, unused: u32) -> Bucket {
     Bucket {
-        tokens: (b.tokens + unused as f64).min(r.burst as f64),
+        tokens: (b.tokens + unused as f64).min(r.capacity()),
         at_ms: b.at_ms,
     }
 }
@@ -114,26 +127,26 @@ mod tests {
     #[test]
     fn a_full_bucket_gives_its_burst_then_the_rate() {
         let b = Bucket {
-            tokens: 10.0,
+            tokens: 7.0,
             at_ms: 0,
         };
         let (n, b) = take(b, &R, 0, 200);
-        assert_eq!(n, 10);
+        assert_eq!(n, 7);
         let (n, b) = take(b, &R, 5, 200);
         assert_eq!(n, 0, "half a token");
         assert_eq!(next_token_ms(b, &R), 10);
         let (n, b) = take(b, &R, 50, 200);
         assert_eq!(n, 5);
-        // Idle for long: never more than the burst.
+        // Idle for long: never more than the capacity.
         let (n, _) = take(b, &R, 60_000, 200);
-        assert_eq!(n, 10);
+        assert_eq!(n, 7);
     }
 
     #[test]
     fn any_one_second_window_sees_at_most_burst_plus_rate() {
         // Take as fast as possible for 5 s in steps of 3 ms; count grants per window.
         let mut b = Bucket {
-            tokens: 10.0,
+            tokens: 7.0,
             at_ms: 0,
         };
         let mut grants = Vec::new();
@@ -154,11 +167,11 @@ mod tests {
             );
         }
         let total: u32 = grants.iter().map(|(_, n)| n).sum();
-        assert!((505..=510).contains(&total), "{total}");
+        assert!((505..=508).contains(&total), "{total}");
     }
 
     #[test]
-    fn unused_tokens_come_back_up_to_the_burst() {
+    fn unused_tokens_come_back_up_to_the_capacity() {
         let b = Bucket {
             tokens: 2.0,
             at_ms: 0,
@@ -169,14 +182,14 @@ mod tests {
         assert_eq!(
             give_back(
                 Bucket {
-                    tokens: 9.0,
+                    tokens: 6.0,
                     at_ms: 0
                 },
                 &R,
                 5
             )
             .tokens,
-            10.0
+            7.0
         );
     }
 

@@ -17,8 +17,12 @@
 //!   be asked, at its default bound and a few others, beside an ordinary channel's: R
 //!   alternating rounds (`scripts/bench_unverifiable.sh`).
 //!
+//! - with `--webhooks R`, only the drains of a plain HTTP channel, a signing one and one
+//!   over HTTPS (a test CA, connections reused): R alternating rounds
+//!   (`scripts/bench_webhooks.sh`).
+//!
 //!   bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--latency-samples 200]
-//!         [--price-of-safety 0]
+//!         [--price-of-safety 0] [--webhooks 0]
 
 use outbox_e2e::cluster::{unique, wait_until, Cluster};
 use outbox_e2e::sim::{Received, Simulator};
@@ -141,11 +145,21 @@ fn throughput(cluster: &Cluster, sim: &Simulator, n: usize) -> Drain {
 
 /// [`throughput`] on a channel with `options` (JSON text).
 fn throughput_on(cluster: &Cluster, sim: &Simulator, n: usize, options: &str) -> Drain {
+    throughput_at(cluster, n, options, &|ch| sim.send_url(ch))
+}
+
+/// As [`throughput_on`], to the endpoint `endpoint(channel)` (the simulator over HTTPS, say).
+fn throughput_at(
+    cluster: &Cluster,
+    n: usize,
+    options: &str,
+    endpoint: &dyn Fn(&str) -> String,
+) -> Drain {
     let mut c = cluster.connect();
     let ch = unique("bench_tp");
     c.execute(
         "SELECT outbox.create_channel($1, $2, $3::text::jsonb)",
-        &[&ch, &sim.send_url(&ch), &options],
+        &[&ch, &endpoint(&ch), &options],
     )
     .unwrap();
     c.execute(
@@ -424,6 +438,56 @@ fn price_of_safety(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: u
     }
 }
 
+/// The price of webhook-grade channels: drains of the same backlog on a plain HTTP channel,
+/// a signing one (Standard Webhooks, one secret) and one over HTTPS to the simulator behind
+/// a test CA, in alternating rounds; the median of each, with the TLS handshakes (a reused
+/// connection needs none).
+fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
+    let pki = outbox_e2e::test_ca::TestPki::generate();
+    let front = outbox_e2e::tls_front::TlsFront::start(
+        sim.port(),
+        &pki.server.cert_pem,
+        &pki.server.key_pem,
+        None,
+    );
+    let plain = r#"{"idempotency_header": "Idempotency-Key"}"#.to_string();
+    let signed = r#"{"idempotency_header": "Idempotency-Key", "signing": {"secrets": ["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"]}}"#.to_string();
+    let https = serde_json::json!({"idempotency_header": "Idempotency-Key", "tls": {"ca_pem": pki.ca.cert_pem}}).to_string();
+    let over_http = |ch: &str| sim.send_url(ch);
+    let over_https = |ch: &str| front.send_url(ch);
+    let lanes: [(&str, &str, &dyn Fn(&str) -> String); 3] = [
+        ("plain_http", &plain, &over_http),
+        ("signed", &signed, &over_http),
+        ("https", &https, &over_https),
+    ];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); lanes.len()];
+    let mut handshakes = Vec::new();
+    for _ in 0..rounds {
+        for (i, (label, options, endpoint)) in lanes.iter().enumerate() {
+            let before = outbox_e2e::tls_front::TlsFront::count(&front.counters().handshakes);
+            rates[i].push(throughput_at(cluster, backlog, options, *endpoint).rate);
+            if *label == "https" {
+                handshakes.push(outbox_e2e::tls_front::TlsFront::count(&front.counters().handshakes) - before);
+            }
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let base = median(&mut rates[0].clone());
+    for ((label, _, _), rates) in lanes.iter().zip(rates.iter_mut()) {
+        let shown = rates.iter().map(|r| format!("{r:.0}")).collect::<Vec<_>>().join(" / ");
+        let m = median(rates);
+        println!(
+            "deliveries_per_s_backlog_{backlog}_{label} {m:.0} msg/s ({:.3}x plain HTTP; drains: {shown})",
+            m / base
+        );
+    }
+    let shown = handshakes.iter().map(u64::to_string).collect::<Vec<_>>().join(" / ");
+    println!("tls_handshakes_per_https_drain_of_{backlog} {shown} (connections reused)");
+}
+
 fn main() {
     let backlog = arg("--backlog", 10_000);
     let samples = arg("--latency-samples", 200);
@@ -435,6 +499,11 @@ fn main() {
     let rounds = arg("--price-of-safety", 0);
     if rounds > 0 {
         price_of_safety(&cluster, &sim, backlog, rounds);
+        return;
+    }
+    let rounds = arg("--webhooks", 0);
+    if rounds > 0 {
+        webhooks(&cluster, &sim, backlog, rounds);
         return;
     }
 
