@@ -265,7 +265,8 @@ SELECT 'circuit_open', c.name, 'critical',
        f.circuit_since
   FROM outbox._channel_flow f
   JOIN outbox._channels c ON c.id = f.channel_id
- WHERE f.circuit_state IN ('open', 'half_open');
+ WHERE f.circuit_state IN ('open', 'half_open')
+   AND jsonb_typeof(c.options -> 'circuit') = 'object';
 COMMENT ON VIEW outbox.alerts IS
     'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can), a channel whose circuit is open. since = when it began.';
 
