@@ -208,7 +208,7 @@ fn create_channel(name: Option<&str>, endpoint: Option<&str>, options: Option<&s
     let name = required("name", name);
     let endpoint = required("endpoint", endpoint);
     let options = options_argument(options).unwrap_or_else(|| Value::Object(Default::default()));
-    let parsed = ChannelOptions::from_json(&options)
+    let parsed = ChannelOptions::from_json_checked(&options)
         .map_err(option_error)
         .or_raise();
     let normalized = parsed.to_json();
@@ -290,7 +290,7 @@ fn alter_channel(name: Option<&str>, options: Option<&str>) {
         let merged = ChannelOptions::merge(&current_options, &changes)
             .map_err(option_error)
             .or_raise();
-        let parsed = ChannelOptions::from_json(&merged)
+        let parsed = ChannelOptions::from_json_checked(&merged)
             .map_err(option_error)
             .or_raise();
         check_target(client, &endpoint, &parsed)?;

@@ -344,6 +344,16 @@ impl ChannelOptions {
         Ok(o)
     }
 
+    /// [`ChannelOptions::from_json`], and what is checked only when options are set, not
+    /// each time a worker reads them: that the `tls` certificates and key can be used.
+    pub fn from_json_checked(v: &Value) -> Result<ChannelOptions, OptionError> {
+        let o = ChannelOptions::from_json(v)?;
+        if let Some(tls) = &o.tls {
+            tls.check()?;
+        }
+        Ok(o)
+    }
+
     /// Sets one option (not null) from its JSON value, validated.
     fn set(&mut self, key: &str, value: &Value) -> Result<(), OptionError> {
         let o = self;

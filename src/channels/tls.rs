@@ -89,13 +89,13 @@ impl TlsOptions {
             }
             _ => {}
         }
-        tls.check()?;
         Ok(tls)
     }
 
     /// Builds a client with these certificates alone (no system roots): every certificate
-    /// must parse as a trust anchor, and the key must go with a certificate.
-    fn check(&self) -> Result<(), OptionError> {
+    /// must parse as a trust anchor, and the key must go with a certificate. Done when the
+    /// option is set (`create_channel`, `alter_channel`), not each time a worker reads it.
+    pub fn check(&self) -> Result<(), OptionError> {
         let builder = reqwest::Client::builder().tls_built_in_root_certs(false);
         let builder = self.apply(builder)?;
         builder
@@ -208,8 +208,14 @@ mod tests {
     const CLIENT: &str = include_str!("testdata/unit_client.pem");
     const CLIENT_KEY: &str = include_str!("testdata/unit_client.key");
 
+    fn parse_and_check(v: &Value) -> Result<TlsOptions, OptionError> {
+        let t = TlsOptions::from_json(v)?;
+        t.check()?;
+        Ok(t)
+    }
+
     fn err(v: Value) -> OptionError {
-        TlsOptions::from_json(&v).unwrap_err()
+        parse_and_check(&v).unwrap_err()
     }
 
     #[test]
@@ -248,7 +254,7 @@ mod tests {
 
     #[test]
     fn a_ca_and_a_client_certificate_are_accepted() {
-        let t = TlsOptions::from_json(&json!({
+        let t = parse_and_check(&json!({
             "ca_pem": CA, "client_cert_pem": CLIENT, "client_key_pem": CLIENT_KEY
         }))
         .unwrap();
@@ -256,7 +262,7 @@ mod tests {
         assert_eq!(TlsOptions::from_json(&t.to_json()).unwrap(), t);
         // A bundle of two roots.
         let bundle = format!("{CA}\n{CA}");
-        assert!(TlsOptions::from_json(&json!({ "ca_pem": bundle })).is_ok());
+        assert!(parse_and_check(&json!({ "ca_pem": bundle })).is_ok());
     }
 
     #[test]

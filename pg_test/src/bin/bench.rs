@@ -467,7 +467,9 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
             let before = outbox_e2e::tls_front::TlsFront::count(&front.counters().handshakes);
             rates[i].push(throughput_at(cluster, backlog, options, *endpoint).rate);
             if *label == "https" {
-                handshakes.push(outbox_e2e::tls_front::TlsFront::count(&front.counters().handshakes) - before);
+                handshakes.push(
+                    outbox_e2e::tls_front::TlsFront::count(&front.counters().handshakes) - before,
+                );
             }
         }
     }
@@ -477,14 +479,22 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
     };
     let base = median(&mut rates[0].clone());
     for ((label, _, _), rates) in lanes.iter().zip(rates.iter_mut()) {
-        let shown = rates.iter().map(|r| format!("{r:.0}")).collect::<Vec<_>>().join(" / ");
+        let shown = rates
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(" / ");
         let m = median(rates);
         println!(
             "deliveries_per_s_backlog_{backlog}_{label} {m:.0} msg/s ({:.3}x plain HTTP; drains: {shown})",
             m / base
         );
     }
-    let shown = handshakes.iter().map(u64::to_string).collect::<Vec<_>>().join(" / ");
+    let shown = handshakes
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(" / ");
     println!("tls_handshakes_per_https_drain_of_{backlog} {shown} (connections reused)");
 }
 

@@ -454,7 +454,7 @@ impl Pools {
             ])),
             "run_as" => json!(rng.pick(&["postgres", "outbox_worker", "no_such_role", ""])),
             "tls" => {
-                let pem = |rng: &mut Rng| match rng.below(5) {
+                let mut pem = |rng: &mut Rng| match rng.below(5) {
                     0 => json!("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"),
                     1 => json!("-----BEGIN PRIVATE KEY-----\n!!\n-----END PRIVATE KEY-----\n"),
                     2 => json!("not pem"),
