@@ -948,6 +948,46 @@ mod tests {
     }
 
     #[test]
+    fn webhook_options_round_trip_and_are_http_only() {
+        let o = ChannelOptions::from_json(&json!({
+            "signing": {"secrets": ["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"]},
+            "rate_limit": {"per_second": 100, "burst": 20},
+            "circuit": {"open_after": 5, "open_ms": 30000},
+            "tls": {}
+        }))
+        .unwrap();
+        assert_eq!(o.rate_limit.unwrap().per_second, 100);
+        assert_eq!(o.circuit.unwrap().open_ms, 30000);
+        assert!(o.signing.is_some() && o.tls.is_some());
+        assert_eq!(ChannelOptions::from_json(&o.to_json()).unwrap(), o);
+        assert_eq!(
+            ChannelOptions::from_json(&json!({})).unwrap().to_json()["circuit"],
+            Value::Null
+        );
+        for (key, value) in [
+            (
+                "signing",
+                json!({"secrets": ["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"]}),
+            ),
+            ("tls", json!({})),
+            ("rate_limit", json!({"per_second": 1})),
+            ("circuit", json!({"open_after": 1, "open_ms": 1})),
+        ] {
+            let mut v = json!({"kind": "sql", "function": "app.f", "run_as": "r"});
+            v[key] = value;
+            assert_eq!(err(v).option, key, "{key} is an http option");
+        }
+        assert_eq!(
+            err(json!({"rate_limit": {"per_second": 0}})).option,
+            "rate_limit.per_second"
+        );
+        assert_eq!(
+            err(json!({"circuit": {"open_after": 1}})).option,
+            "circuit.open_ms"
+        );
+    }
+
+    #[test]
     fn rejections_name_the_option() {
         assert_eq!(err(json!({"colour": 1})).option, "colour");
         assert_eq!(err(json!({"kind": "smtp"})).option, "kind");

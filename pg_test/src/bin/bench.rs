@@ -461,11 +461,19 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
         ("https", &https, &over_https),
     ];
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); lanes.len()];
+    let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); lanes.len()];
     let mut handshakes = Vec::new();
-    for _ in 0..rounds {
-        for (i, (label, options, endpoint)) in lanes.iter().enumerate() {
+    let mut c = cluster.connect();
+    for round in 0..rounds {
+        // Each round starts with another lane, so that a slow stretch of the machine does
+        // not always fall on the same one.
+        for k in 0..lanes.len() {
+            let i = (k + round) % lanes.len();
+            let (label, options, endpoint) = &lanes[i];
             let before = outbox_e2e::tls_front::TlsFront::count(&front.counters().handshakes);
+            let cpu_before = workers_cpu_ms(&mut c);
             rates[i].push(throughput_at(cluster, backlog, options, *endpoint).rate);
+            cpu[i].push((workers_cpu_ms(&mut c) - cpu_before) * 1000.0 / backlog as f64);
             if *label == "https" {
                 handshakes.push(
                     outbox_e2e::tls_front::TlsFront::count(&front.counters().handshakes) - before,
@@ -490,12 +498,49 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
             m / base
         );
     }
+    let base_cpu = median(&mut cpu[0].clone());
+    for ((label, _, _), cpu) in lanes.iter().zip(cpu.iter_mut()) {
+        let shown = cpu
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(" / ");
+        let m = median(cpu);
+        println!(
+            "worker_cpu_ms_per_1000_{label} {m:.0} ms ({:.3}x plain HTTP; drains: {shown})",
+            m / base_cpu
+        );
+    }
     let shown = handshakes
         .iter()
         .map(u64::to_string)
         .collect::<Vec<_>>()
         .join(" / ");
     println!("tls_handshakes_per_https_drain_of_{backlog} {shown} (connections reused)");
+}
+
+/// CPU time (user and system) the delivery workers have used, in ms, from /proc (clock
+/// ticks of 10 ms, the Linux default): less disturbed by a busy machine than a rate.
+fn workers_cpu_ms(c: &mut Client) -> f64 {
+    let pids: Vec<i32> = c
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_delivery worker'",
+            &[],
+        )
+        .map(|rows| rows.iter().map(|r| r.get(0)).collect())
+        .unwrap_or_default();
+    pids.iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+        .filter_map(|stat| {
+            let fields: Vec<f64> = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .map(|f| f.parse().unwrap_or(0.0))
+                .collect();
+            Some((fields.get(11)? + fields.get(12)?) * 10.0)
+        })
+        .sum()
 }
 
 fn main() {
