@@ -120,9 +120,18 @@ SELECT 'uncertain', c.name, 'critical', count(*)::numeric,
  WHERE m.state = 'uncertain'
    AND (NOT outbox._can_look_up(c.options)
         OR u.since < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_uncertain_age_s', 300)))
- GROUP BY c.name;
+ GROUP BY c.name
+UNION ALL
+-- A channel whose circuit is open (or half open, probing): value = seconds in that state.
+SELECT 'circuit_open', c.name, 'critical',
+       round(extract(epoch FROM pg_catalog.now() - f.circuit_since), 3)::numeric, 0::numeric,
+       f.circuit_since
+  FROM outbox._channel_flow f
+  JOIN outbox._channels c ON c.id = f.channel_id
+ WHERE f.circuit_state IN ('open', 'half_open')
+   AND jsonb_typeof(c.options -> 'circuit') = 'object';
 COMMENT ON VIEW outbox.alerts IS
-    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can). since = when it began.';
+    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can), a channel whose circuit is open. since = when it began.';
 
 CREATE FUNCTION outbox._prom_label(v text) RETURNS text
 LANGUAGE sql IMMUTABLE
@@ -144,7 +153,8 @@ families(ord, name, kind, help) AS (VALUES
     (7, 'outbox_error_streak', 'gauge', 'Consecutive failed attempts on a channel.'),
     (8, 'outbox_success_rate_5m', 'gauge', 'Share of attempts in the last 5 minutes that delivered.'),
     (9, 'outbox_alert', 'gauge', 'Active alerts (1 per alert).'),
-    (10, 'outbox_worker_up', 'gauge', 'Delivery workers running.')
+    (10, 'outbox_worker_up', 'gauge', 'Delivery workers running.'),
+    (11, 'outbox_queued', 'gauge', 'Queued messages of a channel (outbox_messages with state queued).')
 ),
 samples(ord, line) AS (
     SELECT 1, format('outbox_messages{channel="%s",state="%s"} %s', outbox._prom_label(m.channel), s.state, s.n)
@@ -170,6 +180,8 @@ samples(ord, line) AS (
       FROM outbox.alerts a
     UNION ALL
     SELECT 10, format('outbox_worker_up %s', count(*)) FROM outbox.worker_status() w WHERE w.pid IS NOT NULL
+    UNION ALL
+    SELECT 11, format('outbox_queued{channel="%s"} %s', outbox._prom_label(m.channel), m.queued) FROM m
 )
 SELECT string_agg(x.line, E'\n' ORDER BY x.ord, x.sub, x.line) || E'\n'
   FROM (SELECT f.ord, 0 AS sub, format('# HELP %s %s', f.name, f.help) AS line FROM families f

@@ -308,6 +308,48 @@ BEGIN
 END
 $fn$;
 
+-- Flow control of a channel, shared by every worker of the database: the token bucket of
+-- its rate_limit, a Retry-After that holds the whole channel back, and its circuit
+-- (src/channels/rate_limit.rs, src/channels/circuit.rs, src/worker/flow.rs). A row exists
+-- for a channel with rate_limit or circuit once a worker has claimed for it.
+CREATE TABLE outbox._channel_flow (
+    channel_id     integer          NOT NULL PRIMARY KEY
+                                    REFERENCES outbox._channels (id) ON DELETE CASCADE,
+    tokens         double precision NOT NULL DEFAULT 0,
+    tokens_at      timestamptz      NOT NULL DEFAULT now(),
+    hold_until     timestamptz,
+    circuit_state  text             NOT NULL DEFAULT 'closed',
+    circuit_since  timestamptz,
+    circuit_streak integer          NOT NULL DEFAULT 0,
+    probe_until    timestamptz,
+    CONSTRAINT circuit_state_known CHECK (circuit_state IN ('closed', 'open', 'half_open'))
+);
+COMMENT ON TABLE outbox._channel_flow IS 'Rate limit tokens, channel-wide Retry-After and circuit state per channel (private; see outbox.channels).';
+SELECT pg_catalog.pg_extension_config_dump('outbox._channel_flow', '');
+REVOKE ALL ON outbox._channel_flow FROM PUBLIC;
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox._channel_flow TO outbox_worker;
+
+-- outbox.channels shows the circuit.
+CREATE OR REPLACE VIEW outbox.channels AS
+SELECT c.id,
+       c.name,
+       outbox._masked_url(c.endpoint) AS endpoint,
+       outbox._masked_options(c.options) AS options,
+       c.paused,
+       c.paused_reason,
+       c.paused_at,
+       c.created_at,
+       c.updated_at,
+       outbox._in_flight_bound(c.options) AS in_flight_bound,
+       outbox._in_flight_reason(c.options) AS in_flight_reason,
+       CASE WHEN jsonb_typeof(c.options -> 'circuit') = 'object'
+            THEN coalesce(f.circuit_state, 'closed') END AS circuit_state,
+       f.circuit_since
+  FROM outbox._channels c
+  LEFT JOIN outbox._channel_flow f ON f.channel_id = c.id
+ WHERE outbox._channel_visible(c.options -> 'tenants');
+
+-- outbox.alerts raises circuit_open.
 CREATE OR REPLACE VIEW outbox.alerts AS
 SELECT 'queue_age'::text AS alert,
        m.channel,
@@ -347,8 +389,76 @@ SELECT 'uncertain', c.name, 'critical', count(*)::numeric,
  WHERE m.state = 'uncertain'
    AND (NOT outbox._can_look_up(c.options)
         OR u.since < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_uncertain_age_s', 300)))
- GROUP BY c.name;
+ GROUP BY c.name
+UNION ALL
+-- A channel whose circuit is open (or half open, probing): value = seconds in that state.
+SELECT 'circuit_open', c.name, 'critical',
+       round(extract(epoch FROM pg_catalog.now() - f.circuit_since), 3)::numeric, 0::numeric,
+       f.circuit_since
+  FROM outbox._channel_flow f
+  JOIN outbox._channels c ON c.id = f.channel_id
+ WHERE f.circuit_state IN ('open', 'half_open')
+   AND jsonb_typeof(c.options -> 'circuit') = 'object';
+COMMENT ON VIEW outbox.alerts IS
+    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can), a channel whose circuit is open. since = when it began.';
 
 -- worker_status() answers for the database it is called in (outbox.database lists several).
 COMMENT ON FUNCTION outbox.worker_status() IS
     'One row per delivery worker of the current database: pid, database, state, last loop, in-flight requests and totals since the server started.';
+
+
+-- outbox.prometheus() gains outbox_queued (what /metrics serves, src/metrics_server.rs).
+CREATE OR REPLACE FUNCTION outbox.prometheus() RETURNS text
+LANGUAGE sql STABLE
+AS $fn$
+WITH m AS (SELECT * FROM outbox.metrics WHERE scope = 'channel'),
+families(ord, name, kind, help) AS (VALUES
+    (1, 'outbox_messages', 'gauge', 'Messages by channel and state.'),
+    (2, 'outbox_oldest_queued_age_seconds', 'gauge', 'How long the oldest due queued message of a channel has waited.'),
+    (3, 'outbox_delivered_total', 'counter', 'Messages confirmed delivered (by a 2xx or by reconcile).'),
+    (4, 'outbox_attempts_failed_total', 'counter', 'Attempts that did not deliver.'),
+    (5, 'outbox_exhausted_total', 'counter', 'Messages whose retry budget ran out.'),
+    (6, 'outbox_failed_total', 'counter', 'Messages that failed permanently.'),
+    (7, 'outbox_error_streak', 'gauge', 'Consecutive failed attempts on a channel.'),
+    (8, 'outbox_success_rate_5m', 'gauge', 'Share of attempts in the last 5 minutes that delivered.'),
+    (9, 'outbox_alert', 'gauge', 'Active alerts (1 per alert).'),
+    (10, 'outbox_worker_up', 'gauge', 'Delivery workers running.'),
+    (11, 'outbox_queued', 'gauge', 'Queued messages of a channel (outbox_messages with state queued).')
+),
+samples(ord, line) AS (
+    SELECT 1, format('outbox_messages{channel="%s",state="%s"} %s', outbox._prom_label(m.channel), s.state, s.n)
+      FROM m CROSS JOIN LATERAL (VALUES ('queued', m.queued), ('sending', m.sending), ('uncertain', m.uncertain),
+                                        ('exhausted', m.exhausted), ('failed', m.failed)) AS s(state, n)
+    UNION ALL
+    SELECT 2, format('outbox_oldest_queued_age_seconds{channel="%s"} %s', outbox._prom_label(m.channel), coalesce(m.oldest_queued_age_s, 0)) FROM m
+    UNION ALL
+    SELECT 3, format('outbox_delivered_total{channel="%s"} %s', outbox._prom_label(m.channel), m.delivered_total) FROM m
+    UNION ALL
+    SELECT 4, format('outbox_attempts_failed_total{channel="%s"} %s', outbox._prom_label(m.channel), m.attempts_failed_total) FROM m
+    UNION ALL
+    SELECT 5, format('outbox_exhausted_total{channel="%s"} %s', outbox._prom_label(m.channel), m.exhausted_total) FROM m
+    UNION ALL
+    SELECT 6, format('outbox_failed_total{channel="%s"} %s', outbox._prom_label(m.channel), m.failed_total) FROM m
+    UNION ALL
+    SELECT 7, format('outbox_error_streak{channel="%s"} %s', outbox._prom_label(m.channel), m.error_streak) FROM m
+    UNION ALL
+    SELECT 8, format('outbox_success_rate_5m{channel="%s"} %s', outbox._prom_label(m.channel), m.success_rate_5m)
+      FROM m WHERE m.success_rate_5m IS NOT NULL
+    UNION ALL
+    SELECT 9, format('outbox_alert{alert="%s",channel="%s",severity="%s"} 1', a.alert, outbox._prom_label(a.channel), a.severity)
+      FROM outbox.alerts a
+    UNION ALL
+    SELECT 10, format('outbox_worker_up %s', count(*)) FROM outbox.worker_status() w WHERE w.pid IS NOT NULL
+    UNION ALL
+    SELECT 11, format('outbox_queued{channel="%s"} %s', outbox._prom_label(m.channel), m.queued) FROM m
+)
+SELECT string_agg(x.line, E'\n' ORDER BY x.ord, x.sub, x.line) || E'\n'
+  FROM (SELECT f.ord, 0 AS sub, format('# HELP %s %s', f.name, f.help) AS line FROM families f
+        UNION ALL
+        SELECT f.ord, 1, format('# TYPE %s %s', f.name, f.kind) FROM families f
+        UNION ALL
+        SELECT s.ord, 2, s.line FROM samples s) x
+$fn$;
+COMMENT ON FUNCTION outbox.prometheus() IS
+    'Prometheus text exposition of outbox.metrics, outbox.alerts and the workers; *_total counters are kept in the database and only grow across restarts.';
+

@@ -73,7 +73,7 @@ GRANT EXECUTE ON FUNCTION outbox.prometheus(), outbox.worker_status() TO pg_moni
 GRANT SELECT ON outbox._channels TO outbox_worker;
 GRANT SELECT, INSERT, UPDATE, DELETE ON
     outbox._messages, outbox._attempts, outbox._ledger, outbox._operator_log,
-    outbox._channel_stats, outbox._channel_minutes
+    outbox._channel_stats, outbox._channel_minutes, outbox._channel_flow
     TO outbox_worker;
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text), outbox._epoch_ms(timestamptz) TO outbox_worker;

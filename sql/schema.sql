@@ -42,6 +42,24 @@ CREATE TRIGGER _channels_changed
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox._channels
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._config_changed();
 
+-- Flow control of a channel, shared by every worker of the database: the token bucket of
+-- its rate_limit, a Retry-After that holds the whole channel back, and its circuit
+-- (src/channels/rate_limit.rs, src/channels/circuit.rs, src/worker/flow.rs). A row exists
+-- for a channel with rate_limit or circuit once a worker has claimed for it.
+CREATE TABLE outbox._channel_flow (
+    channel_id     integer          NOT NULL PRIMARY KEY
+                                    REFERENCES outbox._channels (id) ON DELETE CASCADE,
+    tokens         double precision NOT NULL DEFAULT 0,
+    tokens_at      timestamptz      NOT NULL DEFAULT now(),
+    hold_until     timestamptz,
+    circuit_state  text             NOT NULL DEFAULT 'closed',
+    circuit_since  timestamptz,
+    circuit_streak integer          NOT NULL DEFAULT 0,
+    probe_until    timestamptz,
+    CONSTRAINT circuit_state_known CHECK (circuit_state IN ('closed', 'open', 'half_open'))
+);
+COMMENT ON TABLE outbox._channel_flow IS 'Rate limit tokens, channel-wide Retry-After and circuit state per channel (private; see outbox.channels).';
+
 -- Messages: one row per side effect. (tenant, effect_key) is unique: the same effect
 -- enqueued twice yields the same message.
 CREATE SEQUENCE outbox._messages_id_seq AS bigint;
@@ -157,6 +175,7 @@ COMMENT ON TABLE outbox._operator_log IS 'Audit log of operator actions and chan
 
 SELECT pg_catalog.pg_extension_config_dump('outbox._channels', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._channels_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._channel_flow', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._messages', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._messages_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._attempts', '');

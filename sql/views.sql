@@ -28,8 +28,12 @@ SELECT c.id,
        c.created_at,
        c.updated_at,
        outbox._in_flight_bound(c.options) AS in_flight_bound,
-       outbox._in_flight_reason(c.options) AS in_flight_reason
+       outbox._in_flight_reason(c.options) AS in_flight_reason,
+       CASE WHEN jsonb_typeof(c.options -> 'circuit') = 'object'
+            THEN coalesce(f.circuit_state, 'closed') END AS circuit_state,
+       f.circuit_since
   FROM outbox._channels c
+  LEFT JOIN outbox._channel_flow f ON f.channel_id = c.id
  WHERE outbox._channel_visible(c.options -> 'tenants');
 COMMENT ON VIEW outbox.channels IS
     'Delivery channels with their effective options, as far as the reader may use them; static header values and URL userinfo, query values and fragments are masked.';

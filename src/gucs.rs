@@ -59,6 +59,7 @@ static WORKER_ROLE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox_worker"));
 static TENANT: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 static ALLOWED_HOSTS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"*"));
+static METRICS_ADDRESS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
 pub fn init() {
     // Postmaster settings can only be defined while shared_preload_libraries is processed;
@@ -71,6 +72,14 @@ pub fn init() {
 }
 
 fn define_postmaster_settings() {
+    GucRegistry::define_string_guc(
+        c"outbox.metrics_address",
+        c"Address (host:port) where a worker of its own serves GET /metrics; empty: none.",
+        c"The text of outbox.prometheus() of every database served, with a database label (src/metrics_server.rs).",
+        &METRICS_ADDRESS,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
     GucRegistry::define_string_guc(
         c"outbox.database",
         c"Databases the delivery workers serve: a comma-separated list.",
@@ -232,6 +241,14 @@ pub fn database() -> String {
         .get()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "postgres".to_string())
+}
+
+/// `outbox.metrics_address`; empty when unset.
+pub fn metrics_address() -> String {
+    METRICS_ADDRESS
+        .get()
+        .map(|s| s.to_string_lossy().trim().to_string())
+        .unwrap_or_default()
 }
 
 pub fn workers() -> usize {

@@ -11,6 +11,9 @@
 //! - [`releases`]: packages, released versions built from their commits, private copies of
 //!   PostgreSQL to install them into, and clusters on those copies.
 //! - [`pooler`]: PgBouncer in transaction mode in front of the cluster, as applications reach it.
+//! - [`test_ca`], [`tls_front`]: certificates made at test time and HTTPS in front of the
+//!   simulator (a private CA, mutual TLS).
+//! - [`webhook_verify`]: a receiver's check of Standard Webhooks signatures.
 //! - [`schema_dump`]: the extension's schema as comparable text (fresh install vs upgrade).
 
 pub mod cluster;
@@ -20,3 +23,6 @@ pub mod pooler;
 pub mod releases;
 pub mod schema_dump;
 pub mod sim;
+pub mod test_ca;
+pub mod tls_front;
+pub mod webhook_verify;

@@ -272,7 +272,7 @@ fn create_channel(name: Option<&str>, endpoint: Option<&str>, options: Option<&s
     let name = required("name", name);
     let endpoint = required("endpoint", endpoint);
     let options = options_argument(options).unwrap_or_else(|| Value::Object(Default::default()));
-    let mut parsed = ChannelOptions::from_json(&options)
+    let mut parsed = ChannelOptions::from_json_checked(&options)
         .map_err(option_error)
         .or_raise();
 
@@ -355,7 +355,7 @@ fn alter_channel(name: Option<&str>, options: Option<&str>) {
         let merged = ChannelOptions::merge(&current_options, &changes)
             .map_err(option_error)
             .or_raise();
-        let mut parsed = ChannelOptions::from_json(&merged)
+        let mut parsed = ChannelOptions::from_json_checked(&merged)
             .map_err(option_error)
             .or_raise();
         check_target(client, &endpoint, &parsed)?;

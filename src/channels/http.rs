@@ -234,15 +234,21 @@ impl Transport {
                 return Ok(c.clone());
             }
         }
-        let client = guarded_client(
+        let mut builder = guarded_client(
             self.allowed.clone(),
             Duration::from_millis(options.connect_timeout_ms),
-        )
-        .pool_max_idle_per_host((options.max_in_flight as usize).min(batch_size))
-        .pool_idle_timeout(Duration::from_secs(60))
-        .tcp_nodelay(true)
-        .build()
-        .map_err(|e| format!("HTTP client could not be built: {e}"))?;
+        );
+        if let Some(tls) = &options.tls {
+            builder = tls
+                .apply(builder)
+                .map_err(|e| format!("channel option \"{}\": {}", e.option, e.message))?;
+        }
+        let client = builder
+            .pool_max_idle_per_host((options.max_in_flight as usize).min(batch_size))
+            .pool_idle_timeout(Duration::from_secs(60))
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| format!("HTTP client could not be built: {e}"))?;
         self.clients
             .insert(channel_id, (version.to_string(), client.clone()));
         Ok(client)
@@ -407,6 +413,9 @@ fn failure_phase(e: &reqwest::Error) -> (Phase, bool) {
             Phase::Connect
         };
         return (phase, timed_out);
+    }
+    if super::tls::refused_handshake(&error_chain(e)) {
+        return (Phase::Tls, timed_out);
     }
     if e.is_body() || e.is_decode() {
         return (Phase::Read, timed_out);

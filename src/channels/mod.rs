@@ -5,6 +5,7 @@
 //! `sql_effect` runs a `sql` channel's function in the record transaction.
 
 pub mod admin;
+pub mod circuit;
 pub mod guard;
 pub mod http;
 pub mod json_pointer;
@@ -16,6 +17,9 @@ pub mod nats_subject;
 pub mod nats_window;
 pub mod options;
 pub mod remote;
+pub mod rate_limit;
 pub mod request;
 pub mod secrets;
+pub mod signing;
 pub mod sql_effect;
+pub mod tls;

@@ -57,6 +57,14 @@ pub struct ChannelOptions {
     /// Most bytes of a response body the worker reads (for the external id); the rest of a
     /// longer body is not read.
     pub max_response_bytes: u64,
+    /// Standard Webhooks signatures on every request (`signing`).
+    pub signing: Option<super::signing::Signing>,
+    /// Extra roots and a client certificate (`tls`).
+    pub tls: Option<super::tls::TlsOptions>,
+    /// Sends per second, all workers together (`rate_limit`).
+    pub rate_limit: Option<super::rate_limit::RateLimit>,
+    /// Circuit breaking (`circuit`).
+    pub circuit: Option<super::circuit::CircuitOptions>,
 }
 
 /// Attempts open at once on a channel unless its `max_in_flight` says otherwise.
@@ -139,6 +147,10 @@ const HTTP_ONLY: &[&str] = &[
     "external_id",
     "reconcile",
     "classify",
+    "signing",
+    "tls",
+    "rate_limit",
+    "circuit",
 ];
 
 /// A rejected option, named by its path (e.g. `retry.base_ms`).
@@ -180,6 +192,10 @@ const KNOWN_KEYS: &[&str] = &[
     "stream",
     "auth",
     "duplicate_window_ms",
+    "signing",
+    "tls",
+    "rate_limit",
+    "circuit",
 ];
 
 const METHODS: &[&str] = &["POST", "PUT", "PATCH", "GET", "DELETE"];
@@ -203,6 +219,10 @@ impl Default for ChannelOptions {
             max_unverifiable_in_flight: DEFAULT_MAX_UNVERIFIABLE_IN_FLIGHT,
             tenants: vec!["*".into()],
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            signing: None,
+            tls: None,
+            rate_limit: None,
+            circuit: None,
         }
     }
 }
@@ -345,6 +365,16 @@ impl ChannelOptions {
         Ok(o)
     }
 
+    /// [`ChannelOptions::from_json`], and what is checked only when options are set, not
+    /// each time a worker reads them: that the `tls` certificates and key can be used.
+    pub fn from_json_checked(v: &Value) -> Result<ChannelOptions, OptionError> {
+        let o = ChannelOptions::from_json(v)?;
+        if let Some(tls) = &o.tls {
+            tls.check()?;
+        }
+        Ok(o)
+    }
+
     /// Sets one option (not null) from its JSON value, validated.
     fn set(&mut self, key: &str, value: &Value) -> Result<(), OptionError> {
         let o = self;
@@ -427,6 +457,10 @@ impl ChannelOptions {
             "max_response_bytes" => {
                 o.max_response_bytes = positive_int(key, value, MAX_RESPONSE_BYTES)?
             }
+            "signing" => o.signing = Some(super::signing::Signing::from_json(value)?),
+            "tls" => o.tls = Some(super::tls::TlsOptions::from_json(value)?),
+            "rate_limit" => o.rate_limit = Some(super::rate_limit::RateLimit::from_json(value)?),
+            "circuit" => o.circuit = Some(super::circuit::CircuitOptions::from_json(value)?),
             _ => unreachable!("unknown keys were rejected above"),
         }
         Ok(())
@@ -484,6 +518,10 @@ impl ChannelOptions {
             "max_unverifiable_in_flight": self.max_unverifiable_in_flight,
             "tenants": self.tenants,
             "max_response_bytes": self.max_response_bytes,
+            "signing": self.signing.as_ref().map(|s| s.to_json()),
+            "tls": self.tls.as_ref().map(|t| t.to_json()),
+            "rate_limit": self.rate_limit.as_ref().map(|r| r.to_json()),
+            "circuit": self.circuit.as_ref().map(|c| c.to_json()),
         })
     }
 
@@ -973,6 +1011,46 @@ mod tests {
         assert_eq!(o.retry.max_attempts, 3);
         let again = ChannelOptions::from_json(&o.to_json()).unwrap();
         assert_eq!(o, again);
+    }
+
+    #[test]
+    fn webhook_options_round_trip_and_are_http_only() {
+        let o = ChannelOptions::from_json(&json!({
+            "signing": {"secrets": ["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"]},
+            "rate_limit": {"per_second": 100, "burst": 20},
+            "circuit": {"open_after": 5, "open_ms": 30000},
+            "tls": {}
+        }))
+        .unwrap();
+        assert_eq!(o.rate_limit.unwrap().per_second, 100);
+        assert_eq!(o.circuit.unwrap().open_ms, 30000);
+        assert!(o.signing.is_some() && o.tls.is_some());
+        assert_eq!(ChannelOptions::from_json(&o.to_json()).unwrap(), o);
+        assert_eq!(
+            ChannelOptions::from_json(&json!({})).unwrap().to_json()["circuit"],
+            Value::Null
+        );
+        for (key, value) in [
+            (
+                "signing",
+                json!({"secrets": ["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"]}),
+            ),
+            ("tls", json!({})),
+            ("rate_limit", json!({"per_second": 1})),
+            ("circuit", json!({"open_after": 1, "open_ms": 1})),
+        ] {
+            let mut v = json!({"kind": "sql", "function": "app.f", "run_as": "r"});
+            v[key] = value;
+            assert_eq!(err(v).option, key, "{key} is an http option");
+        }
+        assert_eq!(
+            err(json!({"rate_limit": {"per_second": 0}})).option,
+            "rate_limit.per_second"
+        );
+        assert_eq!(
+            err(json!({"circuit": {"open_after": 1}})).option,
+            "circuit.open_ms"
+        );
     }
 
     #[test]

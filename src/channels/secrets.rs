@@ -1,4 +1,5 @@
-//! What of a channel is secret, and how it is shown: static header values, and the
+//! What of a channel is secret, and how it is shown: static header values, signing secrets,
+//! the private key of a TLS client certificate, and the
 //! userinfo, query values and fragment of its URLs (the endpoint and the reconcile URL), where
 //! providers put API keys (`https://user:pass@…`, `…/hook?api_key=…`).
 //!
@@ -104,6 +105,15 @@ pub fn mask_options(options: &Value) -> Value {
     if let Some(Value::String(url)) = v.get_mut("reconcile").and_then(|r| r.get_mut("url")) {
         *url = mask_url(url);
     }
+    if let Some(Value::Array(secrets)) = v.get_mut("signing").and_then(|s| s.get_mut("secrets")) {
+        for secret in secrets.iter_mut() {
+            *secret = Value::String(MASK.into());
+        }
+    }
+    if let Some(key @ Value::String(_)) = v.get_mut("tls").and_then(|t| t.get_mut("client_key_pem"))
+    {
+        *key = Value::String(MASK.into());
+    }
     v
 }
 
@@ -197,6 +207,18 @@ mod tests {
             "http://h/m/{effect_key}?token=********"
         );
         assert_eq!(masked["max_in_flight"], 3);
+        let options = json!({
+            "signing": {"scheme": "standard-webhooks", "secrets": ["whsec_SECRET1", "whsec_SECRET2"]},
+            "tls": {"ca_pem": "-----BEGIN CERTIFICATE-----", "client_key_pem": "SECRET"}
+        });
+        let masked = mask_options(&options);
+        assert!(!masked.to_string().contains("SECRET"), "{masked}");
+        assert_eq!(
+            masked["signing"]["secrets"],
+            json!(["********", "********"])
+        );
+        assert_eq!(masked["signing"]["scheme"], "standard-webhooks");
+        assert_eq!(masked["tls"]["ca_pem"], "-----BEGIN CERTIFICATE-----");
         assert_eq!(
             mask_options(&json!({"kind": "sql"})),
             json!({"kind": "sql"})

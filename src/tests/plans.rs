@@ -74,7 +74,11 @@ fn the_worker_plans_bounded_scans_of_the_message_table_at_a_backlog() {
     Spi::run("ANALYZE outbox._channels").unwrap();
 
     let statements = [
-        (&crate::worker::claim::CLAIM_DUE, "int4, float8, int4, int4, int4[], int8[], int8[]", "200, 60000, 0, 1, '{1}', '{0}', '{1}'"),
+        (
+            &crate::worker::claim::CLAIM_DUE,
+            "int4, float8, int4, int4, int4[], int8[], int8[], int4[], int4[]",
+            "200, 60000, 0, 1, '{1}', '{0}', '{1}', '{2}', '{5}'",
+        ),
         (&crate::worker::claim::NEXT_DUE, "", ""),
         (
             &crate::worker::record::CLOSE_DELIVERED_ATTEMPTS,

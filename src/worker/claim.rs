@@ -29,14 +29,17 @@ WITH ch AS (
            -- dedupe nor be asked (sql/channels.sql). An option changed by hand into no
            -- number counts as the default; the worker then fails that channel's messages
            -- readably.
-           greatest(0, outbox._in_flight_bound(c.options)
-                       - (SELECT count(*) FROM outbox._messages s
-                           WHERE s.channel_id = c.id AND s.state = 'sending'))::int AS room,
+           -- At most the cap of its rate limit or circuit ($8, $9; src/worker/flow.rs).
+           greatest(0, least(outbox._in_flight_bound(c.options)
+                             - (SELECT count(*) FROM outbox._messages s
+                                 WHERE s.channel_id = c.id AND s.state = 'sending'),
+                             coalesce(g.cap, 2147483647)))::int AS room,
            coalesce(timestamptz 'epoch' + f.due_at_us * interval '1 microsecond', '-infinity') AS floor_at,
            coalesce(f.id, 0) AS floor_id
       FROM outbox._channels c
       LEFT JOIN unnest($5::int4[], $6::int8[], $7::int8[]) AS f(channel_id, due_at_us, id)
              ON f.channel_id = c.id
+      LEFT JOIN unnest($8::int4[], $9::int4[]) AS g(channel_id, cap) ON g.channel_id = c.id
      WHERE NOT c.paused
 ), ready AS (
     SELECT ch.id, ch.room, ch.floor_at, ch.floor_id, count(*) OVER () AS sharing
@@ -114,8 +117,20 @@ pub(crate) static NEXT_DUE: Statement = Statement::planned_once(
 SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infinity'), now()),
                                  now() + interval '1 day')) * 1000)::int8
   FROM outbox._channels c
+  LEFT JOIN outbox._channel_flow f ON f.channel_id = c.id
   CROSS JOIN LATERAL (
-       SELECT m.next_attempt_at FROM outbox._messages m
+       -- Not before the channel's flow control lets it send (src/worker/flow.rs): the end
+       -- of a Retry-After hold, of an open circuit, of a probe out, the next token.
+       SELECT greatest(m.next_attempt_at, f.hold_until,
+                       CASE WHEN f.circuit_state = 'open'
+                            THEN f.circuit_since + outbox._option_int(c.options, '{circuit,open_ms}')
+                                                   * interval '1 millisecond' END,
+                       CASE WHEN f.circuit_state = 'half_open' THEN f.probe_until END,
+                       CASE WHEN f.tokens < 1 AND jsonb_typeof(c.options -> 'rate_limit') = 'object'
+                            THEN f.tokens_at + (1 - f.tokens) * 1000.0
+                                 / greatest(outbox._option_int(c.options, '{rate_limit,per_second}'), 1)
+                                 * interval '1 millisecond' END) AS next_attempt_at
+         FROM outbox._messages m
         WHERE m.channel_id = c.id AND m.state = 'queued'
         ORDER BY m.next_attempt_at LIMIT 1) n
  WHERE NOT c.paused",
@@ -247,6 +262,7 @@ pub fn claim_due(
     pid: i32,
     cursors: &mut ClaimCursors,
     now_ms: i64,
+    caps: &HashMap<i32, u32>,
 ) -> SpiResult<Vec<Job>> {
     spi::run(
         client,
@@ -256,9 +272,24 @@ pub fn claim_due(
     )?;
     let floors = cursors.floors(now_ms);
     let mut from_head = floors.is_empty();
-    let mut jobs = claim_from(client, batch_size, lease_ms, worker_index, pid, floors)?;
+    let mut jobs = claim_from(
+        client,
+        batch_size,
+        lease_ms,
+        worker_index,
+        pid,
+        floors,
+        caps,
+    )?;
     if !from_head && (jobs.len() as i32) < batch_size {
         let rest = batch_size - jobs.len() as i32;
+        let left: HashMap<i32, u32> = caps
+            .iter()
+            .map(|(id, cap)| {
+                let taken = jobs.iter().filter(|j| j.channel_id == *id).count() as u32;
+                (*id, cap.saturating_sub(taken))
+            })
+            .collect();
         jobs.extend(claim_from(
             client,
             rest,
@@ -266,6 +297,7 @@ pub fn claim_due(
             worker_index,
             pid,
             Floors::default(),
+            &left,
         )?);
         from_head = true;
     }
@@ -285,7 +317,12 @@ fn claim_from(
     worker_index: i32,
     pid: i32,
     floors: Floors,
+    caps: &HashMap<i32, u32>,
 ) -> SpiResult<Vec<Job>> {
+    let (cap_ids, cap_values): (Vec<i32>, Vec<i32>) = caps
+        .iter()
+        .map(|(id, cap)| (*id, (*cap).min(i32::MAX as u32) as i32))
+        .unzip();
     let rows = spi::run(
         client,
         &CLAIM_DUE,
@@ -298,6 +335,8 @@ fn claim_from(
             floors.channel_ids.into(),
             floors.due_at_us.into(),
             floors.ids.into(),
+            cap_ids.into(),
+            cap_values.into(),
         ],
     )?;
     let mut jobs = Vec::with_capacity(rows.len());

@@ -9,7 +9,7 @@ use super::decide;
 use super::record::{self, Outcomes, Tally};
 use super::send::{self, unusable_channel};
 use super::sweep::SweepClock;
-use super::{lease, recovery, retention, slots};
+use super::{flow, lease, recovery, retention, slots};
 use crate::channels::lookup::Lookup;
 use crate::channels::options::Kind;
 use crate::channels::remote::Remotes;
@@ -151,7 +151,8 @@ impl Worker {
         crash_if(FaultPoint::CrashAfterResponse, fault, &jobs);
 
         slots::update(self.index, |s| s.phase = slots::Phase::Recording);
-        self.record(&channels, &jobs, &effects, &mut outcomes, fault);
+        let sent_jobs: Vec<usize> = sent.iter().map(|(i, _)| *i).collect();
+        self.record(&channels, &jobs, &effects, &sent_jobs, &mut outcomes, fault);
         let delivered = outcomes.delivered.len() as i64;
         debug1!(
             "outbox_delivery worker {}: batch of {} recorded ({} delivered, {} other outcomes)",
@@ -199,6 +200,7 @@ impl Worker {
                         self.sweeps.swept(sweep_at, more);
                     }
                     let at = self.started.elapsed().as_millis() as i64;
+                    let gates = flow::gate(client, &channels, batch_size.max(0) as u32)?;
                     let jobs = claim::claim_due(
                         client,
                         batch_size,
@@ -207,7 +209,9 @@ impl Worker {
                         pid,
                         &mut self.cursors,
                         at,
+                        &gates.caps,
                     )?;
+                    flow::give_back(client, &channels, &gates, &jobs)?;
                     // Only an idle worker sleeps until the next due time; one that claimed claims again.
                     let next_due_ms = if jobs.is_empty() {
                         claim::next_due_ms(client)?
@@ -234,6 +238,7 @@ impl Worker {
         channels: &Channels,
         jobs: &[Job],
         effects: &[usize],
+        sent: &[usize],
         outcomes: &mut Outcomes,
         fault: FaultPoint,
     ) {
@@ -243,7 +248,8 @@ impl Worker {
             AssertUnwindSafe(|| {
                 Spi::connect_mut(|client| {
                     run_effects(client, channels, jobs, effects, jitter, outcomes)?;
-                    record::record(client, outcomes)
+                    record::record(client, outcomes)?;
+                    flow::after_batch(client, channels, jobs, sent, outcomes)
                 })
                 .unwrap_or_else(|e| panic!("outbox_delivery worker: record failed: {e}"));
                 crash_if(FaultPoint::CrashBeforeCommit, fault, jobs);

@@ -9,6 +9,7 @@ pub mod claim_cursor;
 pub mod cycle;
 pub mod decide;
 pub mod descriptors;
+pub mod flow;
 pub mod lease;
 pub mod record;
 pub mod recovery;

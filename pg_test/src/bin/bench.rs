@@ -21,9 +21,12 @@
 //!   comma-separated list, `outbox.database` the same): the drain of a backlog of N in the
 //!   first database alone, beside the drains of N in every database at once (their sum), in
 //!   R alternating rounds (`scripts/bench_databases.sh`).
+//! - with `--webhooks R`, only the drains of a plain HTTP channel, a signing one and one
+//!   over HTTPS (a test CA, connections reused): R alternating rounds
+//!   (`scripts/bench_webhooks.sh`).
 //!
 //!   bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--latency-samples 200]
-//!         [--price-of-safety 0] [--several-databases 0]
+//!         [--price-of-safety 0] [--several-databases 0] [--webhooks 0]
 
 use outbox_e2e::cluster::{unique, wait_until, Cluster};
 use outbox_e2e::sim::{Received, Simulator};
@@ -146,10 +149,67 @@ fn throughput(cluster: &Cluster, sim: &Simulator, n: usize) -> Drain {
 
 /// [`throughput`] on a channel with `options` (JSON text).
 fn throughput_on(cluster: &Cluster, sim: &Simulator, n: usize, options: &str) -> Drain {
+    throughput_at(cluster, n, options, &|ch| sim.send_url(ch))
+}
+
+/// As [`throughput_on`], to the endpoint `endpoint(channel)` (the simulator over HTTPS, say).
+fn throughput_at(
+    cluster: &Cluster,
+    n: usize,
+    options: &str,
+    endpoint: &dyn Fn(&str) -> String,
+) -> Drain {
     let mut c = cluster.connect();
-    let ch = load_paused(&mut c, sim, n, options);
+    let ch = unique("bench_tp");
+    c.execute(
+        "SELECT outbox.create_channel($1, $2, $3::text::jsonb)",
+        &[&ch, &endpoint(&ch), &options],
+    )
+    .unwrap();
+    c.execute(
+        "SELECT outbox.pause_channel($1, 'loading the backlog')",
+        &[&ch],
+    )
+    .unwrap();
+    let mut done = 0;
+    while done < n {
+        let k = (n - done).min(1000) as i64;
+        c.execute(
+            "SELECT outbox.enqueue($1, jsonb_build_object('n', g, 'text', 'benchmark message'), $2 || ':' || g)
+               FROM generate_series(1, $3::int8) g",
+            &[&ch, &format!("{ch}-{done}"), &k],
+        )
+        .unwrap();
+        done += k as usize;
+    }
+    // Two statements: VACUUM cannot run in the implicit transaction of a multi-statement query.
+    c.batch_execute("VACUUM ANALYZE outbox._messages").unwrap();
+    c.batch_execute("CHECKPOINT").unwrap();
     if n >= 100_000 {
-        explain_views_at_backlog(&mut c, n);
+        for (name, sql) in [
+            ("metrics", "SELECT * FROM outbox.metrics"),
+            ("prometheus", "SELECT outbox.prometheus()"),
+        ] {
+            let plan: Vec<String> = c
+                .query(
+                    &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) {sql}"),
+                    &[],
+                )
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect();
+            let took = plan
+                .iter()
+                .find(|l| l.starts_with("Execution Time"))
+                .cloned()
+                .unwrap_or_default();
+            let seq_scans = plan
+                .iter()
+                .filter(|l| l.contains("Seq Scan on _messages"))
+                .count();
+            println!("{name}_at_backlog_{n} {took} (sequential scans of _messages: {seq_scans})");
+        }
     }
     let start = Instant::now();
     c.execute("SELECT outbox.resume_channel($1)", &[&ch])
@@ -173,65 +233,6 @@ fn throughput_on(cluster: &Cluster, sim: &Simulator, n: usize, options: &str) ->
         rate: n as f64 / secs,
         progress,
         vacuums,
-    }
-}
-
-/// A channel of its own with `n` messages queued on it, paused; vacuumed and checkpointed
-/// so that the drain starts from a settled table.
-fn load_paused(c: &mut Client, sim: &Simulator, n: usize, options: &str) -> String {
-    let ch = unique("bench_tp");
-    c.execute(
-        "SELECT outbox.create_channel($1, $2, $3::text::jsonb)",
-        &[&ch, &sim.send_url(&ch), &options],
-    )
-    .unwrap();
-    c.execute(
-        "SELECT outbox.pause_channel($1, 'loading the backlog')",
-        &[&ch],
-    )
-    .unwrap();
-    let mut done = 0;
-    while done < n {
-        let k = (n - done).min(1000) as i64;
-        c.execute(
-            "SELECT outbox.enqueue($1, jsonb_build_object('n', g, 'text', 'benchmark message'), $2 || ':' || g)
-               FROM generate_series(1, $3::int8) g",
-            &[&ch, &format!("{ch}-{done}"), &k],
-        )
-        .unwrap();
-        done += k as usize;
-    }
-    // Two statements: VACUUM cannot run in the implicit transaction of a multi-statement query.
-    c.batch_execute("VACUUM ANALYZE outbox._messages").unwrap();
-    c.batch_execute("CHECKPOINT").unwrap();
-    ch
-}
-
-/// The execution time of the views over `_messages` with a backlog of `n`.
-fn explain_views_at_backlog(c: &mut Client, n: usize) {
-    for (name, sql) in [
-        ("metrics", "SELECT * FROM outbox.metrics"),
-        ("prometheus", "SELECT outbox.prometheus()"),
-    ] {
-        let plan: Vec<String> = c
-            .query(
-                &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) {sql}"),
-                &[],
-            )
-            .unwrap()
-            .iter()
-            .map(|r| r.get::<_, String>(0))
-            .collect();
-        let took = plan
-            .iter()
-            .find(|l| l.starts_with("Execution Time"))
-            .cloned()
-            .unwrap_or_default();
-        let seq_scans = plan
-            .iter()
-            .filter(|l| l.contains("Seq Scan on _messages"))
-            .count();
-        println!("{name}_at_backlog_{n} {took} (sequential scans of _messages: {seq_scans})");
     }
 }
 
@@ -441,6 +442,111 @@ fn price_of_safety(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: u
     }
 }
 
+/// The price of webhook-grade channels: drains of the same backlog on a plain HTTP channel,
+/// a signing one (Standard Webhooks, one secret) and one over HTTPS to the simulator behind
+/// a test CA, in alternating rounds; the median of each, with the TLS handshakes (a reused
+/// connection needs none).
+fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
+    let pki = outbox_e2e::test_ca::TestPki::generate();
+    let front = outbox_e2e::tls_front::TlsFront::start(
+        sim.port(),
+        &pki.server.cert_pem,
+        &pki.server.key_pem,
+        None,
+    );
+    let plain = r#"{"idempotency_header": "Idempotency-Key"}"#.to_string();
+    let signed = r#"{"idempotency_header": "Idempotency-Key", "signing": {"secrets": ["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"]}}"#.to_string();
+    let https = serde_json::json!({"idempotency_header": "Idempotency-Key", "tls": {"ca_pem": pki.ca.cert_pem}}).to_string();
+    let over_http = |ch: &str| sim.send_url(ch);
+    let over_https = |ch: &str| front.send_url(ch);
+    let lanes: [(&str, &str, &dyn Fn(&str) -> String); 3] = [
+        ("plain_http", &plain, &over_http),
+        ("signed", &signed, &over_http),
+        ("https", &https, &over_https),
+    ];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); lanes.len()];
+    let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); lanes.len()];
+    let mut handshakes = Vec::new();
+    let mut c = cluster.connect();
+    for round in 0..rounds {
+        // Each round starts with another lane, so that a slow stretch of the machine does
+        // not always fall on the same one.
+        for k in 0..lanes.len() {
+            let i = (k + round) % lanes.len();
+            let (label, options, endpoint) = &lanes[i];
+            let before = outbox_e2e::tls_front::TlsFront::count(&front.counters().handshakes);
+            let cpu_before = workers_cpu_ms(&mut c);
+            rates[i].push(throughput_at(cluster, backlog, options, *endpoint).rate);
+            cpu[i].push((workers_cpu_ms(&mut c) - cpu_before) * 1000.0 / backlog as f64);
+            if *label == "https" {
+                handshakes.push(
+                    outbox_e2e::tls_front::TlsFront::count(&front.counters().handshakes) - before,
+                );
+            }
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let base = median(&mut rates[0].clone());
+    for ((label, _, _), rates) in lanes.iter().zip(rates.iter_mut()) {
+        let shown = rates
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(" / ");
+        let m = median(rates);
+        println!(
+            "deliveries_per_s_backlog_{backlog}_{label} {m:.0} msg/s ({:.3}x plain HTTP; drains: {shown})",
+            m / base
+        );
+    }
+    let base_cpu = median(&mut cpu[0].clone());
+    for ((label, _, _), cpu) in lanes.iter().zip(cpu.iter_mut()) {
+        let shown = cpu
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(" / ");
+        let m = median(cpu);
+        println!(
+            "worker_cpu_ms_per_1000_{label} {m:.0} ms ({:.3}x plain HTTP; drains: {shown})",
+            m / base_cpu
+        );
+    }
+    let shown = handshakes
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(" / ");
+    println!("tls_handshakes_per_https_drain_of_{backlog} {shown} (connections reused)");
+}
+
+/// CPU time (user and system) the delivery workers have used, in ms, from /proc (clock
+/// ticks of 10 ms, the Linux default): less disturbed by a busy machine than a rate.
+fn workers_cpu_ms(c: &mut Client) -> f64 {
+    let pids: Vec<i32> = c
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_delivery worker'",
+            &[],
+        )
+        .map(|rows| rows.iter().map(|r| r.get(0)).collect())
+        .unwrap_or_default();
+    pids.iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+        .filter_map(|stat| {
+            let fields: Vec<f64> = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .map(|f| f.parse().unwrap_or(0.0))
+                .collect();
+            Some((fields.get(11)? + fields.get(12)?) * 10.0)
+        })
+        .sum()
+}
+
 /// The cluster `cluster`, connected to `db`.
 fn in_database(cluster: &Cluster, db: &str) -> Cluster {
     Cluster {
@@ -513,22 +619,53 @@ fn several_databases(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds:
     );
 }
 
+/// A channel of its own with `n` messages queued on it, paused; vacuumed and checkpointed
+/// so that the drain starts from a settled table.
+fn load_paused(c: &mut Client, sim: &Simulator, n: usize, options: &str) -> String {
+    let ch = unique("bench_tp");
+    c.execute(
+        "SELECT outbox.create_channel($1, $2, $3::text::jsonb)",
+        &[&ch, &sim.send_url(&ch), &options],
+    )
+    .unwrap();
+    c.execute(
+        "SELECT outbox.pause_channel($1, 'loading the backlog')",
+        &[&ch],
+    )
+    .unwrap();
+    let mut done = 0;
+    while done < n {
+        let k = (n - done).min(1000) as i64;
+        c.execute(
+            "SELECT outbox.enqueue($1, jsonb_build_object('n', g, 'text', 'benchmark message'), $2 || ':' || g)
+               FROM generate_series(1, $3::int8) g",
+            &[&ch, &format!("{ch}-{done}"), &k],
+        )
+        .unwrap();
+        done += k as usize;
+    }
+    // Two statements: VACUUM cannot run in the implicit transaction of a multi-statement query.
+    c.batch_execute("VACUUM ANALYZE outbox._messages").unwrap();
+    c.batch_execute("CHECKPOINT").unwrap();
+    ch
+}
+
 fn main() {
     let backlog = arg("--backlog", 10_000);
     let samples = arg("--latency-samples", 200);
     let cluster = Cluster::from_env();
+    wait_for_delivery_loop(&cluster);
     let sim = Simulator::start();
     sim.set_record_bodies(false);
     sim.set_record_requests(false);
-    let databases = arg("--several-databases", 0);
-    if databases > 0 {
-        several_databases(&cluster, &sim, backlog, databases);
-        return;
-    }
-    wait_for_delivery_loop(&cluster);
     let rounds = arg("--price-of-safety", 0);
     if rounds > 0 {
         price_of_safety(&cluster, &sim, backlog, rounds);
+        return;
+    }
+    let rounds = arg("--webhooks", 0);
+    if rounds > 0 {
+        webhooks(&cluster, &sim, backlog, rounds);
         return;
     }
 
@@ -552,7 +689,6 @@ fn main() {
                 port,
                 db,
                 script: Default::default(),
-                env: Vec::new(),
             };
             let mut c = cluster.connect();
             let ch = unique("bench_bg");

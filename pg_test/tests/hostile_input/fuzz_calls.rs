@@ -111,7 +111,7 @@ pub(super) struct Pools {
     pub(super) unknown_base: i64,
 }
 
-const KNOWN_OPTION_KEYS: [&str; 19] = [
+const KNOWN_OPTION_KEYS: [&str; 23] = [
     "kind",
     "method",
     "headers",
@@ -131,6 +131,10 @@ const KNOWN_OPTION_KEYS: [&str; 19] = [
     "endpoint",
     "tenants",
     "max_response_bytes",
+    "signing",
+    "tls",
+    "rate_limit",
+    "circuit",
 ];
 
 const MALFORMED_JSON: [&str; 14] = [
@@ -449,6 +453,72 @@ impl Pools {
                 ""
             ])),
             "run_as" => json!(rng.pick(&["postgres", "outbox_worker", "no_such_role", ""])),
+            "tls" => {
+                let mut pem = |rng: &mut Rng| match rng.below(5) {
+                    0 => json!("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"),
+                    1 => json!("-----BEGIN PRIVATE KEY-----\n!!\n-----END PRIVATE KEY-----\n"),
+                    2 => json!("not pem"),
+                    3 => json!(null),
+                    _ => json!(format!(
+                        "-----BEGIN CERTIFICATE-----{}",
+                        self.text(rng).unwrap_or_default()
+                    )),
+                };
+                let mut m = Map::new();
+                for k in ["ca_pem", "client_cert_pem", "client_key_pem", "nope"] {
+                    if rng.chance(40) {
+                        m.insert(k.into(), pem(rng));
+                    }
+                }
+                Value::Object(m)
+            }
+            "rate_limit" | "circuit" => {
+                let keys: &[&str] = if key == "rate_limit" {
+                    &["per_second", "burst", "nope"]
+                } else {
+                    &["open_after", "open_ms", "nope"]
+                };
+                let mut m = Map::new();
+                for k in keys {
+                    if rng.chance(70) {
+                        let v = if rng.chance(20) {
+                            self.json_value(rng, 2)
+                        } else {
+                            int(rng)
+                        };
+                        m.insert(k.to_string(), v);
+                    }
+                }
+                Value::Object(m)
+            }
+            "signing" => {
+                let mut secret = |rng: &mut Rng| match rng.below(6) {
+                    0 => json!("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"),
+                    1 => json!("whsec_c2hvcnQ="),
+                    2 => json!("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"),
+                    3 => json!("whsec_"),
+                    4 => json!(null),
+                    _ => json!(self.text(rng).unwrap_or_default()),
+                };
+                let mut m = Map::new();
+                if rng.chance(80) {
+                    let n = rng.below(4);
+                    m.insert(
+                        "secrets".into(),
+                        Value::Array((0..n).map(|_| secret(rng)).collect()),
+                    );
+                }
+                if rng.chance(30) {
+                    m.insert(
+                        "scheme".into(),
+                        json!(rng.pick(&["standard-webhooks", "v2", ""])),
+                    );
+                }
+                if rng.chance(10) {
+                    m.insert("nope".into(), self.json_value(rng, 2));
+                }
+                Value::Object(m)
+            }
             "endpoint" => json!(rng.pick(&self.endpoints).clone()),
             _ => self.json_value(rng, 2),
         }

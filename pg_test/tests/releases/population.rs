@@ -14,7 +14,7 @@ use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
 /// The private tables: every row of them must survive an upgrade and a dump.
-pub const TABLES: [&str; 8] = [
+pub const TABLES: [&str; 9] = [
     "_channels",
     "_tenant_bindings",
     "_messages",
@@ -23,6 +23,7 @@ pub const TABLES: [&str; 8] = [
     "_operator_log",
     "_channel_stats",
     "_channel_minutes",
+    "_channel_flow",
 ];
 
 /// A role that does not exist: while `outbox.role` names it, the worker waits.
