@@ -48,13 +48,21 @@ pub struct Population {
     pub cancelled: (i64, String),
 }
 
-/// Every row of every private table as JSON objects, per table, sorted.
+/// Every row of every private table as JSON objects, per table, sorted. A table that an
+/// older release does not have yet (one an upgrade adds) has no rows.
 pub type Rows = BTreeMap<&'static str, Vec<Map<String, Value>>>;
 
 pub fn rows(c: &mut impl postgres::GenericClient) -> Rows {
     TABLES
         .iter()
         .map(|t| {
+            let exists: bool = c
+                .query_one("SELECT to_regclass('outbox.' || $1) IS NOT NULL", &[t])
+                .unwrap_or_else(|e| panic!("does outbox.{t} exist: {}", describe(&e)))
+                .get(0);
+            if !exists {
+                return (*t, Vec::new());
+            }
             let sql = format!("SELECT to_jsonb(t)::text FROM outbox.{t} t ORDER BY 1");
             let mut list: Vec<Map<String, Value>> = c
                 .query(&sql, &[])
