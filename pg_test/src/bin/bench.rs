@@ -689,6 +689,7 @@ fn main() {
                 port,
                 db,
                 script: Default::default(),
+                env: Vec::new(),
             };
             let mut c = cluster.connect();
             let ch = unique("bench_bg");
