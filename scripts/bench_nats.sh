@@ -8,6 +8,7 @@
 #      growth of the extension's tables) and what one enqueue cost;
 #   3. the baseline: a plain async-nats program publishing the same number of messages
 #      with acknowledgement, 256 in flight, on the same server (src/bin/nats_publish_baseline.rs).
+#   4. the disk's fdatasync rate (pg_test_fsync), and scripts/scaling_model.py on all of it.
 # Figures only; nothing is asserted. The costs are also written to $OUTBOX_BASE/costs.json
 # and the baseline to $OUTBOX_BASE/baseline.json, for scripts/scaling_model.py.
 # Usage: scripts/bench_nats.sh [backlog=10000] [rounds=3]
@@ -51,3 +52,10 @@ n, h, b = costs["nats"]["rate"], costs["http"]["rate"], base["rate"]
 print(f"ratio_nats_to_baseline {n / b:.2f} (nats channel {n:.0f} msg/s, plain client {b:.0f} msg/s)")
 print(f"ratio_nats_to_http {n / h:.2f} (target: nats >= 10,000 msg/s or >= 0.8x http)")
 PY
+# The disk's flushes per second (one 8 kB write + fdatasync, as a WAL flush), for the model.
+FSYNCS=$("${OUTBOX_PGBIN:-/usr/lib/postgresql/15/bin}/pg_test_fsync" -s 2 -f "$OUTBOX_BASE/fsync_probe" 2>/dev/null \
+  | awk '/one 8kB write/ {on = 1} on && $1 == "fdatasync" {print int($2); exit}')
+rm -f "$OUTBOX_BASE/fsync_probe"
+echo "fdatasync_per_s ${FSYNCS:-?} (pg_test_fsync, one 8 kB write each)"
+echo "--- scripts/scaling_model.py (the measured figures above; see docs/scaling.md for its assumptions)"
+python3 scripts/scaling_model.py "$OUTBOX_BASE/costs.json" "$OUTBOX_BASE/baseline.json" --fsyncs-s "${FSYNCS:-1000}"
