@@ -26,9 +26,11 @@
 //!   `sql` channel side by side in R alternating rounds, with what one delivery costs: CPU,
 //!   WAL, growth of the tables (`scripts/bench_nats.sh`; `--costs-json PATH` writes them).
 //!
-//!   bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--latency-samples 200]
-//!         [--price-of-safety 0] [--several-databases 0]
-//!         [--kinds 0 --nats-url URL --nats-pid PID --costs-json PATH]
+//! ```text
+//! bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--latency-samples 200]
+//!       [--price-of-safety 0] [--several-databases 0]
+//!       [--kinds 0 --nats-url URL --nats-pid PID --costs-json PATH]
+//! ```
 
 use outbox_e2e::cluster::{unique, wait_until, Cluster};
 use outbox_e2e::sim::{Received, Simulator};
