@@ -29,6 +29,7 @@ SOURCE=${1:?source conninfo}
 TARGET=${2:?target conninfo}
 TENANT=${3:?tenant}
 PSQL=${PSQL:-psql}
+export PGOPTIONS="${PGOPTIONS:-} -c client_min_messages=warning"
 
 # psql reads its SQL from stdin (variables such as :'tenant' are not interpolated in -c).
 src() { "$PSQL" -X -q -v ON_ERROR_STOP=1 -v tenant="$TENANT" -d "$SOURCE" "$@"; }

@@ -166,6 +166,7 @@ fn a_moved_tenant_sends_nothing_twice_and_the_other_is_untouched() {
     .unwrap();
 
     let out = move_tenant(&source, &target, "acme");
+    eprintln!("{out}");
     assert!(out.contains("(the same): committed"), "{out}");
 
     // On the target: its messages, ledger and binding; nothing of the other tenant.
