@@ -6,6 +6,7 @@
 //!   dedupe by idempotency key) and inspect what it received; the `provider-sim` binary
 //!   runs it standalone for the demo.
 //! - [`cluster`]: the real PostgreSQL cluster started by `scripts/cluster.sh`.
+//! - [`costs`]: what a piece of work cost: CPU of processes, WAL, growth of the tables.
 //! - [`helpers`]: what the tests share besides the cluster: enqueue, count, wait for a
 //!   state, error text, roles, server-wide settings and fault points reset on drop.
 //! - [`releases`]: packages, released versions built from their commits, private copies of
@@ -17,6 +18,7 @@
 //! - [`schema_dump`]: the extension's schema as comparable text (fresh install vs upgrade).
 
 pub mod cluster;
+pub mod costs;
 pub mod helpers;
 pub mod nats;
 pub mod pooler;

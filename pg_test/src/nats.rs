@@ -207,3 +207,43 @@ impl Drop for NatsServer {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A server started by someone else (the benchmark's script): makes a stream with file
+/// storage on `subjects` (replacing one of that name).
+pub fn create_file_stream(url: &str, name: &str, subjects: &[&str], duplicate_window: Duration) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let config = stream::Config {
+        name: name.to_string(),
+        subjects: subjects.iter().map(|s| s.to_string()).collect(),
+        duplicate_window,
+        storage: stream::StorageType::File,
+        ..Default::default()
+    };
+    runtime.block_on(async move {
+        let client = async_nats::connect(url)
+            .await
+            .expect("connect to nats-server");
+        let js = jetstream::new(client);
+        let _ = js.delete_stream(&config.name).await;
+        js.create_stream(config).await.expect("create stream");
+    });
+}
+
+/// How many messages a stream of a server started by someone else holds.
+pub fn stream_count(url: &str, name: &str) -> u64 {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async move {
+        let client = async_nats::connect(url)
+            .await
+            .expect("connect to nats-server");
+        let js = jetstream::new(client);
+        let mut s = js.get_stream(name).await.expect("stream");
+        s.info().await.expect("stream info").state.messages
+    })
+}

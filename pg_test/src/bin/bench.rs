@@ -25,8 +25,15 @@
 //!   over HTTPS (a test CA, connections reused): R alternating rounds
 //!   (`scripts/bench_webhooks.sh`).
 //!
-//!   bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--latency-samples 200]
-//!         [--price-of-safety 0] [--several-databases 0] [--webhooks 0]
+//! - with `--kinds R`, the drains of an HTTP, a `nats` (`--nats-url`, `--nats-pid`) and a
+//!   `sql` channel side by side in R alternating rounds, with what one delivery costs: CPU,
+//!   WAL, growth of the tables (`scripts/bench_nats.sh`; `--costs-json PATH` writes them).
+//!
+//! ```text
+//! bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--latency-samples 200]
+//!       [--price-of-safety 0] [--several-databases 0] [--webhooks 0]
+//!       [--kinds 0 --nats-url URL --nats-pid PID --costs-json PATH]
+//! ```
 
 use outbox_e2e::cluster::{unique, wait_until, Cluster};
 use outbox_e2e::sim::{Received, Simulator};
@@ -34,6 +41,18 @@ use postgres::Client;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
+
+#[path = "bench/kinds.rs"]
+mod kinds;
+
+/// The text after `name` on the command line.
+fn text_arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}
 
 fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();
@@ -160,10 +179,65 @@ fn throughput_at(
     endpoint: &dyn Fn(&str) -> String,
 ) -> Drain {
     let mut c = cluster.connect();
+    let ch = load_paused(&mut c, endpoint, n, options);
+    if n >= 100_000 {
+        explain_views_at_backlog(&mut c, n);
+    }
+    drain(&mut c, &ch, n)
+}
+
+/// Resumes the paused channel `ch` with `n` messages queued and measures until all are
+/// delivered.
+fn drain(c: &mut Client, ch: &str, n: usize) -> Drain {
+    let start = Instant::now();
+    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
+        .unwrap();
+    let mut progress = Vec::new();
+    let mut vacuums = Vec::new();
+    let ok = wait_until(Duration::from_secs(900), || {
+        let done = delivered(c, ch);
+        progress.push((start.elapsed().as_secs_f64(), done));
+        if progress.len() % 50 == 1 {
+            vacuums.push((start.elapsed().as_secs_f64(), vacuums_running(c)));
+        }
+        // Every half second at least, in case a message ends other than delivered.
+        (done >= n as i64 || progress.len() % 25 == 0) && !pending(c, ch)
+    });
+    let secs = start.elapsed().as_secs_f64();
+    if !ok {
+        eprintln!("backlog of {n} not delivered within 900 s");
+    }
+    Drain {
+        rate: n as f64 / secs,
+        progress,
+        vacuums,
+    }
+}
+
+/// A channel of its own (its endpoint `endpoint(name)`) with `n` messages queued on it,
+/// paused; vacuumed and checkpointed so that the drain starts from a settled table.
+fn load_paused(
+    c: &mut Client,
+    endpoint: &dyn Fn(&str) -> String,
+    n: usize,
+    options: &str,
+) -> String {
+    let ch = create_paused(c, endpoint, &|_| options.to_string());
+    enqueue_backlog(c, &ch, n);
+    settle(c);
+    ch
+}
+
+/// A channel of its own, paused; its endpoint and options made from its name.
+fn create_paused(
+    c: &mut Client,
+    endpoint: &dyn Fn(&str) -> String,
+    options: &dyn Fn(&str) -> String,
+) -> String {
     let ch = unique("bench_tp");
     c.execute(
         "SELECT outbox.create_channel($1, $2, $3::text::jsonb)",
-        &[&ch, &endpoint(&ch), &options],
+        &[&ch, &endpoint(&ch), &options(&ch)],
     )
     .unwrap();
     c.execute(
@@ -171,6 +245,11 @@ fn throughput_at(
         &[&ch],
     )
     .unwrap();
+    ch
+}
+
+/// `n` messages on `ch`, in transactions of 1,000.
+fn enqueue_backlog(c: &mut Client, ch: &str, n: usize) {
     let mut done = 0;
     while done < n {
         let k = (n - done).min(1000) as i64;
@@ -182,57 +261,40 @@ fn throughput_at(
         .unwrap();
         done += k as usize;
     }
+}
+
+/// Vacuums the messages and checkpoints.
+fn settle(c: &mut Client) {
     // Two statements: VACUUM cannot run in the implicit transaction of a multi-statement query.
     c.batch_execute("VACUUM ANALYZE outbox._messages").unwrap();
     c.batch_execute("CHECKPOINT").unwrap();
-    if n >= 100_000 {
-        for (name, sql) in [
-            ("metrics", "SELECT * FROM outbox.metrics"),
-            ("prometheus", "SELECT outbox.prometheus()"),
-        ] {
-            let plan: Vec<String> = c
-                .query(
-                    &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) {sql}"),
-                    &[],
-                )
-                .unwrap()
-                .iter()
-                .map(|r| r.get::<_, String>(0))
-                .collect();
-            let took = plan
-                .iter()
-                .find(|l| l.starts_with("Execution Time"))
-                .cloned()
-                .unwrap_or_default();
-            let seq_scans = plan
-                .iter()
-                .filter(|l| l.contains("Seq Scan on _messages"))
-                .count();
-            println!("{name}_at_backlog_{n} {took} (sequential scans of _messages: {seq_scans})");
-        }
-    }
-    let start = Instant::now();
-    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
-        .unwrap();
-    let mut progress = Vec::new();
-    let mut vacuums = Vec::new();
-    let ok = wait_until(Duration::from_secs(900), || {
-        let done = delivered(&mut c, &ch);
-        progress.push((start.elapsed().as_secs_f64(), done));
-        if progress.len() % 50 == 1 {
-            vacuums.push((start.elapsed().as_secs_f64(), vacuums_running(&mut c)));
-        }
-        // Every half second at least, in case a message ends other than delivered.
-        (done >= n as i64 || progress.len() % 25 == 0) && !pending(&mut c, &ch)
-    });
-    let secs = start.elapsed().as_secs_f64();
-    if !ok {
-        eprintln!("backlog of {n} not delivered within 900 s");
-    }
-    Drain {
-        rate: n as f64 / secs,
-        progress,
-        vacuums,
+}
+
+/// The execution time of the views over `_messages` with a backlog of `n`.
+fn explain_views_at_backlog(c: &mut Client, n: usize) {
+    for (name, sql) in [
+        ("metrics", "SELECT * FROM outbox.metrics"),
+        ("prometheus", "SELECT outbox.prometheus()"),
+    ] {
+        let plan: Vec<String> = c
+            .query(
+                &format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) {sql}"),
+                &[],
+            )
+            .unwrap()
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .collect();
+        let took = plan
+            .iter()
+            .find(|l| l.starts_with("Execution Time"))
+            .cloned()
+            .unwrap_or_default();
+        let seq_scans = plan
+            .iter()
+            .filter(|l| l.contains("Seq Scan on _messages"))
+            .count();
+        println!("{name}_at_backlog_{n} {took} (sequential scans of _messages: {seq_scans})");
     }
 }
 
@@ -562,7 +624,7 @@ fn drain_together(dbs: &[Cluster], sim: &Simulator, n: usize) -> f64 {
         .iter()
         .map(|db| {
             let mut c = db.connect();
-            let ch = load_paused(&mut c, sim, n, THROUGHPUT_OPTIONS);
+            let ch = load_paused(&mut c, &|ch| sim.send_url(ch), n, THROUGHPUT_OPTIONS);
             (c, ch)
         })
         .collect();
@@ -619,45 +681,25 @@ fn several_databases(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds:
     );
 }
 
-/// A channel of its own with `n` messages queued on it, paused; vacuumed and checkpointed
-/// so that the drain starts from a settled table.
-fn load_paused(c: &mut Client, sim: &Simulator, n: usize, options: &str) -> String {
-    let ch = unique("bench_tp");
-    c.execute(
-        "SELECT outbox.create_channel($1, $2, $3::text::jsonb)",
-        &[&ch, &sim.send_url(&ch), &options],
-    )
-    .unwrap();
-    c.execute(
-        "SELECT outbox.pause_channel($1, 'loading the backlog')",
-        &[&ch],
-    )
-    .unwrap();
-    let mut done = 0;
-    while done < n {
-        let k = (n - done).min(1000) as i64;
-        c.execute(
-            "SELECT outbox.enqueue($1, jsonb_build_object('n', g, 'text', 'benchmark message'), $2 || ':' || g)
-               FROM generate_series(1, $3::int8) g",
-            &[&ch, &format!("{ch}-{done}"), &k],
-        )
-        .unwrap();
-        done += k as usize;
-    }
-    // Two statements: VACUUM cannot run in the implicit transaction of a multi-statement query.
-    c.batch_execute("VACUUM ANALYZE outbox._messages").unwrap();
-    c.batch_execute("CHECKPOINT").unwrap();
-    ch
-}
 
 fn main() {
     let backlog = arg("--backlog", 10_000);
     let samples = arg("--latency-samples", 200);
     let cluster = Cluster::from_env();
-    wait_for_delivery_loop(&cluster);
     let sim = Simulator::start();
     sim.set_record_bodies(false);
     sim.set_record_requests(false);
+    let databases = arg("--several-databases", 0);
+    if databases > 0 {
+        several_databases(&cluster, &sim, backlog, databases);
+        return;
+    }
+    let kinds_rounds = arg("--kinds", 0);
+    if kinds_rounds > 0 {
+        kinds::kinds(&cluster, &sim, backlog, kinds_rounds);
+        return;
+    }
+    wait_for_delivery_loop(&cluster);
     let rounds = arg("--price-of-safety", 0);
     if rounds > 0 {
         price_of_safety(&cluster, &sim, backlog, rounds);
