@@ -169,7 +169,16 @@ fn serve(stream: &mut TcpStream, database: &str) -> std::io::Result<()> {
 #[no_mangle]
 pub extern "C-unwind" fn outbox_delivery_metrics_main(_arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
-    let database = gucs::database();
+    // A background worker connects to one database: the first of `outbox.database`. With
+    // several listed, the others' figures are not in this exposition (said in the log).
+    let databases = gucs::databases();
+    let database = databases.first().cloned().unwrap_or_else(|| "postgres".into());
+    if databases.len() > 1 {
+        log!(
+            "outbox_delivery metrics: outbox.database lists {} databases; /metrics serves the first, \"{database}\" (read the others with SELECT outbox.prometheus() in each)",
+            databases.len()
+        );
+    }
     BackgroundWorker::connect_worker_to_spi(Some(&database), None);
     let address = gucs::metrics_address();
     let listener = match TcpListener::bind(address.as_str()) {
