@@ -1,6 +1,7 @@
 //! The four restart points (1)-(4), each with its fault-injection point and with a real kill.
 
 use super::*;
+use outbox_e2e::cluster::wait_until;
 
 // ---------------------------------------------------------------------------------------
 // (1) The client dies before its COMMIT
@@ -359,6 +360,8 @@ pub(super) fn before_commit_immediate_stop(scenario: &str) -> Vec<Row> {
         .len();
     assert_eq!(locked, 3, "all three rows locked while in flight");
     for lane in &lanes {
+        // Claimed is committed a moment before the request reaches the provider.
+        wait_until(Duration::from_secs(2), || !sim.sends(&lane.ch).is_empty());
         let o = sim.sends(&lane.ch);
         assert!(
             o.len() == 1 && o[0].outcome == "delayed",
