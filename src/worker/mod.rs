@@ -181,6 +181,37 @@ fn wait_for_role(index: usize) -> pg_sys::Oid {
     }
 }
 
+/// Waits on the latch at most `timeout`: true when it was set (a wake-up at commit, a
+/// signal), false when the time ran out.
+fn latch_set_within(timeout: Duration) -> bool {
+    let set = unsafe {
+        let events = pg_sys::WaitLatch(
+            pg_sys::MyLatch,
+            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+            timeout.as_millis().max(1) as std::ffi::c_long,
+            pg_sys::PG_WAIT_EXTENSION,
+        );
+        pg_sys::ResetLatch(pg_sys::MyLatch);
+        events & pg_sys::WL_LATCH_SET as i32 != 0
+    };
+    pg_sys::check_for_interrupts!();
+    set
+}
+
+/// An idle worker's sleep: until `timeout` has passed or the worker is woken, with no
+/// cycle in between; every [`LOOK_AROUND_EVERY`] it looks whether its database is being
+/// dropped. False when the worker must stop.
+fn idle(index: usize, database: &str, timeout: Duration) -> bool {
+    let until = Instant::now() + timeout;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() || latch_set_within(left.min(LOOK_AROUND_EVERY)) || stop_requested() {
+            return !stop_requested();
+        }
+        served_database::leave_if_gone(index, database, served_database::look_around());
+    }
+}
+
 /// Sleeps on the latch; false when the worker must stop.
 fn sleep(timeout: Duration) -> bool {
     let _ = BackgroundWorker::wait_latch(Some(timeout.max(Duration::from_millis(1))));
@@ -330,7 +361,7 @@ fn deliver(mut worker: cycle::Worker) -> ! {
         };
         slots::update(index, |s| s.phase = slots::Phase::Idle);
         identity::report_statistics(true);
-        if !sleep(timeout.min(LOOK_AROUND_EVERY)) {
+        if !idle(index, &database, timeout) {
             break;
         }
     }
