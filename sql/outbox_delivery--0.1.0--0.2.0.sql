@@ -462,3 +462,5 @@ $fn$;
 COMMENT ON FUNCTION outbox.prometheus() IS
     'Prometheus text exposition of outbox.metrics, outbox.alerts and the workers; *_total counters are kept in the database and only grow across restarts.';
 
+-- outbox.alerts asks whether a channel can look an uncertain message up (pg_monitor reads it).
+GRANT EXECUTE ON FUNCTION outbox._can_look_up(jsonb) TO pg_monitor;

@@ -67,6 +67,8 @@ GRANT EXECUTE ON FUNCTION
     outbox._prom_label(text)
     TO outbox_admin, pg_monitor;
 GRANT SELECT ON outbox.metrics, outbox.alerts TO pg_monitor;
+-- outbox.alerts asks whether a channel can look an uncertain message up.
+GRANT EXECUTE ON FUNCTION outbox._can_look_up(jsonb) TO pg_monitor;
 GRANT EXECUTE ON FUNCTION outbox.prometheus(), outbox.worker_status() TO pg_monitor;
 
 -- The worker: the private tables across tenants, nothing else.
