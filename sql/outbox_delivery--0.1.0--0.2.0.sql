@@ -464,3 +464,8 @@ COMMENT ON FUNCTION outbox.prometheus() IS
 
 -- outbox.alerts asks whether a channel can look an uncertain message up (pg_monitor reads it).
 GRANT EXECUTE ON FUNCTION outbox._can_look_up(jsonb) TO pg_monitor;
+
+-- CREATE OR REPLACE VIEW resets a view's options: the views replaced above read with their
+-- caller's rights again (row-level security applies to the reader), as a fresh install's do.
+ALTER VIEW outbox.messages SET (security_invoker = true);
+ALTER VIEW outbox.work_queue SET (security_invoker = true);
