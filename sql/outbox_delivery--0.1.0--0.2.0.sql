@@ -178,6 +178,9 @@ REVOKE ALL ON FUNCTION
     outbox._ledger_entry(text, text),
     outbox._record_delivered(bigint[], text[], integer[], text, boolean)
     FROM PUBLIC;
+-- outbox.alerts asks whether a channel can look an uncertain message up (pg_monitor reads
+-- it); granted first, as a fresh install does.
+GRANT EXECUTE ON FUNCTION outbox._can_look_up(jsonb) TO pg_monitor;
 GRANT EXECUTE ON FUNCTION outbox._option_int(jsonb, text[]) TO outbox_admin;
 GRANT EXECUTE ON FUNCTION
     outbox._can_verify(jsonb),
@@ -461,9 +464,6 @@ SELECT string_agg(x.line, E'\n' ORDER BY x.ord, x.sub, x.line) || E'\n'
 $fn$;
 COMMENT ON FUNCTION outbox.prometheus() IS
     'Prometheus text exposition of outbox.metrics, outbox.alerts and the workers; *_total counters are kept in the database and only grow across restarts.';
-
--- outbox.alerts asks whether a channel can look an uncertain message up (pg_monitor reads it).
-GRANT EXECUTE ON FUNCTION outbox._can_look_up(jsonb) TO pg_monitor;
 
 -- CREATE OR REPLACE VIEW resets a view's options: the views replaced above read with their
 -- caller's rights again (row-level security applies to the reader), as a fresh install's do.
