@@ -172,7 +172,10 @@ pub extern "C-unwind" fn outbox_delivery_metrics_main(_arg: pg_sys::Datum) {
     // A background worker connects to one database: the first of `outbox.database`. With
     // several listed, the others' figures are not in this exposition (said in the log).
     let databases = gucs::databases();
-    let database = databases.first().cloned().unwrap_or_else(|| "postgres".into());
+    let database = databases
+        .first()
+        .cloned()
+        .unwrap_or_else(|| "postgres".into());
     if databases.len() > 1 {
         log!(
             "outbox_delivery metrics: outbox.database lists {} databases; /metrics serves the first, \"{database}\" (read the others with SELECT outbox.prometheus() in each)",

@@ -60,7 +60,12 @@ impl Channel for HttpChannel {
         let mut out = request::outgoing(message, &self.endpoint, &self.options)?;
         if let Some(signing) = &self.options.signing {
             let now_s = (crate::clock::now_ms() / 1000) as u64;
-            signing.sign(&mut out.headers, message.effect_key, now_s, out.body.as_bytes());
+            signing.sign(
+                &mut out.headers,
+                message.effect_key,
+                now_s,
+                out.body.as_bytes(),
+            );
         }
         let client = self.client.clone();
         Ok(Box::pin(async move {

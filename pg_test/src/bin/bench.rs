@@ -681,7 +681,6 @@ fn several_databases(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds:
     );
 }
 
-
 fn main() {
     let backlog = arg("--backlog", 10_000);
     let samples = arg("--latency-samples", 200);
