@@ -238,10 +238,7 @@ fn scrape_until(port: u16, ready: impl Fn(&str) -> bool) -> String {
 fn one_scrape_holds_every_database_served() {
     let base =
         std::env::var("OUTBOX_METRICS_BASE").unwrap_or_else(|_| "/tmp/outbox_metrics".into());
-    let pg_port: u16 = std::env::var("OUTBOX_METRICS_PGPORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(54891);
+    let pg_port: u16 = outbox_e2e::cluster::env_port("OUTBOX_METRICS_PGPORT", 54891);
     let metrics_port = port("OUTBOX_METRICS_PORT");
     let cluster = OwnCluster::fresh(
         PathBuf::from(base),
