@@ -7,7 +7,7 @@
 //! provider with a public certificate works as it is. Pure Rust: the PEM is checked when the
 //! option is set, by building a client with it, and applied to each channel's client.
 
-use super::options::OptionError;
+use super::option_error::OptionError;
 use serde_json::{json, Map, Value};
 
 /// Longest PEM text of one field, in bytes (a bundle of a few hundred certificates).
