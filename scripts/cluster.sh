@@ -149,5 +149,5 @@ case "${1:-}" in
   promote) cmd_promote ;;
   destroy) cmd_stop immediate || true; rm -rf "$PGDATA" ;;
   env) echo "OUTBOX_PGHOST=$SOCKDIR OUTBOX_PGPORT=$PORT OUTBOX_DB=$DB OUTBOX_PGDATA=$PGDATA OUTBOX_LOG=$LOG" ;;
-  *) sed -n '2,23p' "$0"; exit 2 ;;
+  *) sed -n '2,22p' "$0"; exit 2 ;;
 esac
