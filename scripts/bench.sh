@@ -12,7 +12,8 @@
 # Figures only; nothing is asserted.
 # Usage: scripts/bench.sh [backlog=10000] [large_backlog=1000000]   (large_backlog 0: skip it)
 # BENCH_SECONDS: length of each pgbench run (10); BENCH_STEADY_SECONDS: the steady load
-# with retention (120; 0 skips it); BENCH_SINK_PORT: the port of the sink wrk measures (18799).
+# with retention (120; 0 skips it); BENCH_SINK_PORT: the port of the sink wrk measures (18799); BENCH_SIM_PORT: the
+# simulator's port in the delivery and anchor drains (a free one).
 source "$(dirname "$0")/lib.sh"
 source scripts/bench_anchors.sh
 BACKLOG=${1:-10000}
@@ -145,7 +146,7 @@ fi
 kill $SINK_PID 2>/dev/null || true
 
 # 4. Delivery throughput and latency ------------------------------------------------------
-"$BIN/bench" --backlog "$BACKLOG" --large-backlog "$LARGE_BACKLOG" --latency-samples 200 \
+"$BIN/bench" --sim-port "${BENCH_SIM_PORT:-0}" --backlog "$BACKLOG" --large-backlog "$LARGE_BACKLOG" --latency-samples 200 \
   --steady-seconds "${BENCH_STEADY_SECONDS:-120}" | tee "$WORK/delivery.out"
 
 # 5. Footprint ----------------------------------------------------------------------------

@@ -105,7 +105,7 @@ pgq_consume() {
 # delivery workers), ROUNDS alternating rounds.
 handwritten_anchors() {
   local backlog=$1 rounds=$2
-  "${CARGO_TARGET_DIR:-target}/release/bench" --backlog "$backlog" --anchors "$rounds" \
+  "${CARGO_TARGET_DIR:-target}/release/bench" --sim-port "${BENCH_SIM_PORT:-0}" --backlog "$backlog" --anchors "$rounds" \
     --handwritten-loops "1,${OUTBOX_WORKERS:-2}"
 }
 

@@ -29,10 +29,15 @@
 //!   `sql` channel side by side in R alternating rounds, with what one delivery costs: CPU,
 //!   WAL, growth of the tables (`scripts/bench_nats.sh`; `--costs-json PATH` writes them).
 //!
+//! - with `--anchors R`, the drains of the extension beside those of the outbox an
+//!   application writes by hand (`handwritten-outbox`), R alternating rounds
+//!   (`scripts/bench_anchors.sh`).
+//!
 //! ```text
 //! bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--latency-samples 200]
 //!       [--price-of-safety 0] [--several-databases 0] [--webhooks 0]
 //!       [--kinds 0 --nats-url URL --nats-pid PID --costs-json PATH]
+//!       [--anchors 0 --handwritten-loops 1,2] [--sim-port 0]
 //! ```
 
 use outbox_e2e::cli::{num_arg as arg, text_arg};
@@ -726,7 +731,8 @@ fn main() {
     let backlog = arg("--backlog", 10_000);
     let samples = arg("--latency-samples", 200);
     let cluster = Cluster::from_env();
-    let sim = Simulator::start();
+    // The sink: the simulator in this process, on `--sim-port` (0: a free port).
+    let sim = Simulator::start_on(arg("--sim-port", 0) as u16);
     sim.set_record_bodies(false);
     sim.set_record_requests(false);
     let databases = arg("--several-databases", 0);
