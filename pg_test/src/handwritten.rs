@@ -70,7 +70,10 @@ mod tests {
             (7, Err("timeout".into())),
         ]);
         assert_eq!(sent, vec![3, 2]);
-        assert_eq!(failed, vec![(1, "503".to_string()), (7, "timeout".to_string())]);
+        assert_eq!(
+            failed,
+            vec![(1, "503".to_string()), (7, "timeout".to_string())]
+        );
         assert_eq!(partition(Vec::new()), (Vec::new(), Vec::new()));
     }
 }

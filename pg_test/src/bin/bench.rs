@@ -893,7 +893,10 @@ fn small_drains(cluster: &Cluster, sim: &Simulator, backlog: usize, label: &str)
         shown(&rates)
     );
     let wal = |cost: &dyn Fn(&Costed) -> Cost| -> Vec<f64> {
-        drains.iter().map(|d| cost(d).per_message(backlog)[3]).collect()
+        drains
+            .iter()
+            .map(|d| cost(d).per_message(backlog)[3])
+            .collect()
     };
     let (delivery, enqueue) = (wal(&|d| d.delivery), wal(&|d| d.enqueue));
     println!(

@@ -40,7 +40,9 @@ async fn post_all(
                 .await;
             let result = match answer {
                 // The body is read so that the connection goes back to the pool.
-                Ok(r) if r.status().is_success() => r.bytes().await.map(|_| ()).map_err(|e| e.to_string()),
+                Ok(r) if r.status().is_success() => {
+                    r.bytes().await.map(|_| ()).map_err(|e| e.to_string())
+                }
                 Ok(r) => Err(format!("HTTP {}", r.status())),
                 Err(e) => Err(e.to_string()),
             };
@@ -121,7 +123,13 @@ fn main() {
     let sent: u64 = runtime.block_on(async {
         let mut set = JoinSet::new();
         for _ in 0..loops {
-            set.spawn(drain_loop(conninfo.clone(), url.clone(), http.clone(), batch, in_flight));
+            set.spawn(drain_loop(
+                conninfo.clone(),
+                url.clone(),
+                http.clone(),
+                batch,
+                in_flight,
+            ));
         }
         let mut sent = 0;
         while let Some(done) = set.join_next().await {

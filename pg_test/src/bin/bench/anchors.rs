@@ -50,10 +50,12 @@ fn handwritten_round(cluster: &Cluster, url: &str, n: usize, loops: usize) -> (f
         .get(0);
     for from in (0..n as i64).step_by(1000) {
         let to = (from + 1000).min(n as i64);
-        c.execute(LOAD, &[&(first + from + 1), &(first + to)]).unwrap();
+        c.execute(LOAD, &[&(first + from + 1), &(first + to)])
+            .unwrap();
     }
     let load = before.cost(&mut c, &me, &server, &[]);
-    c.batch_execute("VACUUM ANALYZE handwritten.outbox").unwrap();
+    c.batch_execute("VACUUM ANALYZE handwritten.outbox")
+        .unwrap();
     c.batch_execute("CHECKPOINT").unwrap();
     let before = Snapshot::take(&mut c, &[], &server, &[]);
     let out = Command::new(program())
@@ -66,7 +68,10 @@ fn handwritten_round(cluster: &Cluster, url: &str, n: usize, loops: usize) -> (f
     // `handwritten_drain N messages in S s (...)`
     let words: Vec<&str> = text.split_whitespace().collect();
     let sent: f64 = words.get(1).and_then(|w| w.parse().ok()).unwrap_or(0.0);
-    let secs: f64 = words.get(4).and_then(|w| w.parse().ok()).unwrap_or(f64::NAN);
+    let secs: f64 = words
+        .get(4)
+        .and_then(|w| w.parse().ok())
+        .unwrap_or(f64::NAN);
     if !out.status.success() || sent as usize != n {
         eprintln!(
             "handwritten-outbox: {} ({text}{})",
