@@ -9,8 +9,8 @@
 #      PGQ_BATCH with a tick after each (batches of PGQ_BATCH, as outbox.batch_size); no
 #      HTTP, so it reads beside the claim-only loop. Its insert rate is one lane of the
 #      enqueue rounds of scripts/bench.sh (pgq_insert.sql).
-# scripts/bench.sh sources this file (pgq_setup, handwritten_anchors, pgq_consume); run alone
-# it starts a throwaway cluster of its own and runs 1 and 2.
+# scripts/bench.sh sources this file (pgq_setup, handwritten_anchors, pgq_consume,
+# anchor_ratios); run alone it starts a throwaway cluster of its own and runs 1 and 2.
 # Usage: scripts/bench_anchors.sh [backlog=10000] [rounds=3]
 # With OUTBOX_PGBIN (a private copy of PostgreSQL, scripts/pg_prefix.sh) the extension and
 # PgQ are installed there.
