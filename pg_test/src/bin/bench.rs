@@ -531,23 +531,10 @@ fn price_of_safety(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: u
             rates[i].push(throughput_on(cluster, sim, backlog, options).rate);
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let ordinary = median(&mut rates[0].clone());
-    for ((label, _), rates) in lanes.iter().zip(rates.iter_mut()) {
-        let shown = rates
-            .iter()
-            .map(|r| format!("{r:.0}"))
-            .collect::<Vec<_>>()
-            .join(" / ");
-        let m = median(rates);
-        println!(
-            "deliveries_per_s_backlog_{backlog}_{label} {m:.0} msg/s ({:.2}x the ordinary channel; drains: {shown})",
-            m / ordinary
-        );
-    }
+    let labels: Vec<&str> = lanes.iter().map(|(label, _)| *label).collect();
+    print_beside_first(&labels, &rates, |label, m, ratio, shown| {
+        format!("deliveries_per_s_backlog_{backlog}_{label} {m:.0} msg/s ({ratio:.2}x the ordinary channel; drains: {shown})")
+    });
 }
 
 /// The price of webhook-grade channels: drains of the same backlog on a plain HTTP channel,
@@ -593,36 +580,15 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
             }
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let base = median(&mut rates[0].clone());
-    for ((label, _, _), rates) in lanes.iter().zip(rates.iter_mut()) {
-        let shown = rates
-            .iter()
-            .map(|r| format!("{r:.0}"))
-            .collect::<Vec<_>>()
-            .join(" / ");
-        let m = median(rates);
-        println!(
-            "deliveries_per_s_backlog_{backlog}_{label} {m:.0} msg/s ({:.3}x plain HTTP; drains: {shown})",
-            m / base
-        );
-    }
-    let base_cpu = median(&mut cpu[0].clone());
-    for ((label, _, _), cpu) in lanes.iter().zip(cpu.iter_mut()) {
-        let shown = cpu
-            .iter()
-            .map(|r| format!("{r:.0}"))
-            .collect::<Vec<_>>()
-            .join(" / ");
-        let m = median(cpu);
-        println!(
-            "worker_cpu_ms_per_1000_{label} {m:.0} ms ({:.3}x plain HTTP; drains: {shown})",
-            m / base_cpu
-        );
-    }
+    let labels: Vec<&str> = lanes.iter().map(|(label, _, _)| *label).collect();
+    print_beside_first(&labels, &rates, |label, m, ratio, shown| {
+        format!("deliveries_per_s_backlog_{backlog}_{label} {m:.0} msg/s ({ratio:.3}x plain HTTP; drains: {shown})")
+    });
+    print_beside_first(&labels, &cpu, |label, m, ratio, shown| {
+        format!(
+            "worker_cpu_ms_per_1000_{label} {m:.0} ms ({ratio:.3}x plain HTTP; drains: {shown})"
+        )
+    });
     let shown = handshakes
         .iter()
         .map(u64::to_string)
@@ -705,26 +671,16 @@ fn several_databases(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds:
         one.push(throughput(&dbs[0], sim, backlog).rate);
         all.push(drain_together(&dbs, sim, backlog));
     }
-    let shown = |v: &[f64]| {
-        v.iter()
-            .map(|r| format!("{r:.0}"))
-            .collect::<Vec<_>>()
-            .join(" / ")
-    };
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (one_shown, all_shown) = (shown(&one), shown(&all));
-    let (m_one, m_all) = (median(&mut one), median(&mut all));
-    println!(
-        "deliveries_per_s_backlog_{backlog}_one_database {m_one:.0} msg/s (drains: {one_shown})"
-    );
-    println!(
-        "deliveries_per_s_backlog_{backlog}_each_of_{}_databases_at_once_sum {m_all:.0} msg/s ({:.2}x one database; drains: {all_shown})",
-        dbs.len(),
-        m_all / m_one
-    );
+    let n = dbs.len();
+    print_beside_first(&["one", "all"], &[one, all], |label, m, ratio, shown| {
+        if label == "one" {
+            format!(
+                "deliveries_per_s_backlog_{backlog}_one_database {m:.0} msg/s (drains: {shown})"
+            )
+        } else {
+            format!("deliveries_per_s_backlog_{backlog}_each_of_{n}_databases_at_once_sum {m:.0} msg/s ({ratio:.2}x one database; drains: {shown})")
+        }
+    });
 }
 
 fn main() {
@@ -931,5 +887,28 @@ fn print_sizes(cluster: &Cluster) {
             row.get::<_, String>(0),
             row.get::<_, String>(1)
         );
+    }
+}
+
+/// One line per lane: `line(label, median, median / the first lane's median, the rounds)`.
+fn print_beside_first(
+    labels: &[&str],
+    rounds: &[Vec<f64>],
+    line: impl Fn(&str, f64, f64, String) -> String,
+) {
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let base = median(&rounds[0]);
+    for (label, values) in labels.iter().zip(rounds) {
+        let shown = values
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(" / ");
+        let m = median(values);
+        println!("{}", line(label, m, m / base, shown));
     }
 }
