@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Benchmark: what webhook-grade channels cost. Drains of a backlog on a plain HTTP channel,
-# on one that signs every request (Standard Webhooks) and on one over HTTPS to the loopback
+# on one that signs every request (Standard Webhooks), on one that sends three unsigned
+# headers of the same sizes, and on one over HTTPS to the loopback
 # simulator behind a test CA (connections reused), in alternating rounds on a throwaway
 # cluster of its own; the median of each beside the plain figure of the same run, and the
 # TLS handshakes of each HTTPS drain; then the CPU one signature costs (benches/signing.rs)

@@ -552,11 +552,19 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
     let plain = r#"{"idempotency_header": "Idempotency-Key"}"#.to_string();
     let signed = r#"{"idempotency_header": "Idempotency-Key", "signing": {"secrets": ["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"]}}"#.to_string();
     let https = serde_json::json!({"idempotency_header": "Idempotency-Key", "tls": {"ca_pem": pki.ca.cert_pem}}).to_string();
+    // Three fixed headers of the sizes of the signed ones, unsigned: what the bytes of the
+    // headers cost apart from the signature.
+    let same_headers = serde_json::json!({"idempotency_header": "Idempotency-Key", "headers": {
+        "x-webhook-id": "ok_4f1c2a7e9b3d8e60_send_key_of_a_message",
+        "x-webhook-time": "1764600000",
+        "x-webhook-sig": "v1,K5oZfzN95Z9UVu1EsfQmfVNQhnkZ2pj9o9NDN/H/pI4=",
+    }}).to_string();
     let over_http = |ch: &str| sim.send_url(ch);
     let over_https = |ch: &str| front.send_url(ch);
-    let lanes: [(&str, &str, &dyn Fn(&str) -> String); 3] = [
+    let lanes: [(&str, &str, &dyn Fn(&str) -> String); 4] = [
         ("plain_http", &plain, &over_http),
         ("signed", &signed, &over_http),
+        ("same_headers_unsigned", &same_headers, &over_http),
         ("https", &https, &over_https),
     ];
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); lanes.len()];
