@@ -230,7 +230,7 @@ fn leave_sending(rc: &ReleaseCluster, sim: &Simulator, c: &mut Client) -> (i64, 
     set_setting(c, "outbox.role", HOLD_ROLE);
     let pid: i32 = c
         .query_one(
-            "SELECT DISTINCT worker_pid FROM outbox._attempts WHERE message_id = $1",
+            "SELECT DISTINCT worker_pid FROM outbox.attempts WHERE message_id = $1",
             &[&id],
         )
         .expect("the sending worker")
