@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # Benchmarks, side by side with their baselines in the same run, on a throwaway cluster:
-#   1. enqueue: outbox.enqueue() vs a plain INSERT into a table of the same shape and
+#   1. enqueue: outbox.enqueue() vs a plain INSERT ... ON CONFLICT DO NOTHING into a table of the same shape and
 #      indexes (pgbench, 1 and 8 clients; simple and prepared protocol);
 #   2. the claim-only baseline: a hand-written SKIP LOCKED claim loop in plain SQL;
 #   3. delivery: deliveries/s for a backlog to a loopback sink, the sink's own ceiling
 #      (wrk), and COMMIT -> request latency idle and under load;
-#   4. worker RSS and table/index sizes.
+#   4. worker RSS and table/index sizes;
+#   5. the anchors (scripts/bench_anchors.sh): PgQ's insert rate as a third lane of the
+#      enqueue rounds, the hand-written outbox's drains alternated with ours, PgQ's consume
+#      rate; WAL per message of each; and the ratios of the run.
 # Figures only; nothing is asserted.
 # Usage: scripts/bench.sh [backlog=10000] [large_backlog=1000000]   (large_backlog 0: skip it)
 # BENCH_SECONDS: length of each pgbench run (10); BENCH_STEADY_SECONDS: the steady load
-# with retention (120; 0 skips it).
+# with retention (120; 0 skips it); BENCH_SINK_PORT: the port of the sink wrk measures (18799); BENCH_SIM_PORT: the
+# simulator's port in the delivery and anchor drains (a free one).
 source "$(dirname "$0")/lib.sh"
+source scripts/bench_anchors.sh
 BACKLOG=${1:-10000}
 LARGE_BACKLOG=${2:-1000000}
 DURATION=${BENCH_SECONDS:-10}
@@ -23,8 +28,9 @@ export OUTBOX_EXTRA_CONF=${OUTBOX_EXTRA_CONF:-"outbox.batch_size = 200"}
 bash scripts/setup.sh >/dev/null
 command -v wrk >/dev/null || { apt-get install -y -qq wrk >/dev/null 2>&1 || true; }
 bash scripts/cluster.sh install
-cargo build -q --release -p outbox_e2e --bin bench --bin provider-sim
+cargo build -q --release -p outbox_e2e --bin bench --bin provider-sim --bin handwritten-outbox
 fresh_cluster >/dev/null
+pgq_setup
 trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true; kill ${SINK_PID:-0} 2>/dev/null || true' EXIT
 
 SOCK=$OUTBOX_BASE/sock
@@ -32,9 +38,10 @@ psql() { bash scripts/cluster.sh psql -q "$@"; }
 pgb() { runuser -u postgres -- /usr/lib/postgresql/15/bin/pgbench -h "$SOCK" -p "$OUTBOX_PGPORT" -n "$@" outbox 2>/dev/null; }
 tps() { awk '/^tps/ {print int($3)}'; }
 
-echo "machine: $(nproc) cores, $(free -g | awk '/Mem/ {print $2}') GiB; PostgreSQL $(/usr/lib/postgresql/15/bin/postgres --version | awk '{print $3}'); $OUTBOX_WORKERS delivery worker(s)"
+echo "machine: $(nproc) cores, $(free -g | awk '/Mem/ {print $2}') GiB, load average $(cut -d' ' -f1-3 /proc/loadavg); PostgreSQL $(/usr/lib/postgresql/15/bin/postgres --version | awk '{print $3}'); $OUTBOX_WORKERS delivery worker(s)"
 
-# 1. Enqueue vs plain INSERT ------------------------------------------------------------
+# 1. Enqueue vs a plain INSERT ... ON CONFLICT DO NOTHING (the conflict check an enqueue
+#    must make too) into a table of the same shape and indexes ------------------------------------------------------------
 psql <<'SQL'
 SELECT outbox.create_channel('bench_enqueue', 'http://127.0.0.1:9/x');
 SELECT outbox.pause_channel('bench_enqueue', 'enqueue benchmark: nothing is sent');
@@ -49,39 +56,45 @@ SELECT outbox.enqueue('bench_enqueue', '{"to": "user-1", "text": "benchmark mess
 SQL
 cat >"$WORK/insert.sql" <<'SQL'
 INSERT INTO public.plain_outbox (tenant, channel_id, effect_key, payload, next_attempt_at)
-VALUES ('default', 1, md5(random()::text || clock_timestamp()::text), '{"to": "user-1", "text": "benchmark message"}'::jsonb, now());
+VALUES ('default', 1, md5(random()::text || clock_timestamp()::text), '{"to": "user-1", "text": "benchmark message"}'::jsonb, now())
+ON CONFLICT DO NOTHING;
 SQL
-# Three alternating rounds, each run after a CHECKPOINT; the median of each side. A single
-# pair of runs moves by a third from run to run here (commit flushes, checkpoints,
-# autovacuum of the growing tables).
-median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
-# Three alternating rounds of pgbench (arguments: its options) over enqueue.sql and
-# insert.sql, each after a CHECKPOINT: the rounds' tps, space-separated, in ENQUEUE_ROUNDS and
-# INSERT_ROUNDS.
+cat >"$WORK/pgq_insert.sql" <<'SQL'
+SELECT pgq.insert_event('bench_insert', 'bench', '{"to": "user-1", "text": "benchmark message"}');
+SQL
+# Three alternating rounds of pgbench (arguments: its options) over the scripts named in
+# LANES (enqueue, insert, pgq_insert), each after a CHECKPOINT: each lane's rounds' tps,
+# space-separated, in ROUNDS[lane]; the median of each is shown. A single pair of runs
+# moves by a third from run to run here (commit flushes, checkpoints, autovacuum of the
+# growing tables).
+declare -A ROUNDS
 alternate_rounds() {
-  ENQUEUE_ROUNDS=""; INSERT_ROUNDS=""
-  local round
+  local round lane
+  for lane in $LANES; do ROUNDS[$lane]=""; done
   for round in 1 2 3; do
-    psql -c "CHECKPOINT" >/dev/null
-    ENQUEUE_ROUNDS="$ENQUEUE_ROUNDS $(pgb "$@" -T "$DURATION" -f "$WORK/enqueue.sql" | tps)"
-    psql -c "CHECKPOINT" >/dev/null
-    INSERT_ROUNDS="$INSERT_ROUNDS $(pgb "$@" -T "$DURATION" -f "$WORK/insert.sql" | tps)"
+    for lane in $LANES; do
+      psql -c "CHECKPOINT" >/dev/null
+      ROUNDS[$lane]="${ROUNDS[$lane]} $(pgb "$@" -T "$DURATION" -f "$WORK/$lane.sql" | tps)"
+    done
   done
 }
 # Each side by pgbench's simple protocol (every statement parsed and planned, as psql or a
 # driver without prepared statements sends it) and by -M prepared (planned once per
 # connection, as a driver with prepared statements sends it).
 psql -c "CREATE ROLE bench_writer LOGIN IN ROLE outbox_writer" -c "SELECT outbox.bind_tenant('bench_writer', 'default')" >/dev/null
-declare -A insert_tps
+declare -A insert_tps enqueue_tps pgq_tps
+LANES="enqueue insert pgq_insert"
 for spec in "1 simple" "8 simple" "8 prepared"; do
   set -- $spec
   clients=$1; mode=$2; label="${clients}c"; [ "$mode" = prepared ] && label="${clients}c_prepared"
   alternate_rounds -M "$mode" -c $clients -j $clients
-  es=$ENQUEUE_ROUNDS; ps=$INSERT_ROUNDS
-  e=$(echo $es | tr ' ' '\n' | median); p=$(echo $ps | tr ' ' '\n' | median)
-  insert_tps[$label]=$p
-  awk -v l="$label" -v e="$e" -v p="$p" -v es="$es" -v ps="$ps" 'BEGIN { printf "enqueue_%s %d tps (rounds:%s) | plain_insert_%s %d tps (rounds:%s) | plain/enqueue %.2fx\n", l, e, es, l, p, ps, p / e }'
+  es=${ROUNDS[enqueue]}; ps=${ROUNDS[insert]}; qs=${ROUNDS[pgq_insert]}
+  e=$(echo $es | median); p=$(echo $ps | median); q=$(echo $qs | median)
+  insert_tps[$label]=$p; enqueue_tps[$label]=$e; pgq_tps[$label]=$q
+  awk -v l="$label" -v e="$e" -v p="$p" -v es="$es" -v ps="$ps" 'BEGIN { printf "enqueue_%s %d tps (rounds:%s) | plain_insert_on_conflict_%s %d tps (rounds:%s) | plain/enqueue %.2fx\n", l, e, es, l, p, ps, p / e }'
+  awk -v l="$label" -v e="$e" -v q="$q" -v qs="$qs" 'BEGIN { printf "pgq_insert_%s %d tps (rounds:%s) | enqueue/pgq_insert %.2fx\n", l, q, qs, e / q }'
 done
+psql -c "SELECT pgq.drop_queue('bench_insert')" >/dev/null
 # The same 8 clients as an application connects: a login role in outbox_writer bound to a
 # tenant (the superuser above skips the tenant bindings and every privilege check),
 # alternated with a plain INSERT by the same role (granted INSERT on the plain table), and
@@ -89,10 +102,10 @@ done
 psql -c "GRANT INSERT ON public.plain_outbox TO bench_writer" -c "GRANT USAGE ON SEQUENCE public.plain_outbox_seq TO bench_writer" >/dev/null
 for mode in simple prepared; do
   label=8c; [ "$mode" = prepared ] && label=8c_prepared
-  alternate_rounds -M "$mode" -U bench_writer -c 8 -j 8
-  ws=$ENQUEUE_ROUNDS; wps=$INSERT_ROUNDS
-  w=$(echo $ws | tr ' ' '\n' | median); wp=$(echo $wps | tr ' ' '\n' | median)
-  awk -v l="$label" -v w="$w" -v wp="$wp" -v p="${insert_tps[$label]}" -v ws="$ws" -v wps="$wps" 'BEGIN { printf "enqueue_%s_as_writer %d tps (rounds:%s) | plain_insert_%s_as_writer %d tps (rounds:%s) | plain/enqueue %.2fx (%.2fx to the superuser'"'"'s INSERT above)\n", l, w, ws, l, wp, wps, wp / w, p / w }'
+  LANES="enqueue insert" alternate_rounds -M "$mode" -U bench_writer -c 8 -j 8
+  ws=${ROUNDS[enqueue]}; wps=${ROUNDS[insert]}
+  w=$(echo $ws | median); wp=$(echo $wps | median)
+  awk -v l="$label" -v w="$w" -v wp="$wp" -v p="${insert_tps[$label]}" -v ws="$ws" -v wps="$wps" 'BEGIN { printf "enqueue_%s_as_writer %d tps (rounds:%s) | plain_insert_on_conflict_%s_as_writer %d tps (rounds:%s) | plain/enqueue %.2fx (%.2fx to the superuser'"'"'s INSERT above)\n", l, w, ws, l, wp, wps, wp / w, p / w }'
 done
 
 # The enqueue rounds leave their messages queued on the paused channel, as many as the
@@ -118,7 +131,9 @@ echo "claim_only_loop $((claims * 100)) msg/s (plain SQL, 100 per claim, 1 conne
 psql -c "DROP TABLE public.plain_outbox; DROP SEQUENCE public.plain_outbox_seq;"
 
 # 3. The sink's own ceiling (wrk, keep-alive POSTs to the simulator) ----------------------
-target/release/provider-sim --port 18799 --quiet --no-record-requests --no-record-bodies >/dev/null 2>&1 &
+SINK_PORT=${BENCH_SINK_PORT:-18799}
+BIN=${CARGO_TARGET_DIR:-target}/release
+"$BIN/provider-sim" --port "$SINK_PORT" --quiet --no-record-requests --no-record-bodies >/dev/null 2>&1 &
 SINK_PID=$!
 sleep 0.5
 if command -v wrk >/dev/null; then
@@ -127,18 +142,24 @@ wrk.method = "POST"
 wrk.body = '{"to": "user-1", "text": "benchmark message"}'
 wrk.headers["Content-Type"] = "application/json"
 LUA
-  sink=$(wrk -t1 -c64 -d"${DURATION}s" -s "$WORK/post.lua" http://127.0.0.1:18799/ch/sink | awk '/Requests\/sec/ {print int($2)}')
+  sink=$(wrk -t1 -c64 -d"${DURATION}s" -s "$WORK/post.lua" "http://127.0.0.1:$SINK_PORT/ch/sink" | awk '/Requests\/sec/ {print int($2)}')
   echo "sink_ceiling $sink req/s (wrk, 64 keep-alive connections)"
 fi
 kill $SINK_PID 2>/dev/null || true
 
 # 4. Delivery throughput and latency ------------------------------------------------------
-target/release/bench --backlog "$BACKLOG" --large-backlog "$LARGE_BACKLOG" --latency-samples 200 \
-  --steady-seconds "${BENCH_STEADY_SECONDS:-120}"
+"$BIN/bench" --sim-port "${BENCH_SIM_PORT:-0}" --backlog "$BACKLOG" --large-backlog "$LARGE_BACKLOG" --latency-samples 200 \
+  --steady-seconds "${BENCH_STEADY_SECONDS:-120}" | tee "$WORK/delivery.out"
 
 # 5. Footprint ----------------------------------------------------------------------------
 for pid in $(psql -Atc "SELECT pid FROM outbox.worker_status() WHERE pid IS NOT NULL"); do
   # Private memory (RssAnon) is the worker's own; RssShmem is shared_buffers pages it touched.
   echo "worker_rss_private $(($(awk '/RssAnon/ {print $2}' /proc/$pid/status) / 1024)) MB, shared $(($(awk '/RssShmem/ {print $2}' /proc/$pid/status) / 1024)) MB (pid $pid)"
 done
+
+# 6. The anchors: the hand-written outbox and PgQ's consumer, and the ratios of this run ---
+handwritten_anchors "$BACKLOG" 3 | tee "$WORK/anchors.out"
+pgq_consume "$BACKLOG" 3
+anchor_ratios "$WORK/delivery.out" "$WORK/anchors.out" "$((claims * 100))" "$PGQ_CONSUME" \
+  "${enqueue_tps[8c_prepared]}" "${pgq_tps[8c_prepared]}"
 rm -rf "$WORK"

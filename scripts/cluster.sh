@@ -3,6 +3,7 @@
 # run as the `postgres` user. The demo, the end-to-end tests and the benchmarks all use it.
 #
 #   scripts/cluster.sh install        build (release) and install the extension into PG 15
+#                                     (the copy of OUTBOX_PGBIN when it is set)
 #   scripts/cluster.sh start          initdb if needed, start, create database + extension
 #   scripts/cluster.sh stop [mode]    stop (mode: fast | immediate)
 #   scripts/cluster.sh restart [mode]
@@ -22,7 +23,10 @@
 set -euo pipefail
 
 PGBIN=${OUTBOX_PGBIN:-/usr/lib/postgresql/15/bin}
-PG_CONFIG=/usr/bin/pg_config
+# `install` builds into the PostgreSQL of OUTBOX_PGBIN when it is set (a private copy), else
+# into the system PostgreSQL 15.
+PG_CONFIG=${OUTBOX_PGBIN:+$OUTBOX_PGBIN/pg_config}
+PG_CONFIG=${PG_CONFIG:-/usr/bin/pg_config}
 PORT=${OUTBOX_PGPORT:-54815}
 BASE=${OUTBOX_BASE:-/tmp/outbox_delivery}
 PGDATA=${OUTBOX_PGDATA:-$BASE/pgdata}

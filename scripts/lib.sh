@@ -12,3 +12,7 @@ fresh_cluster() {
   bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
   bash scripts/cluster.sh start "$@"
 }
+
+# The median of the numbers on standard input (separated by spaces or lines; the upper one
+# of an even count).
+median() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }

@@ -4,6 +4,22 @@ use crate::channels::guard::{InvalidEntry, Refusal};
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
 
+/// An error followed by each of its causes that its text does not already hold, joined
+/// with ": " (a transport error says little without the TLS or I/O cause below it).
+pub fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let part = s.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = s.source();
+    }
+    text
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum OutboxError {
     /// A function argument is NULL, empty or out of range (22023).

@@ -75,7 +75,7 @@ fn define_postmaster_settings() {
     GucRegistry::define_string_guc(
         c"outbox.metrics_address",
         c"Address (host:port) where a worker of its own serves GET /metrics; empty: none.",
-        c"The text of outbox.prometheus() of every database served, with a database label (src/metrics_server.rs).",
+        c"The text of outbox.prometheus() of every database served, with a database label (src/metrics/).",
         &METRICS_ADDRESS,
         GucContext::Postmaster,
         GucFlags::default(),

@@ -12,7 +12,7 @@ pub mod error;
 pub mod gucs;
 pub mod identity;
 pub mod ledger;
-pub mod metrics_server;
+pub mod metrics;
 pub mod outbox;
 pub mod random;
 pub mod reconcile;
@@ -74,7 +74,7 @@ extension_sql_file!("../sql/privileges.sql", name = "privileges", finalize);
 pub extern "C-unwind" fn _PG_init() {
     gucs::init();
     worker::register();
-    metrics_server::register();
+    metrics::register();
 }
 
 #[cfg(any(test, feature = "pg_test"))]

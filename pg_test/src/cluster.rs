@@ -29,6 +29,14 @@ impl Default for Cluster {
     }
 }
 
+/// The port in the environment variable `var`, or `default` when it is unset or no number.
+pub fn env_port(var: &str, default: u16) -> u16 {
+    std::env::var(var)
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(default)
+}
+
 /// Polls `f` every 20 ms until it returns true or `timeout` passes.
 pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
@@ -61,10 +69,7 @@ pub fn unique(prefix: &str) -> String {
 impl Cluster {
     pub fn from_env() -> Cluster {
         let base = std::env::var("OUTBOX_BASE").unwrap_or_else(|_| "/tmp/outbox_delivery".into());
-        let port = std::env::var("OUTBOX_PGPORT")
-            .ok()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(54815);
+        let port = env_port("OUTBOX_PGPORT", 54815);
         let db = std::env::var("OUTBOX_DB").unwrap_or_else(|_| "outbox".into());
         let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/cluster.sh");
         Cluster {

@@ -15,10 +15,14 @@
 //! - [`test_ca`], [`tls_front`]: certificates made at test time and HTTPS in front of the
 //!   simulator (a private CA, mutual TLS).
 //! - [`webhook_verify`]: a receiver's check of Standard Webhooks signatures.
+//! - [`handwritten`]: the outbox an application writes by hand, the delivery benchmark's
+//!   baseline; [`cli`]: the benchmark programs' command lines.
 //! - [`schema_dump`]: the extension's schema as comparable text (fresh install vs upgrade).
 
+pub mod cli;
 pub mod cluster;
 pub mod costs;
+pub mod handwritten;
 pub mod helpers;
 pub mod nats;
 pub mod pooler;

@@ -31,10 +31,7 @@ impl PgBouncer {
     /// Starts PgBouncer for `cluster`, letting `users` log in (trust, as the cluster does)
     /// to the `pools`. Panics when it does not accept connections within 10 s.
     pub fn start(cluster: &Cluster, users: &[&str], pools: &[Pool<'_>]) -> PgBouncer {
-        let port = std::env::var("OUTBOX_PGBOUNCER_PORT")
-            .ok()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(54850);
+        let port = crate::cluster::env_port("OUTBOX_PGBOUNCER_PORT", 54850);
         let dir = cluster.base.join("pgbouncer");
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("create the PgBouncer directory");

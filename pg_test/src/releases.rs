@@ -102,10 +102,7 @@ fn release_base() -> PathBuf {
 }
 
 fn release_port() -> u16 {
-    std::env::var("OUTBOX_RELEASE_PGPORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(54841)
+    crate::cluster::env_port("OUTBOX_RELEASE_PGPORT", 54841)
 }
 
 /// A private copy of PostgreSQL 15 (see `scripts/pg_prefix.sh`).

@@ -21,10 +21,7 @@ const WORKER_LINE: &str = "LOG:  outbox_delivery worker ";
 fn own_cluster(name: &str, offset: u16, databases: &str, extra_conf: &str) -> OwnCluster {
     let base =
         std::env::var("OUTBOX_DATABASES_BASE").unwrap_or_else(|_| "/tmp/outbox_databases".into());
-    let port: u16 = std::env::var("OUTBOX_DATABASES_PGPORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(54871);
+    let port: u16 = outbox_e2e::cluster::env_port("OUTBOX_DATABASES_PGPORT", 54871);
     let conf = format!("outbox.poll_interval_ms = 200\n{extra_conf}");
     OwnCluster::fresh(
         PathBuf::from(base).join(name),
@@ -268,32 +265,11 @@ fn a_database_is_waited_for_and_left_when_its_extension_or_itself_is_dropped() {
     drop(late);
 
     // DROP DATABASE (no FORCE): the workers leave in time for it, once said, no crash.
-    let mark = cluster.log_mark();
-    admin
-        .batch_execute("DROP DATABASE late")
-        .unwrap_or_else(|e| panic!("DROP DATABASE late: {}", describe(&e)));
-    std::thread::sleep(Duration::from_secs(3));
-    let log = cluster.log_since(mark);
-    assert_eq!(
-        lines_with(&cluster, mark, "database \"late\" is being dropped"),
-        WORKERS as usize,
-        "{log}"
-    );
+    let (mark, log) = drop_late(&cluster, &mut admin, "DROP DATABASE late");
     assert_eq!(
         lines_with(&cluster, mark, WORKER_LINE),
         WORKERS as usize,
         "{log}"
-    );
-    for crash in [
-        "terminated by signal",
-        "terminating any other active server processes",
-        "PANIC",
-    ] {
-        assert!(!log.contains(crash), "a crash: {log}");
-    }
-    assert!(
-        delivers(&cluster, "steady", "mail"),
-        "the other database stopped delivering"
     );
 
     // Re-created under the same name: served again.
@@ -311,21 +287,35 @@ fn a_database_is_waited_for_and_left_when_its_extension_or_itself_is_dropped() {
     drop(late);
 
     // WITH (FORCE) while the workers are connected: they leave as for a plain DROP.
+    drop_late(&cluster, &mut admin, "DROP DATABASE late WITH (FORCE)");
+    sim.shutdown();
+}
+
+/// Drops the database `late` with `statement`; checks that each of its workers said once
+/// that it leaves, that nothing crashed, and that `steady` still delivers. The log mark
+/// before the drop and the log since.
+fn drop_late(cluster: &Cluster, admin: &mut Client, statement: &str) -> (u64, String) {
     let mark = cluster.log_mark();
     admin
-        .batch_execute("DROP DATABASE late WITH (FORCE)")
-        .unwrap_or_else(|e| panic!("DROP DATABASE late WITH (FORCE): {}", describe(&e)));
+        .batch_execute(statement)
+        .unwrap_or_else(|e| panic!("{statement}: {}", describe(&e)));
     std::thread::sleep(Duration::from_secs(3));
     let log = cluster.log_since(mark);
     assert_eq!(
-        lines_with(&cluster, mark, "database \"late\" is being dropped"),
+        lines_with(cluster, mark, "database \"late\" is being dropped"),
         WORKERS as usize,
-        "{log}"
+        "{statement}: {log}"
     );
-    assert!(!log.contains("terminated by signal"), "a crash: {log}");
+    for crash in [
+        "terminated by signal",
+        "terminating any other active server processes",
+        "PANIC",
+    ] {
+        assert!(!log.contains(crash), "{statement}, a crash: {log}");
+    }
     assert!(
-        delivers(&cluster, "steady", "mail"),
-        "the other database stopped delivering"
+        delivers(cluster, "steady", "mail"),
+        "{statement}: the other database stopped delivering"
     );
-    sim.shutdown();
+    (mark, log)
 }

@@ -43,6 +43,25 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// A superuser connection to the cluster with the shop's tables, and the shop's login role.
+fn shop_app(cluster: &Cluster) -> (Client, AppRole<'_>) {
+    let mut su = cluster.connect();
+    su.batch_execute(SHOP_SCHEMA).expect("the shop's tables");
+    let app = AppRole::create(cluster, &mut su);
+    (su, app)
+}
+
+/// PgBouncer in front of `cluster` with one pool, `alias`, of `pool_size` server
+/// connections, for `app`.
+fn one_pool(
+    cluster: &Cluster,
+    app: &AppRole<'_>,
+    alias: &'static str,
+    pool_size: u32,
+) -> PgBouncer {
+    PgBouncer::start(cluster, &[&app.name], &[Pool { alias, pool_size }])
+}
+
 /// A login role of the application: writes through outbox_writer, for any tenant it names
 /// (`'*'`), and owns nothing. Its sessions write their errors to the server log (the
 /// cluster's `log_min_messages = log` leaves them out). Dropped (binding first) when the
@@ -344,9 +363,7 @@ fn check_run(h: &Held, reports: &[Report], tenants: [&str; 2]) {
 fn two_applications_through_pgbouncer_write_each_message_once_in_its_own_tenant() {
     let _serial = serial();
     let cluster = Cluster::from_env();
-    let mut su = cluster.connect();
-    su.batch_execute(SHOP_SCHEMA).expect("the shop's tables");
-    let app = AppRole::create(&cluster, &mut su);
+    let (mut su, app) = shop_app(&cluster);
     let sim = Simulator::start();
     let channel = unique("shop_confirmations");
     create_channel(
@@ -366,14 +383,7 @@ fn two_applications_through_pgbouncer_write_each_message_once_in_its_own_tenant(
         .expect("the tenant's stock row");
     }
     let rust = rust_example();
-    let bouncer = PgBouncer::start(
-        &cluster,
-        &[&app.name],
-        &[Pool {
-            alias: "shop",
-            pool_size: POOL_SIZE,
-        }],
-    );
+    let bouncer = one_pool(&cluster, &app, "shop", POOL_SIZE);
     let dsn = format!("{} application_name={run}", bouncer.dsn("shop", &app.name));
 
     let mark = cluster.log_mark();
@@ -471,22 +481,13 @@ fn enqueue_unnamed(c: &mut Client, su: &mut Client, channel: &str) -> Result<Str
 fn a_session_set_of_the_tenant_leaks_to_the_next_client_and_set_local_does_not() {
     let _serial = serial();
     let cluster = Cluster::from_env();
-    let mut su = cluster.connect();
-    su.batch_execute(SHOP_SCHEMA).expect("the shop's tables");
-    let app = AppRole::create(&cluster, &mut su);
+    let (mut su, app) = shop_app(&cluster);
     let sim = Simulator::start();
     let channel = unique("pool_leak");
     create_channel(&mut su, &channel, &sim.send_url(&channel), "{}");
     let tenant = unique("pool_leak_t");
     // One server connection: every client's transaction runs on it in turn.
-    let bouncer = PgBouncer::start(
-        &cluster,
-        &[&app.name],
-        &[Pool {
-            alias: "one",
-            pool_size: 1,
-        }],
-    );
+    let bouncer = one_pool(&cluster, &app, "one", 1);
     let mut first = bouncer.connect("one", &app.name);
     let mut next = bouncer.connect("one", &app.name);
 
@@ -549,18 +550,9 @@ fn a_session_set_of_the_tenant_leaks_to_the_next_client_and_set_local_does_not()
 fn a_named_prepared_statement_is_lost_on_the_next_server_connection_and_an_unnamed_one_is_not() {
     let _serial = serial();
     let cluster = Cluster::from_env();
-    let mut su = cluster.connect();
-    su.batch_execute(SHOP_SCHEMA).expect("the shop's tables");
-    let app = AppRole::create(&cluster, &mut su);
+    let (_su, app) = shop_app(&cluster);
     // Two server connections, none open yet.
-    let bouncer = PgBouncer::start(
-        &cluster,
-        &[&app.name],
-        &[Pool {
-            alias: "two",
-            pool_size: 2,
-        }],
-    );
+    let bouncer = one_pool(&cluster, &app, "two", 2);
     let mut prepares = bouncer.connect("two", &app.name);
     let mut holds = bouncer.connect("two", &app.name);
 

@@ -24,10 +24,7 @@ const OPTIONS_OTHER: &str = r#"{"idempotency_header": "Idempotency-Key", "tenant
 
 fn own(name: &str, offset: u16) -> OwnCluster {
     let base = std::env::var("OUTBOX_MOVE_BASE").unwrap_or_else(|_| "/tmp/outbox_move".into());
-    let port: u16 = std::env::var("OUTBOX_MOVE_PGPORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(54884);
+    let port: u16 = outbox_e2e::cluster::env_port("OUTBOX_MOVE_PGPORT", 54884);
     OwnCluster::fresh(
         PathBuf::from(base).join(name),
         port + offset,

@@ -4,7 +4,7 @@
 //! again. The state is a row per channel, shared by every worker of the database
 //! (`outbox._channel_flow`); this module is the pure part: the option and the transitions.
 
-use super::options::OptionError;
+use super::option_error::OptionError;
 use serde_json::{json, Value};
 
 /// A channel's `circuit`.

@@ -286,7 +286,7 @@ fn build(client: &reqwest::Client, out: &Outgoing) -> Result<reqwest::Request, S
 /// A reqwest error as recorded: its chain of causes, with the URL it quotes masked
 /// (`secrets::mask_url`): an endpoint's query may hold an API key.
 pub fn describe(e: &reqwest::Error) -> String {
-    let text = error_chain(e);
+    let text = crate::error::with_causes(e);
     match e.url() {
         Some(url) => mask_url_in(&text, url.as_str()),
         None => text,
@@ -379,24 +379,10 @@ fn header(headers: &HeaderMap, name: &str) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let part = s.to_string();
-        if !text.contains(&part) {
-            text.push_str(": ");
-            text.push_str(&part);
-        }
-        source = s.source();
-    }
-    text
-}
-
 /// How far a failed request got: before the request could have been written (DNS,
 /// connect, TLS) or after (wait, read).
 fn failure_phase(e: &reqwest::Error) -> (Phase, bool) {
-    let chain = error_chain(e).to_ascii_lowercase();
+    let chain = crate::error::with_causes(e).to_ascii_lowercase();
     let timed_out = e.is_timeout() || chain.contains("timed out") || chain.contains("deadline");
     if e.is_connect() {
         let phase = if chain.contains("dns error")
@@ -414,7 +400,7 @@ fn failure_phase(e: &reqwest::Error) -> (Phase, bool) {
         };
         return (phase, timed_out);
     }
-    if super::tls::refused_handshake(&error_chain(e)) {
+    if super::tls::refused_handshake(&crate::error::with_causes(e)) {
         return (Phase::Tls, timed_out);
     }
     if e.is_body() || e.is_decode() {

@@ -15,6 +15,7 @@ pub mod nats;
 pub mod nats_options;
 pub mod nats_subject;
 pub mod nats_window;
+pub mod option_error;
 pub mod options;
 pub mod rate_limit;
 pub mod remote;

@@ -3,7 +3,7 @@
 //! window as read when the channel was created or altered. Pure Rust.
 
 use super::nats_subject;
-use super::options::OptionError;
+use super::option_error::OptionError;
 use serde_json::{json, Map, Value};
 
 /// How the worker authenticates to the NATS server.

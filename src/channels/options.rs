@@ -153,21 +153,7 @@ const HTTP_ONLY: &[&str] = &[
     "circuit",
 ];
 
-/// A rejected option, named by its path (e.g. `retry.base_ms`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct OptionError {
-    pub option: String,
-    pub message: String,
-}
-
-impl OptionError {
-    pub(crate) fn new(option: impl Into<String>, message: impl Into<String>) -> Self {
-        OptionError {
-            option: option.into(),
-            message: message.into(),
-        }
-    }
-}
+pub use super::option_error::OptionError;
 
 const KNOWN_KEYS: &[&str] = &[
     "kind",

@@ -5,7 +5,7 @@
 //! channel holds the whole channel back. This module is the pure part: the option and the
 //! bucket arithmetic.
 
-use super::options::OptionError;
+use super::option_error::OptionError;
 use serde_json::{json, Value};
 
 /// Highest `per_second` and `burst`.

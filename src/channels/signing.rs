@@ -7,7 +7,7 @@
 //! receiver that knows either the old or the new secret verifies while secrets rotate.
 //! The signature covers the exact bytes of the body sent. Pure Rust.
 
-use super::options::OptionError;
+use super::option_error::OptionError;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine as _;
 use serde_json::{json, Value};

@@ -7,7 +7,7 @@
 //! provider with a public certificate works as it is. Pure Rust: the PEM is checked when the
 //! option is set, by building a client with it, and applied to each channel's client.
 
-use super::options::OptionError;
+use super::option_error::OptionError;
 use serde_json::{json, Map, Value};
 
 /// Longest PEM text of one field, in bytes (a bundle of a few hundred certificates).
@@ -98,10 +98,12 @@ impl TlsOptions {
     pub fn check(&self) -> Result<(), OptionError> {
         let builder = reqwest::Client::builder().tls_built_in_root_certs(false);
         let builder = self.apply(builder)?;
-        builder
-            .build()
-            .map(drop)
-            .map_err(|e| OptionError::new("tls", format!("cannot be used: {}", chain(&e))))
+        builder.build().map(drop).map_err(|e| {
+            OptionError::new(
+                "tls",
+                format!("cannot be used: {}", crate::error::with_causes(&e)),
+            )
+        })
     }
 
     /// `builder` with the extra roots and the client certificate (the system's roots stay).
@@ -111,7 +113,10 @@ impl TlsOptions {
     ) -> Result<reqwest::ClientBuilder, OptionError> {
         if let Some(pem) = &self.ca_pem {
             let certs = reqwest::Certificate::from_pem_bundle(pem.as_bytes()).map_err(|e| {
-                OptionError::new("tls.ca_pem", format!("is not valid PEM: {}", chain(&e)))
+                OptionError::new(
+                    "tls.ca_pem",
+                    format!("is not valid PEM: {}", crate::error::with_causes(&e)),
+                )
             })?;
             if certs.is_empty() {
                 return Err(OptionError::new(
@@ -127,7 +132,7 @@ impl TlsOptions {
             let certs = reqwest::Certificate::from_pem_bundle(cert.as_bytes()).map_err(|e| {
                 OptionError::new(
                     "tls.client_cert_pem",
-                    format!("is not valid PEM: {}", chain(&e)),
+                    format!("is not valid PEM: {}", crate::error::with_causes(&e)),
                 )
             })?;
             if certs.is_empty() {
@@ -142,7 +147,7 @@ impl TlsOptions {
                     "tls.client_key_pem",
                     format!(
                         "with client_cert_pem is not a usable key and certificate: {}",
-                        chain(&e)
+                        crate::error::with_causes(&e)
                     ),
                 )
             })?;
@@ -183,21 +188,6 @@ pub fn refused_handshake(chain: &str) -> bool {
         .split("received fatal alert: ")
         .skip(1)
         .any(|rest| HANDSHAKE_ALERTS.iter().any(|alert| rest.starts_with(alert)))
-}
-
-/// An error with its causes (none of them quotes PEM text).
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let part = s.to_string();
-        if !text.contains(&part) {
-            text.push_str(": ");
-            text.push_str(&part);
-        }
-        source = s.source();
-    }
-    text
 }
 
 #[cfg(test)]

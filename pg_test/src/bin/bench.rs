@@ -29,39 +29,30 @@
 //!   `sql` channel side by side in R alternating rounds, with what one delivery costs: CPU,
 //!   WAL, growth of the tables (`scripts/bench_nats.sh`; `--costs-json PATH` writes them).
 //!
+//! - with `--anchors R`, the drains of the extension beside those of the outbox an
+//!   application writes by hand (`handwritten-outbox`), R alternating rounds
+//!   (`scripts/bench_anchors.sh`).
+//!
 //! ```text
 //! bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--latency-samples 200]
 //!       [--price-of-safety 0] [--several-databases 0] [--webhooks 0]
 //!       [--kinds 0 --nats-url URL --nats-pid PID --costs-json PATH]
+//!       [--anchors 0 --handwritten-loops 1,2] [--sim-port 0]
 //! ```
 
+use outbox_e2e::cli::{num_arg as arg, text_arg};
 use outbox_e2e::cluster::{unique, wait_until, Cluster};
+use outbox_e2e::costs::{server_pids, worker_pids, Cost, Snapshot};
 use outbox_e2e::sim::{Received, Simulator};
 use postgres::Client;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
+#[path = "bench/anchors.rs"]
+mod anchors;
 #[path = "bench/kinds.rs"]
 mod kinds;
-
-/// The text after `name` on the command line.
-fn text_arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-}
-
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// Is a message of the channel still queued or in flight? Two probes of the heads of the
 /// partial indexes: cheap enough to ask every 20 ms at any backlog.
@@ -226,6 +217,61 @@ fn load_paused(
     enqueue_backlog(c, &ch, n);
     settle(c);
     ch
+}
+
+/// A drain and what it cost: the enqueue of its backlog (the session's backend) and the
+/// drain itself (the delivery workers; CPU of the processes `sink` beside).
+struct Costed {
+    rate: f64,
+    enqueue: Cost,
+    delivery: Cost,
+}
+
+fn backend_pid(c: &mut Client) -> i32 {
+    c.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0)
+}
+
+/// `n` messages enqueued on a new paused channel (`endpoint`, `options` made from its name),
+/// settled, and drained; with the costs of both.
+fn costed_drain(
+    cluster: &Cluster,
+    endpoint: &dyn Fn(&str) -> String,
+    options: &dyn Fn(&str) -> String,
+    n: usize,
+    sink: &[i32],
+) -> Costed {
+    let mut c = cluster.connect();
+    let server = server_pids(&cluster.base.join("pgdata"));
+    let workers = worker_pids(&mut c);
+    let me = [backend_pid(&mut c)];
+    let ch = create_paused(&mut c, endpoint, options);
+    let before = Snapshot::take(&mut c, &me, &server, &[]);
+    enqueue_backlog(&mut c, &ch, n);
+    let enqueue = before.cost(&mut c, &me, &server, &[]);
+    settle(&mut c);
+    let before = Snapshot::take(&mut c, &workers, &server, sink);
+    let rate = drain(&mut c, &ch, n).rate;
+    let delivery = before.cost(&mut c, &workers, &server, sink);
+    Costed {
+        rate,
+        enqueue,
+        delivery,
+    }
+}
+
+/// The median of `v` (the upper one of an even count); NaN when empty.
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Rates as `a / b / c`.
+fn shown(v: &[f64]) -> String {
+    v.iter()
+        .map(|r| format!("{r:.0}"))
+        .collect::<Vec<_>>()
+        .join(" / ")
 }
 
 /// A channel of its own, paused; its endpoint and options made from its name.
@@ -485,23 +531,10 @@ fn price_of_safety(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: u
             rates[i].push(throughput_on(cluster, sim, backlog, options).rate);
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let ordinary = median(&mut rates[0].clone());
-    for ((label, _), rates) in lanes.iter().zip(rates.iter_mut()) {
-        let shown = rates
-            .iter()
-            .map(|r| format!("{r:.0}"))
-            .collect::<Vec<_>>()
-            .join(" / ");
-        let m = median(rates);
-        println!(
-            "deliveries_per_s_backlog_{backlog}_{label} {m:.0} msg/s ({:.2}x the ordinary channel; drains: {shown})",
-            m / ordinary
-        );
-    }
+    let labels: Vec<&str> = lanes.iter().map(|(label, _)| *label).collect();
+    print_beside_first(&labels, &rates, |label, m, ratio, shown| {
+        format!("deliveries_per_s_backlog_{backlog}_{label} {m:.0} msg/s ({ratio:.2}x the ordinary channel; drains: {shown})")
+    });
 }
 
 /// The price of webhook-grade channels: drains of the same backlog on a plain HTTP channel,
@@ -547,36 +580,15 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
             }
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let base = median(&mut rates[0].clone());
-    for ((label, _, _), rates) in lanes.iter().zip(rates.iter_mut()) {
-        let shown = rates
-            .iter()
-            .map(|r| format!("{r:.0}"))
-            .collect::<Vec<_>>()
-            .join(" / ");
-        let m = median(rates);
-        println!(
-            "deliveries_per_s_backlog_{backlog}_{label} {m:.0} msg/s ({:.3}x plain HTTP; drains: {shown})",
-            m / base
-        );
-    }
-    let base_cpu = median(&mut cpu[0].clone());
-    for ((label, _, _), cpu) in lanes.iter().zip(cpu.iter_mut()) {
-        let shown = cpu
-            .iter()
-            .map(|r| format!("{r:.0}"))
-            .collect::<Vec<_>>()
-            .join(" / ");
-        let m = median(cpu);
-        println!(
-            "worker_cpu_ms_per_1000_{label} {m:.0} ms ({:.3}x plain HTTP; drains: {shown})",
-            m / base_cpu
-        );
-    }
+    let labels: Vec<&str> = lanes.iter().map(|(label, _, _)| *label).collect();
+    print_beside_first(&labels, &rates, |label, m, ratio, shown| {
+        format!("deliveries_per_s_backlog_{backlog}_{label} {m:.0} msg/s ({ratio:.3}x plain HTTP; drains: {shown})")
+    });
+    print_beside_first(&labels, &cpu, |label, m, ratio, shown| {
+        format!(
+            "worker_cpu_ms_per_1000_{label} {m:.0} ms ({ratio:.3}x plain HTTP; drains: {shown})"
+        )
+    });
     let shown = handshakes
         .iter()
         .map(u64::to_string)
@@ -659,38 +671,34 @@ fn several_databases(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds:
         one.push(throughput(&dbs[0], sim, backlog).rate);
         all.push(drain_together(&dbs, sim, backlog));
     }
-    let shown = |v: &[f64]| {
-        v.iter()
-            .map(|r| format!("{r:.0}"))
-            .collect::<Vec<_>>()
-            .join(" / ")
-    };
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (one_shown, all_shown) = (shown(&one), shown(&all));
-    let (m_one, m_all) = (median(&mut one), median(&mut all));
-    println!(
-        "deliveries_per_s_backlog_{backlog}_one_database {m_one:.0} msg/s (drains: {one_shown})"
-    );
-    println!(
-        "deliveries_per_s_backlog_{backlog}_each_of_{}_databases_at_once_sum {m_all:.0} msg/s ({:.2}x one database; drains: {all_shown})",
-        dbs.len(),
-        m_all / m_one
-    );
+    let n = dbs.len();
+    print_beside_first(&["one", "all"], &[one, all], |label, m, ratio, shown| {
+        if label == "one" {
+            format!(
+                "deliveries_per_s_backlog_{backlog}_one_database {m:.0} msg/s (drains: {shown})"
+            )
+        } else {
+            format!("deliveries_per_s_backlog_{backlog}_each_of_{n}_databases_at_once_sum {m:.0} msg/s ({ratio:.2}x one database; drains: {shown})")
+        }
+    });
 }
 
 fn main() {
     let backlog = arg("--backlog", 10_000);
     let samples = arg("--latency-samples", 200);
     let cluster = Cluster::from_env();
-    let sim = Simulator::start();
+    // The sink: the simulator in this process, on `--sim-port` (0: a free port).
+    let sim = Simulator::start_on(arg("--sim-port", 0) as u16);
     sim.set_record_bodies(false);
     sim.set_record_requests(false);
     let databases = arg("--several-databases", 0);
     if databases > 0 {
         several_databases(&cluster, &sim, backlog, databases);
+        return;
+    }
+    let anchors_rounds = arg("--anchors", 0);
+    if anchors_rounds > 0 {
+        anchors::anchors(&cluster, &sim, backlog, anchors_rounds);
         return;
     }
     let kinds_rounds = arg("--kinds", 0);
@@ -820,22 +828,45 @@ fn main() {
 
 /// Three drains, each of a fresh backlog on a channel of its own: one drain of 10,000 lasts
 /// about a second, and single runs differ by up to a fifth on this machine. Prints their
-/// median and returns the three rates, sorted.
+/// median and the WAL written per delivery and per enqueue (the medians), and returns the
+/// three rates, sorted.
 fn small_drains(cluster: &Cluster, sim: &Simulator, backlog: usize, label: &str) -> Vec<f64> {
-    let mut drains: Vec<f64> = (0..3)
-        .map(|_| throughput(cluster, sim, backlog).rate)
+    let drains: Vec<Costed> = (0..3)
+        .map(|_| {
+            costed_drain(
+                cluster,
+                &|ch| sim.send_url(ch),
+                &|_| THROUGHPUT_OPTIONS.to_string(),
+                backlog,
+                &[],
+            )
+        })
         .collect();
-    let shown = drains
-        .iter()
-        .map(|r| format!("{r:.0}"))
-        .collect::<Vec<_>>()
-        .join(" / ");
-    drains.sort_by(f64::total_cmp);
+    let mut rates: Vec<f64> = drains.iter().map(|d| d.rate).collect();
     println!(
-        "deliveries_per_s_backlog_{backlog}{label} {:.0} msg/s (median of 3 drains: {shown})",
-        drains[1]
+        "deliveries_per_s_backlog_{backlog}{label} {:.0} msg/s (median of 3 drains: {})",
+        median(&rates),
+        shown(&rates)
     );
-    drains
+    let wal = |cost: &dyn Fn(&Costed) -> Cost| -> Vec<f64> {
+        drains
+            .iter()
+            .map(|d| cost(d).per_message(backlog)[3])
+            .collect()
+    };
+    let (delivery, enqueue) = (wal(&|d| d.delivery), wal(&|d| d.enqueue));
+    println!(
+        "wal_per_delivery{label} {:.0} B (median of the 3 drains: {} B; pg_current_wal_lsn() before and after each)",
+        median(&delivery),
+        shown(&delivery)
+    );
+    println!(
+        "wal_per_enqueue{label} {:.0} B (median of the 3 backlogs: {} B; transactions of 1,000)",
+        median(&enqueue),
+        shown(&enqueue)
+    );
+    rates.sort_by(f64::total_cmp);
+    rates
 }
 
 /// The largest tables and indexes of the extension.
@@ -856,5 +887,28 @@ fn print_sizes(cluster: &Cluster) {
             row.get::<_, String>(0),
             row.get::<_, String>(1)
         );
+    }
+}
+
+/// One line per lane: `line(label, median, median / the first lane's median, the rounds)`.
+fn print_beside_first(
+    labels: &[&str],
+    rounds: &[Vec<f64>],
+    line: impl Fn(&str, f64, f64, String) -> String,
+) {
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let base = median(&rounds[0]);
+    for (label, values) in labels.iter().zip(rounds) {
+        let shown = values
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(" / ");
+        let m = median(values);
+        println!("{}", line(label, m, m / base, shown));
     }
 }

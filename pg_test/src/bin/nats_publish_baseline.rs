@@ -11,22 +11,11 @@
 //!                         [--rounds 3] [--server-pid PID] [--json PATH]
 
 use async_nats::jetstream::{self, context::PublishAckFuture};
+use outbox_e2e::cli::{num_arg as num, text_arg as arg};
 use outbox_e2e::costs::cpu_seconds;
 use outbox_e2e::nats::create_file_stream;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
-
-fn arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-}
-
-fn num(name: &str, default: usize) -> usize {
-    arg(name).and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 /// One round: `n` publishes on a fresh stream; returns the seconds it took.
 async fn round(js: &jetstream::Context, stream: &str, n: usize, in_flight: usize) -> f64 {

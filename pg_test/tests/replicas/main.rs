@@ -44,10 +44,7 @@ fn ha_base() -> PathBuf {
 }
 
 fn ha_port() -> u16 {
-    std::env::var("OUTBOX_HA_PGPORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(54861)
+    outbox_e2e::cluster::env_port("OUTBOX_HA_PGPORT", 54861)
 }
 
 /// A new primary serving `app` and a hot standby streaming from it; with `synchronous`,

@@ -10,8 +10,9 @@
 //!    mutual TLS without and with a client certificate, invalid PEM.
 //! 3. `circuit`: a provider down for 30 s, probes, the views, a manual pause, the backlog.
 //! 4. `rate_limit`: 600 messages at 100/s over two workers; a channel-wide Retry-After.
-//! 5. `/metrics`: `outbox.metrics_address` scraped by a real Prometheus; the alert rules
-//!    checked by promtool.
+//! 5. `/metrics`: `outbox.metrics_address` scraped by a real Prometheus; one scrape of a
+//!    server serving four databases (two served, one without the extension, one dropped);
+//!    the alert rules checked by promtool.
 //!
 //! Run: `cargo test -p outbox_e2e --release --test webhooks -- --test-threads=1`.
 

@@ -1,9 +1,10 @@
 //! `/metrics` over HTTP: `outbox.metrics_address` served by a background worker of its own,
 //! scraped by a real Prometheus (Debian's `prometheus`, started here on a loopback port),
 //! whose HTTP API then answers for `outbox_queued` and a counter rate; the alert rules of
-//! `docs/prometheus-rules.yml` pass `promtool check rules`.
+//! `docs/prometheus-rules.yml` pass `promtool check rules`. A server serving several
+//! databases answers one scrape with every database's figures, and says which are missing.
 
-use outbox_e2e::cluster::{unique, wait_until, Cluster};
+use outbox_e2e::cluster::{unique, wait_until, Cluster, OwnCluster};
 use outbox_e2e::helpers::{cluster_and_sim, count, create_channel, enqueue};
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -143,7 +144,7 @@ fn the_alert_rules_pass_promtool() {
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "promtool check rules: {text}");
-    assert!(text.contains("SUCCESS: 6 rules found"), "{text}");
+    assert!(text.contains("SUCCESS: 7 rules found"), "{text}");
 }
 
 #[test]
@@ -221,4 +222,125 @@ fn prometheus_scrapes_the_metrics_worker() {
         Some(serde_json::json!("1")),
         "{up:?}"
     );
+}
+
+/// The text of `GET /metrics` once `ready` holds for it (or the last one seen).
+fn scrape_until(port: u16, ready: impl Fn(&str) -> bool) -> String {
+    let mut last = String::new();
+    wait_until(Duration::from_secs(30), || {
+        last = get(port, "/metrics").map(|r| r.1).unwrap_or_default();
+        ready(&last)
+    });
+    last
+}
+
+#[test]
+fn one_scrape_holds_every_database_served() {
+    let base =
+        std::env::var("OUTBOX_METRICS_BASE").unwrap_or_else(|_| "/tmp/outbox_metrics".into());
+    let pg_port: u16 = outbox_e2e::cluster::env_port("OUTBOX_METRICS_PGPORT", 54891);
+    let metrics_port = port("OUTBOX_METRICS_PORT");
+    let cluster = OwnCluster::fresh(
+        PathBuf::from(base),
+        pg_port,
+        "m_one, m_two, m_bare, m_gone",
+        1,
+        &format!("outbox.metrics_address = '127.0.0.1:{metrics_port}'"),
+    );
+    // The same channel name in two databases, with 2 and 3 messages queued.
+    for (db, queued) in [("m_one", 2), ("m_two", 3)] {
+        let mut c = cluster.connect_to(db);
+        create_channel(&mut c, "scraped", "http://127.0.0.1:9/never", "{}");
+        c.execute(
+            "SELECT outbox.pause_channel('scraped', 'metrics test: queued')",
+            &[],
+        )
+        .unwrap();
+        for i in 0..queued {
+            enqueue(&mut c, "scraped", &format!("{db}-{i}"));
+        }
+    }
+    // One database loses the extension, one is dropped.
+    cluster
+        .connect_to("m_bare")
+        .batch_execute("DROP EXTENSION outbox_delivery")
+        .unwrap();
+    cluster
+        .connect_to("postgres")
+        .batch_execute("DROP DATABASE m_gone WITH (FORCE)")
+        .unwrap();
+
+    let text = scrape_until(metrics_port, |t| {
+        t.contains("outbox_queued{database=\"m_one\",channel=\"scraped\"} 2")
+            && t.contains("outbox_queued{database=\"m_two\",channel=\"scraped\"} 3")
+    });
+    for expected in [
+        "outbox_queued{database=\"m_one\",channel=\"scraped\"} 2",
+        "outbox_queued{database=\"m_two\",channel=\"scraped\"} 3",
+        "outbox_metrics_database_up{database=\"m_one\"} 1",
+        "outbox_metrics_database_up{database=\"m_two\"} 1",
+        "# outbox_delivery: database \"m_bare\": extension outbox_delivery is not installed there",
+        "outbox_metrics_database_up{database=\"m_bare\"} 0",
+        "# outbox_delivery: database \"m_gone\": the database does not exist, or is being dropped",
+        "outbox_metrics_database_up{database=\"m_gone\"} 0",
+    ] {
+        assert!(
+            text.contains(expected),
+            "{expected:?} is not in the scrape:\n{text}"
+        );
+    }
+    // Every family is described once, though two databases report it.
+    for family in ["outbox_queued", "outbox_metrics_database_up"] {
+        assert_eq!(
+            text.matches(&format!("# TYPE {family} ")).count(),
+            1,
+            "{family} described once:\n{text}"
+        );
+    }
+    let mut c = cluster.connect_to("m_one");
+    // The listener is bound to no database; the scrape workers are gone once it answered.
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE backend_type = 'outbox_delivery metrics' AND datname IS NULL",
+            &[]
+        ),
+        1
+    );
+    assert!(wait_until(Duration::from_secs(10), || {
+        count(
+        &mut c,
+        "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'outbox_delivery metrics scrape'",
+        &[]
+    ) == 0
+    }));
+    // The extension comes back: its figures come back without a restart.
+    cluster
+        .connect_to("m_bare")
+        .batch_execute("CREATE EXTENSION outbox_delivery")
+        .unwrap();
+    let text = scrape_until(metrics_port, |t| {
+        t.contains("outbox_metrics_database_up{database=\"m_bare\"} 1")
+    });
+    assert!(
+        text.contains("outbox_worker_up{database=\"m_bare\"} "),
+        "m_bare's figures are back:\n{text}"
+    );
+    // Many scrapes in a row leave no scrape worker and no answer file behind.
+    for _ in 0..20 {
+        assert_eq!(get(metrics_port, "/metrics").map(|r| r.0).ok(), Some(200));
+    }
+    let leftovers = std::fs::read_dir(cluster.base.join("pgdata/pg_stat_tmp"))
+        .map(|d| {
+            d.flatten()
+                .filter(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .starts_with("outbox_metrics.")
+                })
+                .count()
+        })
+        .unwrap_or(0);
+    assert_eq!(leftovers, 0, "answer files left in pg_stat_tmp");
 }

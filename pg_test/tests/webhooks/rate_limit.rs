@@ -2,9 +2,10 @@
 //! `burst` + 100 in any one-second window, and all in about 6 s; a Retry-After answered on a
 //! rate-limited channel holds the whole channel.
 
-use outbox_e2e::cluster::unique;
+use outbox_e2e::cluster::{unique, Cluster};
 use outbox_e2e::helpers::{cluster_and_sim, create_channel, enqueue, wait_for_count};
 use outbox_e2e::sim::{Action, Received};
+use postgres::Client;
 use std::time::{Duration, SystemTime};
 
 const BURST: usize = 10;
@@ -44,21 +45,7 @@ fn six_hundred_messages_at_100_per_second_over_two_workers() {
         "rate_limit": {"per_second": 100, "burst": BURST},
     });
     create_channel(&mut c, &ch, &sim.send_url(&ch), &options.to_string());
-    let mut tx = c.transaction().unwrap();
-    for i in 0..600 {
-        enqueue(&mut tx, &ch, &unique(&format!("rl{i}")));
-    }
-    tx.commit().unwrap();
-    assert!(
-        wait_for_count(
-            &cluster,
-            Duration::from_secs(30),
-            "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'delivered'",
-            &[&ch],
-            |n| n == 600,
-        ),
-        "all 600 delivered"
-    );
+    enqueue_and_wait_delivered(&cluster, &mut c, &ch, "rl", 600);
     let sends = sim.sends(&ch);
     assert_eq!(sends.len(), 600);
     let pids: std::collections::HashSet<i32> = c
@@ -100,21 +87,7 @@ fn a_retry_after_holds_the_whole_channel() {
         "retry": {"base_ms": 100, "jitter": "none"},
     });
     create_channel(&mut c, &ch, &sim.send_url(&ch), &options.to_string());
-    let mut tx = c.transaction().unwrap();
-    for i in 0..20 {
-        enqueue(&mut tx, &ch, &unique(&format!("hold{i}")));
-    }
-    tx.commit().unwrap();
-    assert!(
-        wait_for_count(
-            &cluster,
-            Duration::from_secs(30),
-            "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'delivered'",
-            &[&ch],
-            |n| n == 20,
-        ),
-        "all 20 delivered"
-    );
+    enqueue_and_wait_delivered(&cluster, &mut c, &ch, "hold", 20);
     let sends = sim.sends(&ch);
     let refused = sends
         .iter()
@@ -138,5 +111,31 @@ fn a_retry_after_holds_the_whole_channel() {
         next - at >= 1900,
         "the channel waited for the Retry-After: {} ms",
         next - at
+    );
+}
+
+/// `n` messages on `channel` in one transaction (keys from `prefix`); returns once all are
+/// delivered (30 s at most).
+fn enqueue_and_wait_delivered(
+    cluster: &Cluster,
+    c: &mut Client,
+    channel: &str,
+    prefix: &str,
+    n: i64,
+) {
+    let mut tx = c.transaction().unwrap();
+    for i in 0..n {
+        enqueue(&mut tx, channel, &unique(&format!("{prefix}{i}")));
+    }
+    tx.commit().unwrap();
+    assert!(
+        wait_for_count(
+            cluster,
+            Duration::from_secs(30),
+            "SELECT count(*) FROM outbox.messages WHERE channel = $1 AND state = 'delivered'",
+            &[&channel],
+            |d| d == n,
+        ),
+        "all {n} delivered on {channel}"
     );
 }

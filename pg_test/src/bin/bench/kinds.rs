@@ -7,12 +7,11 @@
 //! the extension's tables; and what one enqueue cost. `--costs-json PATH` writes the medians
 //! for `scripts/scaling_model.py`.
 
-use super::{create_paused, drain, enqueue_backlog, settle, wait_for_delivery_loop};
+use super::{costed_drain, median, shown, wait_for_delivery_loop};
 use outbox_e2e::cluster::Cluster;
-use outbox_e2e::costs::{server_pids, worker_pids, Cost, Snapshot};
+use outbox_e2e::costs::Cost;
 use outbox_e2e::nats::{create_file_stream, stream_count};
 use outbox_e2e::sim::Simulator;
-use postgres::Client;
 use std::time::Duration;
 
 /// The stream every nats drain publishes into, on `bench.>`.
@@ -90,33 +89,12 @@ fn lanes(sim: &Simulator, nats_url: &str, nats_pid: Option<i32>) -> Vec<Lane> {
     ]
 }
 
-fn backend_pid(c: &mut Client) -> i32 {
-    c.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0)
-}
-
-/// One lane's round: enqueue `n` (its cost: the session's backend), settle, drain (its cost:
-/// the delivery workers).
+/// One lane's round: enqueue `n`, settle, drain; the rate and both costs.
 fn round(cluster: &Cluster, lane: &mut Lane, n: usize) {
-    let mut c = cluster.connect();
-    let server = server_pids(&cluster.base.join("pgdata"));
-    let workers = worker_pids(&mut c);
-    let me = [backend_pid(&mut c)];
-    let ch = create_paused(&mut c, &*lane.endpoint, &*lane.options);
-    let before = Snapshot::take(&mut c, &me, &server, &[]);
-    enqueue_backlog(&mut c, &ch, n);
-    lane.enqueue.push(before.cost(&mut c, &me, &server, &[]));
-    settle(&mut c);
-    let before = Snapshot::take(&mut c, &workers, &server, &lane.sink_pids);
-    let d = drain(&mut c, &ch, n);
-    lane.delivery
-        .push(before.cost(&mut c, &workers, &server, &lane.sink_pids));
+    let d = costed_drain(cluster, &*lane.endpoint, &*lane.options, n, &lane.sink_pids);
+    lane.enqueue.push(d.enqueue);
+    lane.delivery.push(d.delivery);
     lane.rates.push(d.rate);
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// The median of each per-message figure over the costs.
@@ -149,16 +127,11 @@ fn report(lanes: &[Lane], n: usize, rounds: usize, url: &str) {
     let mut json = serde_json::Map::new();
     for lane in lanes {
         let rate = median(&lane.rates);
-        let shown = lane
-            .rates
-            .iter()
-            .map(|r| format!("{r:.0}"))
-            .collect::<Vec<_>>()
-            .join(" / ");
         println!(
-            "deliveries_per_s_backlog_{n}_{} {rate:.0} msg/s ({:.2}x http; drains: {shown})",
+            "deliveries_per_s_backlog_{n}_{} {rate:.0} msg/s ({:.2}x http; drains: {})",
             lane.label,
-            rate / http
+            rate / http,
+            shown(&lane.rates)
         );
         let [w, s, o, wal, t] = median_costs(&lane.delivery, n);
         println!(
