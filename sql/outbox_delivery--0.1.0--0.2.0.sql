@@ -469,3 +469,51 @@ COMMENT ON FUNCTION outbox.prometheus() IS
 -- caller's rights again (row-level security applies to the reader), as a fresh install's do.
 ALTER VIEW outbox.messages SET (security_invoker = true);
 ALTER VIEW outbox.work_queue SET (security_invoker = true);
+
+-- A send's attempt row is written once, with its outcome, when the send is recorded or
+-- recovered; the attempt in progress lives on the `sending` message (src/worker/claim.rs).
+-- A send still open at the update keeps its row (finished_at NULL): outbox.attempts shows
+-- it as before, and recovery closes it (src/worker/recovery.rs).
+ALTER TABLE outbox._messages ADD COLUMN attempt_started_at timestamptz;
+ALTER TABLE outbox._messages ADD COLUMN attempt_pid integer;
+CREATE OR REPLACE VIEW outbox.attempts AS
+SELECT a.message_id,
+       a.attempt,
+       a.kind,
+       a.started_at,
+       a.finished_at,
+       a.outcome,
+       a.error_class,
+       a.http_status,
+       a.error,
+       a.retry_after_ms,
+       a.external_id,
+       a.effect_key_sent,
+       a.worker_pid,
+       a.id AS attempt_id,
+       a.tenant
+  FROM outbox._attempts a
+UNION ALL
+SELECT m.id,
+       m.attempts,
+       'send'::text,
+       coalesce(m.attempt_started_at, m.updated_at),
+       NULL::timestamptz,
+       NULL::text,
+       NULL::outbox.error_class,
+       NULL::integer,
+       NULL::text,
+       NULL::bigint,
+       NULL::text,
+       outbox._provider_key(m.tenant, m.effect_key),
+       m.attempt_pid,
+       NULL::bigint,
+       m.tenant
+  FROM outbox._messages m
+ WHERE m.state = 'sending'
+   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
+                    WHERE o.message_id = m.id AND o.attempt = m.attempts AND o.kind = 'send');
+ALTER VIEW outbox.attempts SET (security_invoker = true);
+COMMENT ON VIEW outbox.attempts IS
+    'Attempt history: one row per send, reconcile lookup or recovery decision, with its classified outcome; a send in progress has no outcome and no finished_at yet.';
+GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text) TO outbox_writer, outbox_operator;

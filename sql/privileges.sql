@@ -79,6 +79,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON
     TO outbox_worker;
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text), outbox._epoch_ms(timestamptz) TO outbox_worker;
+-- outbox.attempts (read as its reader) shows the key a send in progress carries.
+GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text) TO outbox_writer, outbox_operator;
 -- The ledger: its check and its one way of recording (sql/ledger.sql).
 GRANT EXECUTE ON FUNCTION
     outbox._ledger_entry(text, text),

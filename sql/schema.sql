@@ -92,6 +92,12 @@ CREATE TABLE outbox._messages (
     created_at       timestamptz        NOT NULL DEFAULT now(),
     updated_at       timestamptz        NOT NULL DEFAULT now(),
     delivered_at     timestamptz,
+    -- The attempt in progress (state `sending`): when it was claimed and the pid of the
+    -- worker that sends it. Its row of outbox._attempts is written once, with its outcome,
+    -- when it is recorded or recovered; until then outbox.attempts shows it from here.
+    -- Kept out of every index, so that the claim's and the record's updates stay HOT.
+    attempt_started_at timestamptz,
+    attempt_pid      integer,
     CONSTRAINT message_effect_key_unique UNIQUE (tenant, effect_key)
 ) WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.05);
 ALTER SEQUENCE outbox._messages_id_seq OWNED BY outbox._messages.id;
@@ -114,7 +120,10 @@ CREATE INDEX _messages_attention_idx ON outbox._messages (state, updated_at)
 CREATE INDEX _messages_finished_idx ON outbox._messages (updated_at)
     WHERE state IN ('delivered', 'cancelled');
 
--- Attempts: one row per send, reconcile lookup or recovery decision.
+-- Attempts: one row per finished send, reconcile lookup or recovery decision, written once
+-- with its outcome (a send in progress is the `sending` message itself: outbox.attempts).
+-- A database updated from 0.1.0 may still hold rows of sends open at the update
+-- (finished_at NULL): recovery closes them.
 CREATE SEQUENCE outbox._attempts_id_seq AS bigint;
 CREATE TABLE outbox._attempts (
     id              bigint             NOT NULL DEFAULT nextval('outbox._attempts_id_seq') PRIMARY KEY,

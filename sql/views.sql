@@ -70,6 +70,9 @@ ALTER VIEW outbox.messages SET (security_invoker = true);
 COMMENT ON VIEW outbox.messages IS
     'Every message: state, attempts and budget, next attempt, last classified error, external id, owner.';
 
+-- A send is written to outbox._attempts once, with its outcome; while it is in progress
+-- the `sending` message is its row (finished_at NULL), unless the message still has a row
+-- of its own for that attempt (a send open at the update from 0.1.0).
 CREATE VIEW outbox.attempts AS
 SELECT a.message_id,
        a.attempt,
@@ -86,10 +89,30 @@ SELECT a.message_id,
        a.worker_pid,
        a.id AS attempt_id,
        a.tenant
-  FROM outbox._attempts a;
+  FROM outbox._attempts a
+UNION ALL
+SELECT m.id,
+       m.attempts,
+       'send'::text,
+       coalesce(m.attempt_started_at, m.updated_at),
+       NULL::timestamptz,
+       NULL::text,
+       NULL::outbox.error_class,
+       NULL::integer,
+       NULL::text,
+       NULL::bigint,
+       NULL::text,
+       outbox._provider_key(m.tenant, m.effect_key),
+       m.attempt_pid,
+       NULL::bigint,
+       m.tenant
+  FROM outbox._messages m
+ WHERE m.state = 'sending'
+   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
+                    WHERE o.message_id = m.id AND o.attempt = m.attempts AND o.kind = 'send');
 ALTER VIEW outbox.attempts SET (security_invoker = true);
 COMMENT ON VIEW outbox.attempts IS
-    'Attempt history: one row per send, reconcile lookup or recovery decision, with its classified outcome.';
+    'Attempt history: one row per send, reconcile lookup or recovery decision, with its classified outcome; a send in progress has no outcome and no finished_at yet.';
 
 CREATE VIEW outbox.ledger AS
 SELECT l.tenant, l.effect_key, l.message_id, l.external_id, l.recorded_at, l.recorded_by

@@ -8,7 +8,9 @@
 //!   worker), a lookup that found the message (reconcile), an operator's
 //!   `resolve(…, 'delivered', …)` — goes through `outbox._record_delivered`: mark the
 //!   message delivered, clear its lease, write the entry. An effect already recorded keeps
-//!   its first entry.
+//!   its first entry. The worker's answer for a message still in the attempt that sent it
+//!   is recorded by one statement ([`record_sent`]) that makes the same writes as
+//!   `outbox._record_delivered` (message, ledger entry) and adds the attempt's row.
 //! - **Purge.** Entries live for `outbox.ledger_retention`, never shorter than the longest
 //!   retry horizon of any channel ([`keep_s`]): a message may still be retried that long
 //!   after it was enqueued, and its entry is what stops a second send.
@@ -82,6 +84,92 @@ pub fn record_delivered(
                 .into(),
             recorder.as_str().into(),
             recorder.leaves_sending().into(),
+        ],
+    )?;
+    rows.map(|row| row.get::<i64>(1).map(|id| id.unwrap_or_default()))
+        .collect()
+}
+
+/// The worker's confirmed sends of messages still in the attempt that sent them (`sending`,
+/// same attempt number): each is marked delivered with its lease cleared, its ledger entry
+/// written (an effect already recorded keeps its first entry), and the attempt's row
+/// written once, with its outcome (unless `$6` says it is written already). The
+/// `m.id = ANY(...)` condition beside the join keeps the batch's messages reached through
+/// the primary key, whatever the plan expects of the arrays.
+pub(crate) static RECORD_SENT: Statement = Statement::planned_once(
+    "
+WITH d AS (
+    SELECT * FROM unnest($1::int8[], $2::int4[], $3::text[], $4::int4[], $5::text[], $6::bool[])
+        AS d(id, attempt, external_id, http_status, outcome, row_written)
+), m AS (
+    UPDATE outbox._messages m
+       SET state = 'delivered',
+           delivered_at = now(),
+           updated_at = now(),
+           external_id = coalesce(d.external_id, m.external_id),
+           last_http_status = coalesce(d.http_status, m.last_http_status),
+           lease_until = NULL,
+           lease_owner = NULL
+      FROM d
+     WHERE m.id = d.id AND m.id = ANY ($1::int8[]) AND m.state = 'sending' AND m.attempts = d.attempt
+ RETURNING m.id, m.tenant, m.effect_key, m.external_id, m.attempt_started_at, m.attempt_pid
+), l AS (
+    INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
+    SELECT m.tenant, m.effect_key, m.id, m.external_id, 'worker' FROM m
+        ON CONFLICT (tenant, effect_key) DO NOTHING
+), a AS (
+    INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, started_at, finished_at, outcome,
+                                  http_status, external_id, effect_key_sent, worker_pid)
+    SELECT m.id, m.tenant, d.attempt, 'send', coalesce(m.attempt_started_at, now()), now(), d.outcome,
+           d.http_status, d.external_id, outbox._provider_key(m.tenant, m.effect_key), m.attempt_pid
+      FROM m JOIN d ON d.id = m.id
+     WHERE NOT d.row_written
+)
+SELECT m.id FROM m",
+);
+
+/// Records the worker's confirmed sends that are still in their attempt ([`RECORD_SENT`]);
+/// returns the messages it recorded. Any other (a late answer: the message was taken back
+/// meanwhile) is left to [`record_delivered`].
+pub fn record_sent(
+    client: &mut SpiClient<'_>,
+    delivered: &[crate::worker::record::Delivery],
+) -> SpiResult<std::collections::HashSet<i64>> {
+    let rows = spi::run(
+        client,
+        &RECORD_SENT,
+        None,
+        &[
+            delivered
+                .iter()
+                .map(|x| x.message_id)
+                .collect::<Vec<_>>()
+                .into(),
+            delivered
+                .iter()
+                .map(|x| x.attempt)
+                .collect::<Vec<_>>()
+                .into(),
+            delivered
+                .iter()
+                .map(|x| x.external_id.clone())
+                .collect::<Vec<_>>()
+                .into(),
+            delivered
+                .iter()
+                .map(|x| x.http_status)
+                .collect::<Vec<_>>()
+                .into(),
+            delivered
+                .iter()
+                .map(|x| x.outcome.clone())
+                .collect::<Vec<_>>()
+                .into(),
+            delivered
+                .iter()
+                .map(|x| x.row_written)
+                .collect::<Vec<_>>()
+                .into(),
         ],
     )?;
     rows.map(|row| row.get::<i64>(1).map(|id| id.unwrap_or_default()))

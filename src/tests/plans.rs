@@ -81,15 +81,20 @@ fn the_worker_plans_bounded_scans_of_the_message_table_at_a_backlog() {
         ),
         (&crate::worker::claim::NEXT_DUE, "", ""),
         (
-            &crate::worker::record::CLOSE_DELIVERED_ATTEMPTS,
-            "int8[], text[], int4[], text[]",
-            "'{1,2}', '{NULL,NULL}', '{200,200}', '{delivered,delivered}'",
+            &crate::ledger::RECORD_SENT,
+            "int8[], int4[], text[], int4[], text[], bool[]",
+            "'{1,2}', '{1,1}', '{NULL,NULL}', '{200,200}', '{delivered,delivered}', '{f,f}'",
+        ),
+        (
+            &crate::worker::record::RECORD_LATE_DELIVERED_ATTEMPTS,
+            "int8[], int4[], text[], int4[], text[], int8[]",
+            "'{1,2}', '{1,1}', '{NULL,NULL}', '{200,200}', '{delivered,delivered}', '{NULL,NULL}'",
         ),
         (&crate::worker::record::LOCK_EFFECT_MESSAGES, "int8[]", "'{1,2,3}'"),
         (
             &crate::worker::record::RECORD_SETTLED,
-            "int8[], int8[], int4[], text[], int8[], text[], text[], int4[], int8[], text[]",
-            "'{1}', '{1}', '{1}', '{queued}', '{0}', '{transient}', '{e}', '{500}', '{NULL}', '{transient}'",
+            "int8[], int4[], text[], int8[], text[], text[], int4[], int8[], text[], bool[]",
+            "'{1}', '{1}', '{queued}', '{0}', '{transient}', '{e}', '{500}', '{NULL}', '{transient}', '{f}'",
         ),
     ];
     for (statement, types, args) in statements {

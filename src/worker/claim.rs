@@ -1,5 +1,7 @@
 //! Claim: one short transaction moves up to `batch_size` due messages to `sending` under a
-//! lease, counts the attempt and writes its attempt row before anything is sent.
+//! lease and counts the attempt before anything is sent. The message row is the open
+//! attempt (when it started, the sending worker's pid); its row of `outbox._attempts` is
+//! written once, with its outcome, by the record or by recovery.
 
 use super::claim_cursor::{ClaimCursors, Floors, Position};
 use crate::channels::options::ChannelOptions;
@@ -77,6 +79,11 @@ WITH ch AS (
            lease_until = now() + $2 * interval '1 millisecond',
            lease_owner = $3,
            first_attempt_at = coalesce(m.first_attempt_at, now()),
+           -- An attempt starts when it is claimed, not when the claim's transaction began:
+           -- the sweep and the wait for the claim lock come first, and an attempt of
+           -- another worker may be recorded in between.
+           attempt_started_at = pg_catalog.clock_timestamp(),
+           attempt_pid = $4,
            updated_at = now()
      -- The versions just locked, by their addresses: no second descent of the primary key,
      -- and no join, whose plan (planned once, for any batch size) could read the whole
@@ -87,16 +94,10 @@ WITH ch AS (
  RETURNING m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers, m.attempts,
            outbox._provider_key(m.tenant, m.effect_key) AS key_sent,
            coalesce(m.budget_started_at, m.created_at) AS budget_started_at, m.first_attempt_at,
-           m.attempts::int8 - m.budget_base AS budget_attempt, m.next_attempt_at
-), attempt AS (
-    -- An attempt starts when it is claimed, not when the claim's transaction began: the
-    -- sweep and the wait for the claim lock come first, and an attempt of another worker
-    -- may be recorded in between.
-    INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, effect_key_sent, worker_pid, started_at)
-    SELECT c.id, c.tenant, c.attempts, 'send', c.key_sent, $4, pg_catalog.clock_timestamp() FROM claimed c
-    RETURNING id, message_id
+           m.attempts::int8 - m.budget_base AS budget_attempt, m.next_attempt_at,
+           m.attempt_started_at
 )
-SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.key_sent, c.payload::text, c.headers::text,
+SELECT c.id, (extract(epoch FROM c.attempt_started_at) * 1000000)::int8, c.attempts, c.tenant, c.channel_id, c.key_sent, c.payload::text, c.headers::text,
        -- NULL (read as 0) for a time of ±infinity set by hand.
        outbox._epoch_ms(c.budget_started_at), outbox._epoch_ms(c.first_attempt_at),
        l.message_id, l.external_id, c.budget_attempt,
@@ -104,7 +105,6 @@ SELECT c.id, a.id, c.attempts, c.tenant, c.channel_id, c.key_sent, c.payload::te
        CASE WHEN c.next_attempt_at BETWEEN timestamptz '1900-01-01' AND timestamptz '2200-01-01'
             THEN (extract(epoch FROM c.next_attempt_at) * 1000000)::int8 END
   FROM claimed c
-  JOIN attempt a ON a.message_id = c.id
   -- The barrier: one ledger probe per claimed message (crate::ledger).
   LEFT JOIN LATERAL outbox._ledger_entry(c.tenant, c.effect_key) l ON true
  ORDER BY c.id");
@@ -208,7 +208,8 @@ impl Channels {
 #[derive(Debug, Clone)]
 pub struct Job {
     pub message_id: i64,
-    pub attempt_id: i64,
+    /// When the attempt started (µs since the epoch).
+    pub started_at_us: i64,
     pub attempt: i32,
     pub tenant: String,
     pub channel_id: i32,
@@ -341,7 +342,8 @@ fn claim_from(
     )?;
     let mut jobs = Vec::with_capacity(rows.len());
     for row in rows {
-        let (Some(message_id), Some(attempt_id)) = (row.get::<i64>(1)?, row.get::<i64>(2)?) else {
+        let (Some(message_id), Some(started_at_us)) = (row.get::<i64>(1)?, row.get::<i64>(2)?)
+        else {
             continue;
         };
         let ledger = match row.get::<i64>(11)? {
@@ -350,7 +352,7 @@ fn claim_from(
         };
         jobs.push(Job {
             message_id,
-            attempt_id,
+            started_at_us,
             attempt: row.get::<i32>(3)?.unwrap_or(1),
             tenant: row.get::<String>(4)?.unwrap_or_default(),
             channel_id: row.get::<i32>(5)?.unwrap_or_default(),

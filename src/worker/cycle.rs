@@ -406,15 +406,9 @@ fn recover_lost_leases(
                 format!("channel {} no longer exists", l.channel_id),
             ),
         };
-        outcomes.push_for(
-            l.channel_id,
-            true,
-            l.message_id,
-            l.attempt_id.unwrap_or(0),
-            l.attempt,
-            verdict,
-        );
+        outcomes.push_for(l.channel_id, true, l.message_id, (l.attempt, None), verdict);
     }
+    record::close_open_rows(client, &mut outcomes)?;
     record::record(client, &outcomes)?;
     record::record_recovery_rows(client, &outcomes.settled, pid)?;
     log!(

@@ -1,6 +1,8 @@
 //! Record: one transaction per batch. A confirmed delivery writes the ledger entry, marks
-//! the message delivered and closes its attempt, atomically; any other outcome moves the
-//! message to its next state and closes the attempt with its classified facts.
+//! the message delivered and writes its attempt's row, atomically; any other outcome moves
+//! the message to its next state and writes the attempt's row with its classified facts.
+//! The row of an attempt is written once, here or by recovery, with its outcome: while the
+//! attempt is in progress the `sending` message stands for it (src/worker/claim.rs).
 
 use crate::classify::Class;
 use crate::ledger;
@@ -9,28 +11,45 @@ use crate::spi::{self, Statement};
 use crate::worker::decide::Verdict;
 use pgrx::spi::{SpiClient, SpiResult};
 
-/// Closes the attempts of confirmed deliveries (the messages and the ledger are recorded
-/// by `crate::ledger`). The `a.id = ANY(...)` condition beside the join lets the planner
-/// reach the batch's attempt rows through the primary key: without it, it may hash-join
-/// the batch against a sequential scan of the whole attempt table, a cost that grows with
-/// every delivery.
-pub(crate) static CLOSE_DELIVERED_ATTEMPTS: Statement = Statement::planned_once(
+/// The attempt rows of confirmed deliveries whose message was no longer in the attempt
+/// that sent them (a late answer, after recovery took the message back; the message and
+/// the ledger are recorded by `crate::ledger::record_delivered`): the row recovery wrote
+/// for that attempt takes the answer, else one is written. The `a.message_id = ANY(...)`
+/// condition beside the join keeps the attempt table reached through its index.
+pub(crate) static RECORD_LATE_DELIVERED_ATTEMPTS: Statement = Statement::planned_once(
     "
-UPDATE outbox._attempts a
-   SET finished_at = now(), outcome = d.outcome, http_status = d.http_status, external_id = d.external_id
-  FROM unnest($1::int8[], $2::text[], $3::int4[], $4::text[]) AS d(attempt_id, external_id, http_status, outcome)
- WHERE a.id = d.attempt_id AND a.id = ANY ($1::int8[])",
+WITH d AS (
+    SELECT * FROM unnest($1::int8[], $2::int4[], $3::text[], $4::int4[], $5::text[], $6::int8[])
+        AS d(id, attempt, external_id, http_status, outcome, started_at_us)
+), closed AS (
+    UPDATE outbox._attempts a
+       SET finished_at = now(), outcome = d.outcome, http_status = d.http_status, external_id = d.external_id
+      FROM d
+     WHERE a.message_id = d.id AND a.message_id = ANY ($1::int8[]) AND a.attempt = d.attempt AND a.kind = 'send'
+ RETURNING a.message_id
+)
+INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, started_at, finished_at, outcome,
+                              http_status, external_id, effect_key_sent, worker_pid)
+SELECT d.id, m.tenant, d.attempt, 'send',
+       coalesce(timestamptz 'epoch' + d.started_at_us * interval '1 microsecond', now()), now(),
+       d.outcome, d.http_status, d.external_id, outbox._provider_key(m.tenant, m.effect_key),
+       pg_catalog.pg_backend_pid()
+  FROM d
+  JOIN outbox._messages m ON m.id = d.id AND m.id = ANY ($1::int8[])
+ WHERE d.id NOT IN (SELECT closed.message_id FROM closed)",
 );
 
 /// Every other outcome. Applies only while the message is still in the attempt that
-/// produced it (`sending`, same attempt number): a late answer never overrides a newer state.
+/// produced it (`sending`, same attempt number): a late answer never overrides a newer state,
+/// and an attempt taken back by recovery keeps the row recovery wrote. The attempt's row
+/// is written with the message's move, unless `$10` says it is written already.
 pub(crate) static RECORD_SETTLED: Statement = Statement::planned_once(
     "
 WITH o AS (
-    SELECT * FROM unnest($1::int8[], $2::int8[], $3::int4[], $4::text[], $5::int8[], $6::text[],
-                         $7::text[], $8::int4[], $9::int8[], $10::text[])
-        AS o(message_id, attempt_id, attempt, state, next_at_ms, error_class, error, http_status,
-             retry_after_ms, outcome)
+    SELECT * FROM unnest($1::int8[], $2::int4[], $3::text[], $4::int8[], $5::text[], $6::text[],
+                         $7::int4[], $8::int8[], $9::text[], $10::bool[])
+        AS o(message_id, attempt, state, next_at_ms, error_class, error, http_status,
+             retry_after_ms, outcome, row_written)
 ), m AS (
     UPDATE outbox._messages m
        SET state = o.state::outbox.state,
@@ -43,18 +62,36 @@ WITH o AS (
            lease_owner = NULL,
            updated_at = now()
       FROM o
-     WHERE m.id = o.message_id AND m.state = 'sending' AND m.attempts = o.attempt
- RETURNING m.id
+     WHERE m.id = o.message_id AND m.id = ANY ($1::int8[]) AND m.state = 'sending' AND m.attempts = o.attempt
+ RETURNING m.id, m.tenant, m.effect_key, m.attempt_started_at, m.attempt_pid
 )
+INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, started_at, finished_at, outcome,
+                              error_class, http_status, error, retry_after_ms, effect_key_sent, worker_pid)
+SELECT m.id, m.tenant, o.attempt, 'send', coalesce(m.attempt_started_at, now()), now(), o.outcome,
+       o.error_class::outbox.error_class, o.http_status, o.error, o.retry_after_ms,
+       outbox._provider_key(m.tenant, m.effect_key), m.attempt_pid
+  FROM m JOIN o ON o.message_id = m.id
+ WHERE NOT o.row_written",
+);
+
+/// Rows of sends still open from before the update from 0.1.0, which wrote a send's row
+/// when it was claimed: recovery closes each with the outcome it decided, instead of
+/// writing a second row for the attempt. Returns the messages whose row it closed.
+static CLOSE_OPEN_ATTEMPTS: Statement = Statement::planned_once(
+    "
 UPDATE outbox._attempts a
    SET finished_at = now(),
        outcome = o.outcome,
        error_class = o.error_class::outbox.error_class,
        http_status = o.http_status,
        error = o.error,
-       retry_after_ms = o.retry_after_ms
-  FROM o
- WHERE a.id = o.attempt_id AND a.id = ANY ($2::int8[]) AND a.finished_at IS NULL",
+       retry_after_ms = o.retry_after_ms,
+       external_id = o.external_id
+  FROM unnest($1::int8[], $2::int4[], $3::text[], $4::text[], $5::text[], $6::int4[], $7::int8[], $8::text[])
+       AS o(message_id, attempt, outcome, error_class, error, http_status, retry_after_ms, external_id)
+ WHERE a.message_id = o.message_id AND a.message_id = ANY ($1::int8[]) AND a.attempt = o.attempt
+   AND a.kind = 'send' AND a.finished_at IS NULL
+RETURNING a.message_id",
 );
 
 /// Locks the messages whose effects run in this transaction, in id order, while they are
@@ -83,19 +120,24 @@ SELECT o.message_id, m.tenant, o.attempt, 'recovery', now(), o.outcome, 'ambiguo
 #[derive(Debug, Clone)]
 pub struct Delivery {
     pub message_id: i64,
-    pub attempt_id: i64,
+    pub attempt: i32,
+    /// When the attempt started (µs since the epoch), where the worker knows it.
+    pub started_at_us: Option<i64>,
     pub external_id: Option<String>,
     pub http_status: Option<i32>,
     pub outcome: String,
+    /// The attempt's row is written already (a send open at the update from 0.1.0).
+    pub row_written: bool,
 }
 
 /// One outcome other than a delivery.
 #[derive(Debug, Clone)]
 pub struct Settlement {
     pub message_id: i64,
-    pub attempt_id: i64,
     pub attempt: i32,
     pub verdict: Verdict,
+    /// The attempt's row is written already (a send open at the update from 0.1.0).
+    pub row_written: bool,
 }
 
 /// Everything one transaction records: deliveries, other outcomes, and the per-channel
@@ -109,21 +151,20 @@ pub struct Outcomes {
 
 impl Outcomes {
     /// Adds the outcome of one message of `channel_id`; `sent` is false when nothing was
-    /// attempted (the ledger barrier).
+    /// attempted (the ledger barrier). `started_at_us`: when the attempt started, if known.
     pub fn push_for(
         &mut self,
         channel_id: i32,
         sent: bool,
         message_id: i64,
-        attempt_id: i64,
-        attempt: i32,
+        (attempt, started_at_us): (i32, Option<i64>),
         verdict: Verdict,
     ) {
         self.tallies
             .entry(channel_id)
             .or_default()
             .count(verdict.state, sent);
-        self.push(message_id, attempt_id, attempt, verdict);
+        self.push(message_id, attempt, started_at_us, verdict);
     }
 
     /// Adds the outcome of a claimed job (see [`Outcomes::push_for`]).
@@ -132,27 +173,34 @@ impl Outcomes {
             job.channel_id,
             sent,
             job.message_id,
-            job.attempt_id,
-            job.attempt,
+            (job.attempt, Some(job.started_at_us)),
             verdict,
         );
     }
 
-    pub fn push(&mut self, message_id: i64, attempt_id: i64, attempt: i32, verdict: Verdict) {
+    pub fn push(
+        &mut self,
+        message_id: i64,
+        attempt: i32,
+        started_at_us: Option<i64>,
+        verdict: Verdict,
+    ) {
         if verdict.state == State::Delivered {
             self.delivered.push(Delivery {
                 message_id,
-                attempt_id,
+                attempt,
+                started_at_us,
                 external_id: verdict.external_id,
                 http_status: verdict.http_status.map(i32::from),
                 outcome: verdict.outcome,
+                row_written: false,
             });
         } else {
             self.settled.push(Settlement {
                 message_id,
-                attempt_id,
                 attempt,
                 verdict,
+                row_written: false,
             });
         }
     }
@@ -186,87 +234,197 @@ pub fn lock_effect_messages(
 /// Records deliveries, other outcomes and the counters, in the caller's transaction.
 pub fn record(client: &mut SpiClient<'_>, outcomes: &Outcomes) -> SpiResult<()> {
     if !outcomes.delivered.is_empty() {
-        let d = &outcomes.delivered;
-        let confirmed: Vec<ledger::Confirmed> = d
-            .iter()
-            .map(|x| ledger::Confirmed {
-                message_id: x.message_id,
-                external_id: x.external_id.clone(),
-                http_status: x.http_status,
-            })
-            .collect();
-        ledger::record_delivered(client, &confirmed, ledger::Recorder::Worker)?;
-        spi::run(
-            client,
-            &CLOSE_DELIVERED_ATTEMPTS,
-            None,
-            &[
-                d.iter().map(|x| x.attempt_id).collect::<Vec<_>>().into(),
-                d.iter()
-                    .map(|x| x.external_id.clone())
-                    .collect::<Vec<_>>()
-                    .into(),
-                d.iter().map(|x| x.http_status).collect::<Vec<_>>().into(),
-                d.iter()
-                    .map(|x| x.outcome.clone())
-                    .collect::<Vec<_>>()
-                    .into(),
-            ],
-        )?;
+        record_delivered(client, &outcomes.delivered)?;
     }
     if !outcomes.settled.is_empty() {
-        let s = &outcomes.settled;
-        spi::run(
-            client,
-            &RECORD_SETTLED,
-            None,
-            &[
-                s.iter().map(|x| x.message_id).collect::<Vec<_>>().into(),
-                s.iter().map(|x| x.attempt_id).collect::<Vec<_>>().into(),
-                s.iter().map(|x| x.attempt).collect::<Vec<_>>().into(),
-                s.iter()
-                    .map(|x| x.verdict.state.as_str().to_string())
-                    .collect::<Vec<_>>()
-                    .into(),
-                s.iter()
-                    .map(|x| x.verdict.next_at_ms)
-                    .collect::<Vec<_>>()
-                    .into(),
-                s.iter()
-                    .map(|x| {
-                        x.verdict
-                            .class
-                            .map(|c: Class| c.as_str().to_string())
-                            .filter(|c| c != "delivered")
-                    })
-                    .collect::<Vec<_>>()
-                    .into(),
-                s.iter()
-                    .map(|x| x.verdict.error.clone())
-                    .collect::<Vec<_>>()
-                    .into(),
-                s.iter()
-                    .map(|x| x.verdict.http_status.map(i32::from))
-                    .collect::<Vec<_>>()
-                    .into(),
-                s.iter()
-                    .map(|x| {
-                        x.verdict
-                            .retry_after_ms
-                            .map(|v| v.min(i64::MAX as u64) as i64)
-                    })
-                    .collect::<Vec<_>>()
-                    .into(),
-                s.iter()
-                    .map(|x| x.verdict.outcome.clone())
-                    .collect::<Vec<_>>()
-                    .into(),
-            ],
-        )?;
+        record_settled(client, &outcomes.settled)?;
     }
     // Last: every worker of a channel updates the same counter rows, so the row locks
     // this takes are held only until the commit that follows.
     record_stats(client, &outcomes.tallies)
+}
+
+/// Deliveries: those still in their attempt in one statement (`crate::ledger::record_sent`);
+/// a late answer through `outbox._record_delivered`, with its attempt's row.
+fn record_delivered(client: &mut SpiClient<'_>, delivered: &[Delivery]) -> SpiResult<()> {
+    let recorded = ledger::record_sent(client, delivered)?;
+    let late: Vec<&Delivery> = delivered
+        .iter()
+        .filter(|d| !recorded.contains(&d.message_id))
+        .collect();
+    if late.is_empty() {
+        return Ok(());
+    }
+    let confirmed: Vec<ledger::Confirmed> = late
+        .iter()
+        .map(|x| ledger::Confirmed {
+            message_id: x.message_id,
+            external_id: x.external_id.clone(),
+            http_status: x.http_status,
+        })
+        .collect();
+    ledger::record_delivered(client, &confirmed, ledger::Recorder::Worker)?;
+    let late: Vec<&Delivery> = late.into_iter().filter(|d| !d.row_written).collect();
+    if late.is_empty() {
+        return Ok(());
+    }
+    spi::run(
+        client,
+        &RECORD_LATE_DELIVERED_ATTEMPTS,
+        None,
+        &[
+            late.iter().map(|x| x.message_id).collect::<Vec<_>>().into(),
+            late.iter().map(|x| x.attempt).collect::<Vec<_>>().into(),
+            late.iter()
+                .map(|x| x.external_id.clone())
+                .collect::<Vec<_>>()
+                .into(),
+            late.iter()
+                .map(|x| x.http_status)
+                .collect::<Vec<_>>()
+                .into(),
+            late.iter()
+                .map(|x| x.outcome.clone())
+                .collect::<Vec<_>>()
+                .into(),
+            late.iter()
+                .map(|x| x.started_at_us)
+                .collect::<Vec<_>>()
+                .into(),
+        ],
+    )?;
+    Ok(())
+}
+
+/// The class of a verdict as the attempt's `error_class` (none for a delivery).
+fn error_class(verdict: &Verdict) -> Option<String> {
+    verdict
+        .class
+        .map(|c: Class| c.as_str().to_string())
+        .filter(|c| c != "delivered")
+}
+
+fn retry_after_ms(verdict: &Verdict) -> Option<i64> {
+    verdict
+        .retry_after_ms
+        .map(|v| v.min(i64::MAX as u64) as i64)
+}
+
+fn record_settled(client: &mut SpiClient<'_>, s: &[Settlement]) -> SpiResult<()> {
+    spi::run(
+        client,
+        &RECORD_SETTLED,
+        None,
+        &[
+            s.iter().map(|x| x.message_id).collect::<Vec<_>>().into(),
+            s.iter().map(|x| x.attempt).collect::<Vec<_>>().into(),
+            s.iter()
+                .map(|x| x.verdict.state.as_str().to_string())
+                .collect::<Vec<_>>()
+                .into(),
+            s.iter()
+                .map(|x| x.verdict.next_at_ms)
+                .collect::<Vec<_>>()
+                .into(),
+            s.iter()
+                .map(|x| error_class(&x.verdict))
+                .collect::<Vec<_>>()
+                .into(),
+            s.iter()
+                .map(|x| x.verdict.error.clone())
+                .collect::<Vec<_>>()
+                .into(),
+            s.iter()
+                .map(|x| x.verdict.http_status.map(i32::from))
+                .collect::<Vec<_>>()
+                .into(),
+            s.iter()
+                .map(|x| retry_after_ms(&x.verdict))
+                .collect::<Vec<_>>()
+                .into(),
+            s.iter()
+                .map(|x| x.verdict.outcome.clone())
+                .collect::<Vec<_>>()
+                .into(),
+            s.iter().map(|x| x.row_written).collect::<Vec<_>>().into(),
+        ],
+    )?;
+    Ok(())
+}
+
+/// Recovery, before it records `outcomes`: a send still open from before the update from
+/// 0.1.0 has its row, which is closed with the outcome decided for it ([`CLOSE_OPEN_ATTEMPTS`])
+/// and marked written, so that the record writes no second row for that attempt.
+pub fn close_open_rows(client: &mut SpiClient<'_>, outcomes: &mut Outcomes) -> SpiResult<()> {
+    let d = &outcomes.delivered;
+    let s = &outcomes.settled;
+    let ids: Vec<i64> = d
+        .iter()
+        .map(|x| x.message_id)
+        .chain(s.iter().map(|x| x.message_id))
+        .collect();
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let attempts: Vec<i32> = d
+        .iter()
+        .map(|x| x.attempt)
+        .chain(s.iter().map(|x| x.attempt))
+        .collect();
+    let outcome: Vec<String> = d
+        .iter()
+        .map(|x| x.outcome.clone())
+        .chain(s.iter().map(|x| x.verdict.outcome.clone()))
+        .collect();
+    let class: Vec<Option<String>> = d
+        .iter()
+        .map(|_| None)
+        .chain(s.iter().map(|x| error_class(&x.verdict)))
+        .collect();
+    let error: Vec<Option<String>> = d
+        .iter()
+        .map(|_| None)
+        .chain(s.iter().map(|x| x.verdict.error.clone()))
+        .collect();
+    let status: Vec<Option<i32>> = d
+        .iter()
+        .map(|x| x.http_status)
+        .chain(s.iter().map(|x| x.verdict.http_status.map(i32::from)))
+        .collect();
+    let retry: Vec<Option<i64>> = d
+        .iter()
+        .map(|_| None)
+        .chain(s.iter().map(|x| retry_after_ms(&x.verdict)))
+        .collect();
+    let external: Vec<Option<String>> = d
+        .iter()
+        .map(|x| x.external_id.clone())
+        .chain(s.iter().map(|x| x.verdict.external_id.clone()))
+        .collect();
+    let closed: std::collections::HashSet<i64> = spi::run(
+        client,
+        &CLOSE_OPEN_ATTEMPTS,
+        None,
+        &[
+            ids.into(),
+            attempts.into(),
+            outcome.into(),
+            class.into(),
+            error.into(),
+            status.into(),
+            retry.into(),
+            external.into(),
+        ],
+    )?
+    .map(|row| row.get::<i64>(1).map(|id| id.unwrap_or_default()))
+    .collect::<SpiResult<_>>()?;
+    for x in &mut outcomes.delivered {
+        x.row_written = closed.contains(&x.message_id);
+    }
+    for x in &mut outcomes.settled {
+        x.row_written = closed.contains(&x.message_id);
+    }
+    Ok(())
 }
 
 /// Adds a `recovery` attempt row for each recovered message.

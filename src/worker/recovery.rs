@@ -1,7 +1,11 @@
 //! Recovery: a `sending` message whose lease ran out (its worker crashed or the server
 //! restarted mid-attempt) is an ambiguous attempt, never a blind resend. At start a worker
 //! also takes back the messages its slot had leased, since their worker is gone; and after
-//! a promotion, every message claimed on the old primary (`standby`).
+//! a promotion, every message claimed on the old primary (`standby`). The interrupted
+//! attempt's row is written then, with its outcome, from the message (its start and its
+//! worker's pid), followed by a `recovery` row; a send still open from before the update
+//! from 0.1.0 has its row already, and that row is closed instead
+//! (`record::close_open_rows`).
 
 use crate::spi::{self, Statement};
 use pgrx::spi::{SpiClient, SpiResult};
@@ -11,7 +15,6 @@ static FIND_LOST_LEASES: Statement = Statement::planned_each_run(
 SELECT m.id, m.channel_id, m.attempts,
        outbox._epoch_ms(coalesce(m.budget_started_at, m.created_at)),
        outbox._epoch_ms(coalesce(m.first_attempt_at, m.created_at)),
-       (SELECT max(a.id) FROM outbox._attempts a WHERE a.message_id = m.id AND a.kind = 'send'),
        m.attempts::int8 - m.budget_base
   FROM outbox._messages m
  WHERE m.state = 'sending'
@@ -32,7 +35,6 @@ pub struct LostLease {
     pub attempt: i32,
     pub budget_started_at_ms: i64,
     pub first_attempt_at_ms: i64,
-    pub attempt_id: Option<i64>,
     /// Attempts counted against the current budget.
     pub budget_attempt: i64,
 }
@@ -78,8 +80,7 @@ pub fn find_lost_leases(
             attempt: row.get::<i32>(3)?.unwrap_or(1),
             budget_started_at_ms: row.get::<i64>(4)?.unwrap_or_default(),
             first_attempt_at_ms: row.get::<i64>(5)?.unwrap_or_default(),
-            attempt_id: row.get::<i64>(6)?,
-            budget_attempt: row.get::<i64>(7)?.unwrap_or(1),
+            budget_attempt: row.get::<i64>(6)?.unwrap_or(1),
         });
     }
     Ok(out)

@@ -33,7 +33,7 @@ fn open_by(c: &mut Client, channel: &str, pids: &[i32]) -> i64 {
         c,
         "SELECT count(*) FROM outbox._messages m JOIN outbox._channels ch ON ch.id = m.channel_id
           WHERE ch.name = $1 AND m.state = 'sending'
-            AND EXISTS (SELECT 1 FROM outbox._attempts a
+            AND EXISTS (SELECT 1 FROM outbox.attempts a
                          WHERE a.message_id = m.id AND a.attempt = m.attempts AND a.kind = 'send'
                            AND a.worker_pid = ANY ($2))",
         &[&channel, &pids],

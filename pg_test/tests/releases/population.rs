@@ -230,7 +230,7 @@ fn leave_sending(rc: &ReleaseCluster, sim: &Simulator, c: &mut Client) -> (i64, 
     set_setting(c, "outbox.role", HOLD_ROLE);
     let pid: i32 = c
         .query_one(
-            "SELECT DISTINCT worker_pid FROM outbox._attempts WHERE message_id = $1",
+            "SELECT DISTINCT worker_pid FROM outbox.attempts WHERE message_id = $1",
             &[&id],
         )
         .expect("the sending worker")
@@ -310,6 +310,23 @@ pub fn assert_delivers_as_promised(cluster: &Cluster, p: &Population, before: &M
         &[&p.sending.0],
     );
     assert_eq!(recovery, 1, "one recovery attempt, classified ambiguous");
+    // The send open when the worker was killed has one row, closed by recovery (a release
+    // that wrote it at the claim), and the resend one of its own: every attempt one row.
+    let (sends, attempts, open): (i64, i64, i64) = {
+        let r = c
+            .query_one(
+                "SELECT count(*), count(DISTINCT attempt), count(*) FILTER (WHERE finished_at IS NULL)
+                   FROM outbox.attempts WHERE message_id = $1 AND kind = 'send'",
+                &[&p.sending.0],
+            )
+            .unwrap_or_else(|e| panic!("attempts of the interrupted send: {}", describe(&e)));
+        (r.get(0), r.get(1), r.get(2))
+    };
+    assert_eq!(
+        (sends, attempts, open),
+        (2, 2, 0),
+        "the interrupted send and its resend: one closed row each"
+    );
     let outcomes: Vec<String> = sim.sends("hang").into_iter().map(|s| s.outcome).collect();
     assert_eq!(
         outcomes,

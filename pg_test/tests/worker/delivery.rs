@@ -99,6 +99,67 @@ fn commit_is_delivered_with_ledger_attempt_and_headers() {
     assert_eq!(sim.header_values(&ch, "Idempotency-Key"), vec![key.clone()]);
 }
 
+/// A send in progress is the `sending` message: `outbox.attempts` shows it (no outcome, no
+/// finished_at, the key it carries, the pid of the worker sending it) while the attempt
+/// table has no row for it; the record writes that row once, with its outcome, keeping the
+/// start and the pid seen while it was in progress.
+#[test]
+fn a_send_in_progress_is_shown_from_its_message_and_its_row_written_once() {
+    let (cluster, mut c, sim) = cluster_and_sim();
+    cluster.wait_for_worker();
+    let ch = sim_channel(&mut c, &sim, "w_in_progress", r#"{"timeout_ms": 10000}"#);
+    sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(1500)));
+    let key = unique("in-progress");
+    let id = enqueue_payload(&mut c, &ch, r#"{"to": "slow"}"#, &key);
+    assert!(
+        sim.wait_for_sends(&ch, 1, SETTLE),
+        "the provider got no request"
+    );
+    let open = attempts(&mut c, id);
+    assert_eq!(open.len(), 1, "one attempt in progress: {open:?}");
+    let a = &open[0];
+    assert_eq!((a.attempt, a.kind.as_str()), (1, "send"));
+    assert_eq!(
+        (&a.outcome, a.finished_ms),
+        (&None, None),
+        "not finished yet"
+    );
+    assert_eq!(a.effect_key_sent.as_deref(), Some(key.as_str()));
+    let pid = a.worker_pid.expect("the pid of the sending worker");
+    let is_worker: bool = one(
+        &mut c,
+        "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND backend_type = 'outbox_delivery worker')",
+        &[&pid],
+    );
+    assert!(is_worker, "pid {pid} is not a delivery worker");
+    let rows = |c: &mut Client| -> i64 {
+        count(
+            c,
+            "SELECT count(*) FROM outbox._attempts WHERE message_id = $1",
+            &[&id],
+        )
+    };
+    assert_eq!(
+        rows(&mut c),
+        0,
+        "no attempt row before the outcome is known"
+    );
+
+    wait_message(&cluster, id, "delivered");
+    let done = attempts(&mut c, id);
+    assert_eq!(done.len(), 1, "one attempt: {done:?}");
+    let d = &done[0];
+    assert_eq!(d.outcome.as_deref(), Some("delivered"));
+    assert_eq!(d.http_status, Some(200));
+    assert!(d.finished_ms.is_some_and(|f| f >= d.started_ms));
+    assert_eq!(
+        (d.started_at_us, d.worker_pid, &d.effect_key_sent),
+        (a.started_at_us, a.worker_pid, &a.effect_key_sent),
+        "the row keeps what the attempt in progress showed"
+    );
+    assert_eq!(rows(&mut c), 1);
+}
+
 // ---------------------------------------------------------------------------------------
 // 2. Re-enqueue of a delivered key; the ledger barrier after retention-like deletion
 // ---------------------------------------------------------------------------------------

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Delivery figures of two builds of the extension, side by side in one run, without
+# installing anything: each build is already installed into a private copy of PostgreSQL of
+# its own (scripts/pg_prefix.sh create P; cargo pgrx install --release --pg-config
+# P/lib/postgresql/15/bin/pg_config). Round by round, the builds alternate: a fresh cluster
+# on the build's prefix, a backlog enqueued on a paused channel to the provider simulator,
+# VACUUM ANALYZE, CHECKPOINT, statistics reset, then the channel resumed and drained by the
+# workers. Per drain: deliveries/s, WAL bytes and full-page images per message (the drain
+# starts right after a CHECKPOINT: every page's first change writes a full-page image),
+# the rows each table took (inserts, updates, HOT updates) and the load average of the
+# machine at its end. Figures only; nothing is asserted.
+#
+# Usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog=10000] [rounds=3]
+#   OUTBOX_BASE (/tmp/outbox_delivery_bench_prefixes), OUTBOX_PGPORT (54822), SINK_PORT
+#   (18802), OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200).
+source "$(dirname "$0")/lib.sh"
+OLD=${1:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
+NEW=${2:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
+N=${3:-10000}
+ROUNDS=${4:-3}
+export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench_prefixes}
+export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54822}
+export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
+export OUTBOX_EXTRA_CONF="outbox.batch_size = ${BATCH:-200}"
+SINK_PORT=${SINK_PORT:-18802}
+for p in "$OLD" "$NEW"; do
+  [ -x "$p/lib/postgresql/15/bin/postgres" ] || { echo "$p is not a PostgreSQL prefix (scripts/pg_prefix.sh create)" >&2; exit 2; }
+done
+
+cargo build -q --release -p outbox_e2e --bin provider-sim
+SIM=${CARGO_TARGET_DIR:-$ROOT/target}/release/provider-sim
+"$SIM" --port "$SINK_PORT" --quiet --no-record-requests --no-record-bodies >/dev/null 2>&1 &
+SINK_PID=$!
+trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
+psql() { bash scripts/cluster.sh psql -qAt "$@"; }
+
+# One drain on the build installed in prefix $1; prints "figure value" lines.
+drain() {
+  export OUTBOX_PGBIN=$1/lib/postgresql/15/bin
+  fresh_cluster >/dev/null
+  psql -c "SELECT outbox.create_channel('drain', 'http://127.0.0.1:$SINK_PORT/ch/drain', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb)" \
+       -c "SELECT outbox.pause_channel('drain', 'loading the backlog')" >/dev/null
+  psql -c "SELECT count(outbox.enqueue('drain', jsonb_build_object('n', g, 'text', 'benchmark message'), 'k:' || g)) FROM generate_series(1, $N) g" >/dev/null
+  psql -c "VACUUM ANALYZE outbox._messages" >/dev/null
+  psql -c "CHECKPOINT" >/dev/null
+  psql -c "SELECT pg_stat_reset(), pg_stat_reset_shared('wal'), pg_stat_reset_shared('bgwriter')" >/dev/null
+  local t0 t1
+  t0=$(date +%s%N)
+  psql -c "SELECT outbox.resume_channel('drain')" >/dev/null
+  while [ "$(psql -c "SELECT EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'queued')
+                          OR EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'sending')")" != f ]; do sleep 0.1; done
+  t1=$(date +%s%N)
+  local delivered
+  delivered=$(psql -c "SELECT count(*) FROM outbox._messages WHERE state = 'delivered'")
+  [ "$delivered" = "$N" ] || echo "warning: $delivered of $N delivered" >&2
+  sleep 1  # the workers report their table statistics before they sleep
+  echo "deliveries_per_s $(( N * 1000000000 / (t1 - t0) ))"
+  psql -F ' ' -c "SELECT 'wal_bytes_per_message', round(wal_bytes / $N) FROM pg_stat_wal"
+  psql -F ' ' -c "SELECT 'wal_records_per_message', round(wal_records::numeric / $N, 2) FROM pg_stat_wal"
+  psql -F ' ' -c "SELECT 'full_page_images_per_message', round(wal_fpi::numeric / $N, 2) FROM pg_stat_wal"
+  psql -F ' ' -c "SELECT 'rows' || relname, n_tup_ins || '_ins/' || n_tup_upd || '_upd/' || n_tup_hot_upd || '_hot'
+                    FROM pg_stat_user_tables WHERE schemaname = 'outbox' AND relname IN ('_messages', '_attempts', '_ledger')
+                   ORDER BY relname"
+  echo "load_average_1m $(cut -d' ' -f1 /proc/loadavg)"
+  bash scripts/cluster.sh destroy >/dev/null 2>&1 || true
+}
+
+echo "machine: $(nproc) cores; $OUTBOX_WORKERS delivery workers, batch ${BATCH:-200}; backlog $N; $ROUNDS rounds, builds alternating"
+echo "old: $OLD"
+echo "new: $NEW"
+declare -A lines
+for round in $(seq "$ROUNDS"); do
+  for side in old new; do
+    if [ "$side" = old ]; then prefix=$OLD; else prefix=$NEW; fi
+    out=$(drain "$prefix")
+    while read -r name value; do
+      [ -n "$name" ] || continue
+      lines["$name $side"]="${lines["$name $side"]:-}${lines["$name $side"]:+, }$value"
+    done <<<"$out"
+    echo "round $round $side: $(echo "$out" | tr '\n' ';')"
+  done
+done
+echo
+echo "figure | old (rounds) | new (rounds)"
+for key in "${!lines[@]}"; do
+  name=${key% *}
+  [ "${key##* }" = old ] || continue
+  echo "$name | ${lines["$name old"]} | ${lines["$name new"]:-}"
+done | sort
