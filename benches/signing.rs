@@ -28,7 +28,8 @@ fn ns_per_signature(signing: &Signing, body: &[u8], n: u32) -> f64 {
         .map(|run: u32| {
             let started = thread_cpu_ns();
             for i in 0..n {
-                let mut headers = vec![("Content-Type".to_string(), "application/json".to_string())];
+                let mut headers =
+                    vec![("Content-Type".to_string(), "application/json".to_string())];
                 signing.sign(
                     &mut headers,
                     black_box("ok_4f1c2a7e9b3d8e60_send"),

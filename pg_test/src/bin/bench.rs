@@ -558,7 +558,8 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
         "x-webhook-id": "ok_4f1c2a7e9b3d8e60_send_key_of_a_message",
         "x-webhook-time": "1764600000",
         "x-webhook-sig": "v1,K5oZfzN95Z9UVu1EsfQmfVNQhnkZ2pj9o9NDN/H/pI4=",
-    }}).to_string();
+    }})
+    .to_string();
     let over_http = |ch: &str| sim.send_url(ch);
     let over_https = |ch: &str| front.send_url(ch);
     let lanes: [(&str, &str, &dyn Fn(&str) -> String); 4] = [
