@@ -96,6 +96,10 @@ pub fn record_delivered(
 /// written once, with its outcome (unless `$6` says it is written already). The
 /// `m.id = ANY(...)` condition beside the join keeps the batch's messages reached through
 /// the primary key, whatever the plan expects of the arrays.
+/// Its first two steps are those of `outbox._record_delivered` (sql/ledger.sql), which
+/// reconcile, `resolve` and late answers go through, with the worker's own guard (the same
+/// attempt still open) and the attempt row in the same statement: a change to what
+/// "delivered" writes is made in both.
 pub(crate) static RECORD_SENT: Statement = Statement::planned_once(
     "
 WITH d AS (
