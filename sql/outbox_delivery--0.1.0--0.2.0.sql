@@ -54,22 +54,6 @@ BEGIN ATOMIC
                 ELSE 'max_unverifiable_in_flight: no dedupe, no lookup' END;
 END;
 
--- outbox.channels shows the bound in force and why.
-CREATE OR REPLACE VIEW outbox.channels AS
-SELECT c.id,
-       c.name,
-       outbox._masked_url(c.endpoint) AS endpoint,
-       outbox._masked_options(c.options) AS options,
-       c.paused,
-       c.paused_reason,
-       c.paused_at,
-       c.created_at,
-       c.updated_at,
-       outbox._in_flight_bound(c.options) AS in_flight_bound,
-       outbox._in_flight_reason(c.options) AS in_flight_reason
-  FROM outbox._channels c
- WHERE outbox._channel_visible(c.options -> 'tenants');
-
 -- The ledger's one way of recording a confirmed effect, and its check (sql/ledger.sql).
 CREATE FUNCTION outbox._ledger_entry(tenant text, effect_key text)
 RETURNS TABLE (message_id bigint, external_id text)
@@ -332,7 +316,7 @@ SELECT pg_catalog.pg_extension_config_dump('outbox._channel_flow', '');
 REVOKE ALL ON outbox._channel_flow FROM PUBLIC;
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox._channel_flow TO outbox_worker;
 
--- outbox.channels shows the circuit.
+-- outbox.channels shows the bound of attempts open at once in force and why, and the circuit.
 CREATE OR REPLACE VIEW outbox.channels AS
 SELECT c.id,
        c.name,
