@@ -181,14 +181,23 @@ fn wait_for_role(index: usize) -> pg_sys::Oid {
     }
 }
 
-/// Waits on the latch at most `timeout`: true when it was set (a wake-up at commit, a
-/// signal), false when the time ran out.
+/// Waits on the latch at most `timeout` (at least a millisecond): true when it was set (a
+/// wake-up at commit, a signal), false when the time ran out.
 fn latch_set_within(timeout: Duration) -> bool {
+    latch_set_after(timeout.as_millis().max(1) as std::ffi::c_long)
+}
+
+/// Was the latch set (a commit woke the worker during its cycle)? Does not wait; resets it.
+fn latch_was_set() -> bool {
+    latch_set_after(0)
+}
+
+fn latch_set_after(timeout_ms: std::ffi::c_long) -> bool {
     let set = unsafe {
         let events = pg_sys::WaitLatch(
             pg_sys::MyLatch,
             (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
-            timeout.as_millis().max(1) as std::ffi::c_long,
+            timeout_ms,
             pg_sys::PG_WAIT_EXTENSION,
         );
         pg_sys::ResetLatch(pg_sys::MyLatch);
@@ -343,17 +352,27 @@ fn deliver(mut worker: cycle::Worker) -> ! {
             guarded(index, &database, "retention", || worker.retention());
             last_retention = Instant::now();
         }
+        let mut next_due_ms = report.next_due_ms;
         if report.claimed > 0 {
-            // More may be due, and this batch may have scheduled a retry sooner than the
-            // poll interval: the next cycle claims again or learns when the next one is due.
-            let _ = BackgroundWorker::wait_latch(Some(Duration::from_millis(0)));
+            // A full batch may have left more due, and a commit may have woken the worker
+            // meanwhile: it claims again. A batch that took everything due may still have
+            // scheduled a retry sooner than the poll interval, or released a message that
+            // waited for it (an ordering key, room in max_in_flight): the next due time
+            // says, without the claim lock.
+            let woken = latch_was_set();
             if stop_requested() {
                 break;
             }
-            continue;
+            if report.full || woken {
+                continue;
+            }
+            next_due_ms = guarded(index, &database, "delivery cycle", || worker.next_due_ms());
+            if next_due_ms.is_none_or(|due| due <= now_ms()) {
+                continue;
+            }
         }
         let poll = gucs::poll_interval();
-        let timeout = match report.next_due_ms {
+        let timeout = match next_due_ms {
             Some(due) => {
                 Duration::from_millis((due - now_ms()).clamp(1, poll.as_millis() as i64) as u64)
             }

@@ -105,14 +105,48 @@ pub fn wake_workers() {
         return;
     }
     let database = u32::from(unsafe { pg_sys::MyDatabaseId });
-    let pids: Vec<i32> = SLOTS
-        .share()
-        .slots
-        .iter()
-        .filter(|s| s.pid > 0 && (s.database_oid == 0 || s.database_oid == database))
-        .map(|s| s.pid)
-        .collect();
-    for pid in pids {
+    let committer = unsafe { pg_sys::MyProcPid };
+    let pids = {
+        let slots = SLOTS.share();
+        let phases: Vec<(i32, Phase)> = slots
+            .slots
+            .iter()
+            .filter(|s| s.pid > 0 && (s.database_oid == 0 || s.database_oid == database))
+            .map(|s| (s.pid, s.phase))
+            .collect();
+        to_wake(&phases, committer)
+    };
+    set_latches(&pids);
+}
+
+/// Wakes one idle worker of this worker's database besides itself, if there is one: called
+/// by a worker whose claim came back full, so that a backlog made due at once (one large
+/// commit, `resume_channel`, retries due together) is taken by every worker, not by the one
+/// a commit woke while the others sleep out their poll interval.
+pub fn wake_idle_peer(index: usize) {
+    if !preloaded() {
+        return;
+    }
+    let database = u32::from(unsafe { pg_sys::MyDatabaseId });
+    let own = unsafe { pg_sys::MyProcPid };
+    let pid = {
+        let slots = SLOTS.share();
+        let idle: Vec<i32> = slots
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| {
+                *i != index && s.pid > 0 && s.database_oid == database && s.phase == Phase::Idle
+            })
+            .map(|(_, s)| s.pid)
+            .collect();
+        (!idle.is_empty()).then(|| idle[own.unsigned_abs() as usize % idle.len()])
+    };
+    set_latches(pid.as_slice());
+}
+
+fn set_latches(pids: &[i32]) {
+    for &pid in pids {
         unsafe {
             let proc_ = pg_sys::BackendPidGetProc(pid);
             if !proc_.is_null() {
@@ -120,6 +154,24 @@ pub fn wake_workers() {
             }
         }
     }
+}
+
+/// The workers a commit wakes, of `workers` (pid, phase) of its database: one idle worker
+/// (which one turns with the committing backend's pid, so that the wake-ups of many
+/// sessions spread), since one claim takes every message due; when none is idle, every
+/// worker, so that one that is claiming right now and finds nothing does not go to sleep
+/// past this commit. Waking every idle worker for one message made them queue for the
+/// claim lock and claim nothing but one.
+pub fn to_wake(workers: &[(i32, Phase)], committer: i32) -> Vec<i32> {
+    let idle: Vec<i32> = workers
+        .iter()
+        .filter(|(_, phase)| *phase == Phase::Idle)
+        .map(|(pid, _)| *pid)
+        .collect();
+    if idle.is_empty() {
+        return workers.iter().map(|(pid, _)| *pid).collect();
+    }
+    vec![idle[committer.unsigned_abs() as usize % idle.len()]]
 }
 
 /// Updates this worker's slot.
@@ -240,3 +292,37 @@ extension_sql!(
     name = "worker_status_comment",
     requires = [worker_status]
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_commit_wakes_one_idle_worker_turning_with_the_committer() {
+        let workers = [
+            (11, Phase::Sending),
+            (12, Phase::Idle),
+            (13, Phase::Idle),
+            (14, Phase::Claiming),
+        ];
+        assert_eq!(to_wake(&workers, 100), vec![12]);
+        assert_eq!(to_wake(&workers, 101), vec![13]);
+        assert_eq!(to_wake(&workers, -3), vec![13], "any pid picks one");
+        let one_idle = [(11, Phase::Recording), (12, Phase::Idle)];
+        for committer in 0..5 {
+            assert_eq!(to_wake(&one_idle, committer), vec![12]);
+        }
+    }
+
+    #[test]
+    fn with_no_idle_worker_a_commit_wakes_every_worker() {
+        let busy = [
+            (11, Phase::Claiming),
+            (12, Phase::Sending),
+            (13, Phase::Recording),
+            (14, Phase::Starting),
+        ];
+        assert_eq!(to_wake(&busy, 7), vec![11, 12, 13, 14]);
+        assert!(to_wake(&[], 7).is_empty());
+    }
+}

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# COMMIT → request latency of two builds of the extension, side by side in one run: each
+# build already installed into a private copy of PostgreSQL of its own (scripts/pg_prefix.sh
+# create P; cargo pgrx install --release --pg-config P/lib/postgresql/15/bin/pg_config).
+# Round by round the builds alternate, each on a fresh cluster: `bench` takes 200 samples
+# of one message committed alone (idle) and 100 while another channel's backlog is being
+# delivered (loaded), and drains three backlogs of BACKLOG; the medians over the rounds are
+# printed beside each other, with the CPU the delivery workers used per idle sample.
+# Figures only; nothing is asserted.
+#
+# Usage: scripts/bench_latency_prefixes.sh OLD_PREFIX NEW_PREFIX [rounds=3]
+#   OUTBOX_BASE (/tmp/outbox_delivery_bench_latency), OUTBOX_PGPORT (54823),
+#   OUTBOX_WORKERS (2), BACKLOG (2000).
+source "$(dirname "$0")/lib.sh"
+OLD=${1:?usage: scripts/bench_latency_prefixes.sh OLD_PREFIX NEW_PREFIX [rounds]}
+NEW=${2:?usage: scripts/bench_latency_prefixes.sh OLD_PREFIX NEW_PREFIX [rounds]}
+ROUNDS=${3:-3}
+export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench_latency}
+export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54823}
+export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
+export OUTBOX_EXTRA_CONF="outbox.batch_size = 200"
+BACKLOG=${BACKLOG:-2000}
+for p in "$OLD" "$NEW"; do
+  [ -x "$p/lib/postgresql/15/bin/postgres" ] || { echo "$p is not a PostgreSQL prefix (scripts/pg_prefix.sh create)" >&2; exit 2; }
+done
+cargo build -q --release -p outbox_e2e --bin bench
+BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release/bench
+trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true' EXIT
+
+# CPU time (ms) of the delivery workers of the running cluster so far.
+worker_cpu_ms() {
+  local total=0 pid t
+  local postmaster
+  postmaster=$(head -1 "$OUTBOX_BASE/pgdata/postmaster.pid" 2>/dev/null || echo 0)
+  for pid in $(pgrep -P "$postmaster" -f 'outbox_delivery worker' || true); do
+    t=$(awk '{ print $14 + $15 }' "/proc/$pid/stat" 2>/dev/null || echo 0)
+    total=$((total + t))
+  done
+  echo $((total * 1000 / $(getconf CLK_TCK)))
+}
+
+# One round on the build in prefix $1; prints "figure value" lines.
+round() {
+  export OUTBOX_PGBIN=$1/lib/postgresql/15/bin
+  fresh_cluster >/dev/null
+  sleep 2
+  local before out
+  before=$(worker_cpu_ms)
+  out=$("$BIN" --backlog "$BACKLOG" --latency-samples 200)
+  echo "$out" | awk '/^latency_(idle|loaded)_p(50|99) / { print $1, $2 }
+                     /^deliveries_per_s_backlog_/ { print "deliveries_per_s", $2 }'
+  echo "worker_cpu_ms_per_round $(( $(worker_cpu_ms) - before ))"
+  bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true
+}
+
+declare -A seen
+echo "machine: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); $OUTBOX_WORKERS workers; $ROUNDS rounds; old $OLD, new $NEW"
+for r in $(seq 1 "$ROUNDS"); do
+  for side in old new; do
+    prefix=$OLD; [ "$side" = new ] && prefix=$NEW
+    while read -r name value; do
+      seen[$side.$name]="${seen[$side.$name]:-} $value"
+    done < <(round "$prefix")
+  done
+  echo "round $r done, load $(cut -d' ' -f1-3 /proc/loadavg)"
+done
+printf '%-26s %-34s %-34s\n' figure "old (median; rounds)" "new (median; rounds)"
+for name in latency_idle_p50 latency_idle_p99 latency_loaded_p50 latency_loaded_p99 deliveries_per_s worker_cpu_ms_per_round; do
+  o=${seen[old.$name]:-}; n=${seen[new.$name]:-}
+  printf '%-26s %-34s %-34s\n' "$name" "$(echo "$o" | median) ($(echo $o))" "$(echo "$n" | median) ($(echo $n))"
+done
