@@ -234,10 +234,10 @@ impl Transport {
                 return Ok(c.clone());
             }
         }
-        let mut builder = guarded_client(
+        let mut builder = super::tls::with_system_roots(guarded_client(
             self.allowed.clone(),
             Duration::from_millis(options.connect_timeout_ms),
-        );
+        ));
         if let Some(tls) = &options.tls {
             builder = tls
                 .apply(builder)

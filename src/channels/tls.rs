@@ -165,6 +165,43 @@ impl TlsOptions {
     }
 }
 
+/// The operating system's CA store, as the roots every channel's client trusts: read and
+/// checked once per process (`rustls-native-certs`, which honours `SSL_CERT_FILE` and
+/// `SSL_CERT_DIR`), not at each client built, which is once per channel and worker and
+/// again after every change of the channel's options or of `outbox.allowed_hosts`. Reading
+/// the store parses a few hundred files, milliseconds that would delay the first message of
+/// a channel. A change of the store is seen by workers started after it.
+pub fn system_roots() -> &'static [reqwest::Certificate] {
+    static ROOTS: std::sync::OnceLock<Vec<reqwest::Certificate>> = std::sync::OnceLock::new();
+    ROOTS.get_or_init(|| usable_roots(rustls_native_certs::load_native_certs().certs))
+}
+
+/// The certificates that are usable as trust anchors, each once. A store holds ancient or
+/// malformed certificates, and the same root in a bundle and in a directory; reqwest skips
+/// the former when it reads the store itself, but refuses to build a client with one added
+/// by hand.
+fn usable_roots(
+    certs: Vec<rustls::pki_types::CertificateDer<'static>>,
+) -> Vec<reqwest::Certificate> {
+    let mut seen = std::collections::HashSet::new();
+    certs
+        .into_iter()
+        .filter(|der| seen.insert(der.as_ref().to_vec()))
+        .filter(|der| rustls::RootCertStore::empty().add(der.clone()).is_ok())
+        .filter_map(|der| reqwest::Certificate::from_der(der.as_ref()).ok())
+        .collect()
+}
+
+/// `builder` trusting the operating system's roots ([`system_roots`]), read once.
+pub fn with_system_roots(builder: reqwest::ClientBuilder) -> reqwest::ClientBuilder {
+    system_roots()
+        .iter()
+        .cloned()
+        .fold(builder.tls_built_in_native_certs(false), |b, root| {
+            b.add_root_certificate(root)
+        })
+}
+
 /// The alerts a server sends when it refuses the handshake itself: the client's certificate
 /// (or its absence) or the parameters. With TLS 1.3 the client has finished its side of the
 /// handshake before the server checks the client certificate, so the refusal arrives while
@@ -197,6 +234,52 @@ mod tests {
     const CA: &str = include_str!("testdata/unit_ca.pem");
     const CLIENT: &str = include_str!("testdata/unit_client.pem");
     const CLIENT_KEY: &str = include_str!("testdata/unit_client.key");
+
+    /// The DER of the first certificate of a PEM text.
+    fn der_of(pem: &str) -> rustls::pki_types::CertificateDer<'static> {
+        use base64::Engine;
+        let body: String = pem
+            .lines()
+            .skip_while(|l| !l.starts_with("-----BEGIN CERTIFICATE"))
+            .skip(1)
+            .take_while(|l| !l.starts_with("-----END"))
+            .collect();
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(body)
+            .expect("test PEM is base64");
+        rustls::pki_types::CertificateDer::from(bytes)
+    }
+
+    #[test]
+    fn the_system_roots_keep_each_usable_certificate_once() {
+        let ca = der_of(CA);
+        let junk = rustls::pki_types::CertificateDer::from(b"not a certificate".to_vec());
+        let roots = usable_roots(vec![ca.clone(), junk, ca.clone()]);
+        assert_eq!(
+            roots.len(),
+            1,
+            "the junk is skipped and the duplicate kept once"
+        );
+        // A client trusting them builds, as it would fail to with the junk added.
+        let builder = reqwest::Client::builder().tls_built_in_root_certs(false);
+        let builder = roots
+            .into_iter()
+            .fold(builder, |b, r| b.add_root_certificate(r));
+        assert!(builder.build().is_ok());
+        assert!(usable_roots(Vec::new()).is_empty());
+    }
+
+    #[test]
+    fn the_system_store_is_read_once_and_builds_a_client() {
+        let first = system_roots();
+        assert!(
+            !first.is_empty(),
+            "the operating system's CA store has roots (ca-certificates)"
+        );
+        assert!(std::ptr::eq(first, system_roots()), "read once");
+        let builder = with_system_roots(reqwest::Client::builder());
+        assert!(builder.build().is_ok());
+    }
 
     fn parse_and_check(v: &Value) -> Result<TlsOptions, OptionError> {
         let t = TlsOptions::from_json(v)?;
