@@ -116,6 +116,7 @@ impl Worker {
         self.refresh_allowed_hosts();
         slots::update(self.index, |s| {
             s.phase = slots::Phase::Claiming;
+            s.starved = false;
             s.last_loop_at_ms = now_ms();
         });
         let Claimed {
@@ -128,6 +129,7 @@ impl Worker {
         self.remotes.retain(|id| channels.by_id.contains_key(&id));
         if !lookups.is_empty() {
             self.reconcile(&channels, lookups);
+            slots::wake_starved_peers(self.index);
         }
         if jobs.is_empty() {
             return CycleReport {
@@ -160,6 +162,7 @@ impl Worker {
         slots::update(self.index, |s| s.phase = slots::Phase::Recording);
         let sent_jobs: Vec<usize> = sent.iter().map(|(i, _)| *i).collect();
         self.record(&channels, &jobs, &effects, &sent_jobs, &mut outcomes, fault);
+        slots::wake_starved_peers(self.index);
         let delivered = outcomes.delivered.len() as i64;
         debug1!(
             "outbox_delivery worker {}: batch of {} recorded ({} delivered, {} other outcomes)",

@@ -371,20 +371,38 @@ fn deliver(mut worker: cycle::Worker) -> ! {
                 continue;
             }
         }
-        let poll = gucs::poll_interval();
-        let timeout = match next_due_ms {
-            Some(due) => {
-                Duration::from_millis((due - now_ms()).clamp(1, poll.as_millis() as i64) as u64)
-            }
-            None => poll,
-        };
-        slots::update(index, |s| s.phase = slots::Phase::Idle);
+        let (timeout, starved) = idle_wait(next_due_ms, now_ms(), gucs::poll_interval());
+        slots::update(index, |s| {
+            s.phase = slots::Phase::Idle;
+            s.starved = starved;
+        });
         identity::report_statistics(true);
         if !idle(index, &database, timeout) {
             break;
         }
     }
     stop(index);
+}
+
+/// How long an idle worker sleeps, and whether it is starved: messages are due (`next_due_ms`
+/// not after `now_ms`) that its claim, which came back empty, could not take. Then it
+/// sleeps until another worker's record or a commit wakes it, and at most
+/// [`sweep::SWEEP_EVERY_MS`]: claiming again a millisecond later would take nothing
+/// either, a thousand times a second for as long as an ordering key waits behind an
+/// uncertain message. Otherwise until the next message is due, within the poll interval.
+fn idle_wait(next_due_ms: Option<i64>, now_ms: i64, poll: Duration) -> (Duration, bool) {
+    let poll_ms = poll.as_millis().max(1) as i64;
+    match next_due_ms {
+        Some(due) if due <= now_ms => (
+            Duration::from_millis(sweep::SWEEP_EVERY_MS.min(poll_ms) as u64),
+            true,
+        ),
+        Some(due) => (
+            Duration::from_millis((due - now_ms).clamp(1, poll_ms) as u64),
+            false,
+        ),
+        None => (poll, false),
+    }
 }
 
 /// Waits until the extension exists in `database` and its schema is the version this
@@ -454,4 +472,37 @@ fn stop(index: usize) -> ! {
     }
     log!("outbox_delivery worker {index}: stopping");
     unsafe { pg_sys::proc_exit(1) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POLL: Duration = Duration::from_millis(1000);
+
+    #[test]
+    fn an_idle_worker_sleeps_until_the_next_due_time_within_the_poll() {
+        assert_eq!(idle_wait(None, 5_000, POLL), (POLL, false));
+        assert_eq!(
+            idle_wait(Some(5_040), 5_000, POLL),
+            (Duration::from_millis(40), false)
+        );
+        assert_eq!(idle_wait(Some(9_000), 5_000, POLL), (POLL, false));
+        assert_eq!(
+            idle_wait(Some(5_001), 5_000, POLL),
+            (Duration::from_millis(1), false)
+        );
+    }
+
+    #[test]
+    fn a_worker_whose_claim_could_take_nothing_due_waits_to_be_woken() {
+        let wait = Duration::from_millis(sweep::SWEEP_EVERY_MS as u64);
+        assert_eq!(idle_wait(Some(5_000), 5_000, POLL), (wait, true));
+        assert_eq!(idle_wait(Some(-1), 5_000, POLL), (wait, true));
+        assert_eq!(
+            idle_wait(Some(4_000), 5_000, Duration::from_millis(10)),
+            (Duration::from_millis(10), true),
+            "never longer than the poll interval"
+        );
+    }
 }

@@ -61,6 +61,10 @@ pub struct Slot {
     /// The worker said in the log that its database or its extension is gone; the next
     /// start waits without saying it again.
     pub told_gone: bool,
+    /// Idle although messages are due: its last claim could take none of them (another
+    /// worker's attempts fill the channel's room, an earlier message with the same
+    /// ordering key is pending). Another worker's record can change that, and wakes it.
+    pub starved: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -143,6 +147,32 @@ pub fn wake_idle_peer(index: usize) {
         (!idle.is_empty()).then(|| idle[own.unsigned_abs() as usize % idle.len()])
     };
     set_latches(pid.as_slice());
+}
+
+/// Wakes the idle workers of this worker's database that wait for messages they could not
+/// claim ([`Slot::starved`]): called after a batch is recorded, which may have made room in
+/// a channel or settled the message an ordering key waited for. A worker claiming right now
+/// is woken too: its claim may be coming back empty for want of that room, and it would go
+/// to sleep starved after this wake-up.
+pub fn wake_starved_peers(index: usize) {
+    if !preloaded() {
+        return;
+    }
+    let database = u32::from(unsafe { pg_sys::MyDatabaseId });
+    let pids: Vec<i32> = SLOTS
+        .share()
+        .slots
+        .iter()
+        .enumerate()
+        .filter(|(i, s)| {
+            *i != index
+                && s.pid > 0
+                && s.database_oid == database
+                && ((s.phase == Phase::Idle && s.starved) || s.phase == Phase::Claiming)
+        })
+        .map(|(_, s)| s.pid)
+        .collect();
+    set_latches(&pids);
 }
 
 fn set_latches(pids: &[i32]) {
