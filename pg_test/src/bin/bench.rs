@@ -617,6 +617,11 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
         median(&cpu[1]) / median(&cpu[0])
     );
     println!(
+        "signed_to_plain_ratio_by_round deliveries_per_s {} worker_cpu_per_delivery {}",
+        by_round(&rates[1], &rates[0]),
+        by_round(&cpu[1], &cpu[0])
+    );
+    println!(
         "signed_to_same_headers_ratio_of_medians deliveries_per_s {:.3} worker_cpu_per_delivery {:.3}",
         median(&rates[1]) / median(&rates[2]),
         median(&cpu[1]) / median(&cpu[2])
@@ -627,6 +632,19 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
         .collect::<Vec<_>>()
         .join(" / ");
     println!("tls_handshakes_per_https_drain_of_{backlog} {shown} (connections reused)");
+}
+
+/// `a / b` of each round, as `median (r1 / r2 / …)`: the two drains of a round ran seconds
+/// apart, so a slow stretch of the machine weighs less on their ratio than on
+/// either median.
+fn by_round(a: &[f64], b: &[f64]) -> String {
+    let ratios: Vec<f64> = a.iter().zip(b).map(|(a, b)| a / b).collect();
+    let shown = ratios
+        .iter()
+        .map(|r| format!("{r:.3}"))
+        .collect::<Vec<_>>()
+        .join(" / ");
+    format!("{:.3} ({shown})", median(&ratios))
 }
 
 /// One lane's drain from the same tables as every other: the tables reset, `n` messages
