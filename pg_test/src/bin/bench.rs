@@ -585,11 +585,12 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
     let mut handshakes = Vec::new();
     let mut c = cluster.connect();
     for round in 0..rounds {
-        // Round r starts with lane r mod 4 and goes on in order, so that no lane is always
-        // first or last of a round (a slow stretch of the machine, the cache of the round's
-        // first drain).
-        for k in 0..lanes.len() {
-            let i = (k + round) % lanes.len();
+        // Round r starts with lane r mod 4 and goes on in the order of a balanced Latin
+        // square (0 1 3 2, each plus r): in every four rounds each lane is once first,
+        // second, third and last, and follows each other lane once, so that neither a place
+        // in the round nor what the drain before left behind always falls on the same lane.
+        for step in [0, 1, 3, 2] {
+            let i = (step + round) % lanes.len();
             let (label, options, endpoint) = &lanes[i];
             let before = outbox_e2e::tls_front::TlsFront::count(&front.counters().handshakes);
             let (rate, cpu_ms) = lane_drain(&mut c, backlog, options, *endpoint);
