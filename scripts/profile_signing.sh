@@ -8,6 +8,7 @@
 # share of the perf samples in the signing code (sha2, hmac, base64) and per library.
 # Figures only; nothing is asserted. Runs on a throwaway cluster (port 54822).
 # Usage: scripts/profile_signing.sh [backlog=40000] [rounds=2]
+#   PERF_DIR (keeps the perf data there, LABEL.data, for `perf report` and `perf diff`)
 source "$(dirname "$0")/lib.sh"
 N=${1:-40000}
 ROUNDS=${2:-2}
@@ -16,7 +17,8 @@ export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54822}
 export OUTBOX_WORKERS=2
 export OUTBOX_EXTRA_CONF="outbox.batch_size = 200"
 SINK_PORT=${SINK_PORT:-18802}
-OUT=$(mktemp -d)
+OUT=${PERF_DIR:-$(mktemp -d)}
+mkdir -p "$OUT"
 
 bash scripts/setup.sh >/dev/null
 if [ -z "${OUTBOX_PGBIN:-}" ]; then bash scripts/cluster.sh install >/dev/null; fi
@@ -25,7 +27,7 @@ cargo build -q --release -p outbox_e2e --bin provider-sim
   --no-record-requests --no-record-bodies >/dev/null 2>&1 &
 SINK_PID=$!
 fresh_cluster >/dev/null
-trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true; rm -rf "$OUT"' EXIT
+trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true; [ -n "${PERF_DIR:-}" ] || rm -rf "$OUT"' EXIT
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
 TICK_MS=$((1000 / $(getconf CLK_TCK)))
 TABLES="_channels _channel_flow _channel_stats _channel_minutes _messages _attempts _ledger _operator_log"
@@ -38,7 +40,7 @@ workers_cpu_ms() {
   for p in $WORKERS; do total=$((total + $(awk '{print $14 + $15}' "/proc/$p/stat") * TICK_MS)); done
   echo $total
 }
-# Transactions committed in the database so far (a new session each time; the workers
+# Transactions committed in the database so far (a new connection each time; the workers
 # flush their statistics whenever they wait).
 commits() { psql -c "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"; }
 
