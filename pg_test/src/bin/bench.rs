@@ -23,7 +23,7 @@
 //!   R alternating rounds (`scripts/bench_databases.sh`).
 //! - with `--webhooks R`, only the drains of a plain HTTP channel, a signing one, one with
 //!   three unsigned headers of the same sizes and one over HTTPS (a test CA, connections
-//!   reused): R rounds, each starting with another lane, every drain from emptied tables
+//!   reused): R rounds, the lanes in a balanced order, every drain from emptied tables
 //!   (`scripts/bench_webhooks.sh`).
 //!
 //! - with `--kinds R`, the drains of an HTTP, a `nats` (`--nats-url`, `--nats-pid`) and a
