@@ -2,10 +2,12 @@
 # Benchmark: what webhook-grade channels cost. Drains of a backlog on a plain HTTP channel,
 # on one that signs every request (Standard Webhooks), on one that sends three unsigned
 # headers of the same sizes, and on one over HTTPS to the loopback
-# simulator behind a test CA (connections reused), in alternating rounds on a throwaway
-# cluster of its own; the median of each beside the plain figure of the same run, and the
-# TLS handshakes of each HTTPS drain; then the CPU one signature costs (benches/signing.rs)
-# as a share of the worker CPU per plain delivery. Figures only; nothing is asserted.
+# simulator behind a test CA (connections reused), in rounds on a throwaway cluster of its
+# own, the lanes in a balanced order (each round starting with another lane) and every drain
+# from the same emptied tables (`reset_tables` in pg_test/src/bin/bench.rs); the median rate
+# and worker CPU per delivery of each beside the plain figures of the same run, and the TLS
+# handshakes of each HTTPS drain; then the CPU one signature costs (benches/signing.rs) as a
+# share of the worker CPU per plain delivery. Figures only; nothing is asserted.
 # Usage: scripts/bench_webhooks.sh [backlog=10000] [rounds=3]
 source "$(dirname "$0")/lib.sh"
 BACKLOG=${1:-10000}

@@ -21,8 +21,9 @@
 //!   comma-separated list, `outbox.database` the same): the drain of a backlog of N in the
 //!   first database alone, beside the drains of N in every database at once (their sum), in
 //!   R alternating rounds (`scripts/bench_databases.sh`).
-//! - with `--webhooks R`, only the drains of a plain HTTP channel, a signing one and one
-//!   over HTTPS (a test CA, connections reused): R alternating rounds
+//! - with `--webhooks R`, only the drains of a plain HTTP channel, a signing one, one with
+//!   three unsigned headers of the same sizes and one over HTTPS (a test CA, connections
+//!   reused): R rounds, the lanes in a balanced order, every drain from emptied tables
 //!   (`scripts/bench_webhooks.sh`).
 //!
 //! - with `--kinds R`, the drains of an HTTP, a `nats` (`--nats-url`, `--nats-pid`) and a
@@ -543,10 +544,15 @@ fn price_of_safety(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: u
     });
 }
 
+/// A lane of [`webhooks`]: its label, its channel's options, and its endpoint made from the
+/// channel's name.
+type Lane<'a> = (&'a str, &'a str, &'a dyn Fn(&str) -> String);
+
 /// The price of webhook-grade channels: drains of the same backlog on a plain HTTP channel,
-/// a signing one (Standard Webhooks, one secret) and one over HTTPS to the simulator behind
-/// a test CA, in alternating rounds; the median of each, with the TLS handshakes (a reused
-/// connection needs none).
+/// a signing one (Standard Webhooks, one secret), one with three unsigned headers of the
+/// signed ones' sizes and one over HTTPS to the simulator behind a test CA, in alternating
+/// rounds, each drain from the same tables ([`reset_tables`]); the median of each, its
+/// worker CPU per delivery, and the TLS handshakes (a reused connection needs none).
 fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
     let pki = outbox_e2e::test_ca::TestPki::generate();
     let front = outbox_e2e::tls_front::TlsFront::start(
@@ -568,7 +574,7 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
     .to_string();
     let over_http = |ch: &str| sim.send_url(ch);
     let over_https = |ch: &str| front.send_url(ch);
-    let lanes: [(&str, &str, &dyn Fn(&str) -> String); 4] = [
+    let lanes: [Lane; 4] = [
         ("plain_http", &plain, &over_http),
         ("signed", &signed, &over_http),
         ("same_headers_unsigned", &same_headers, &over_http),
@@ -579,15 +585,17 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
     let mut handshakes = Vec::new();
     let mut c = cluster.connect();
     for round in 0..rounds {
-        // Each round starts with another lane, so that a slow stretch of the machine does
-        // not always fall on the same one.
-        for k in 0..lanes.len() {
-            let i = (k + round) % lanes.len();
+        // Round r starts with lane r mod 4 and goes on in the order of a balanced Latin
+        // square (0 1 3 2, each plus r): in every four rounds each lane is once first,
+        // second, third and last, and follows each other lane once, so that neither a place
+        // in the round nor what the drain before left behind always falls on the same lane.
+        for step in [0, 1, 3, 2] {
+            let i = (step + round) % lanes.len();
             let (label, options, endpoint) = &lanes[i];
             let before = outbox_e2e::tls_front::TlsFront::count(&front.counters().handshakes);
-            let cpu_before = workers_cpu_ms(&mut c);
-            rates[i].push(throughput_at(cluster, backlog, options, *endpoint).rate);
-            cpu[i].push((workers_cpu_ms(&mut c) - cpu_before) * 1000.0 / backlog as f64);
+            let (rate, cpu_ms) = lane_drain(&mut c, backlog, options, *endpoint);
+            rates[i].push(rate);
+            cpu[i].push(cpu_ms * 1000.0 / backlog as f64);
             if *label == "https" {
                 handshakes.push(
                     outbox_e2e::tls_front::TlsFront::count(&front.counters().handshakes) - before,
@@ -604,12 +612,89 @@ fn webhooks(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds: usize) {
             "worker_cpu_ms_per_1000_{label} {m:.0} ms ({ratio:.3}x plain HTTP; drains: {shown})"
         )
     });
+    println!(
+        "signed_to_plain_ratio_of_medians deliveries_per_s {:.3} worker_cpu_per_delivery {:.3}",
+        median(&rates[1]) / median(&rates[0]),
+        median(&cpu[1]) / median(&cpu[0])
+    );
+    println!(
+        "signed_to_plain_ratio_by_round deliveries_per_s {} worker_cpu_per_delivery {}",
+        by_round(&rates[1], &rates[0]),
+        by_round(&cpu[1], &cpu[0])
+    );
+    println!(
+        "signed_to_same_headers_ratio_of_medians deliveries_per_s {:.3} worker_cpu_per_delivery {:.3}",
+        median(&rates[1]) / median(&rates[2]),
+        median(&cpu[1]) / median(&cpu[2])
+    );
     let shown = handshakes
         .iter()
         .map(u64::to_string)
         .collect::<Vec<_>>()
         .join(" / ");
     println!("tls_handshakes_per_https_drain_of_{backlog} {shown} (connections reused)");
+}
+
+/// `a / b` of each round, as `median (r1 / r2 / …)`: the two drains of a round ran seconds
+/// apart, so a slow stretch of the machine weighs less on their ratio than on
+/// either median.
+fn by_round(a: &[f64], b: &[f64]) -> String {
+    let ratios: Vec<f64> = a.iter().zip(b).map(|(a, b)| a / b).collect();
+    let shown = ratios
+        .iter()
+        .map(|r| format!("{r:.3}"))
+        .collect::<Vec<_>>()
+        .join(" / ");
+    format!("{:.3} ({shown})", median(&ratios))
+}
+
+/// One lane's drain from the same tables as every other: the tables reset, `n` messages
+/// loaded on a new paused channel (`options`, `endpoint`) and settled, then drained. Its rate
+/// and the delivery workers' CPU over the drain alone, in ms.
+fn lane_drain(
+    c: &mut Client,
+    n: usize,
+    options: &str,
+    endpoint: &dyn Fn(&str) -> String,
+) -> (f64, f64) {
+    reset_tables(c);
+    let ch = load_paused(c, endpoint, n, options);
+    let cpu_before = workers_cpu_ms(c);
+    let rate = drain(c, &ch, n).rate;
+    (rate, workers_cpu_ms(c) - cpu_before)
+}
+
+/// Brings the extension's tables back to the state every drain of the webhook lanes starts
+/// from: no channel, message, attempt, ledger entry, log line or per-channel figure, and
+/// statistics that say so. Drains on one cluster otherwise meet tables grown by every earlier
+/// drain (each lane slowed by half from its first drain to its fifth), and a lane's place in
+/// a round or its keys' place in the ledger's index weigh more than the few percent looked
+/// for. TRUNCATE rather than a fresh database: `outbox.database` is a postmaster setting,
+/// so a fresh database would keep the name, be dropped under its workers (`DROP DATABASE …
+/// WITH (FORCE)` ends them) and be served by restarted workers, and each drain would
+/// measure their start (new connections, empty caches) beside the drain. TRUNCATE keeps the
+/// server and its workers as they are and gives every drain new, empty files; the benchmark
+/// cluster is throwaway. The sequences go on (the workers keep their claim positions per
+/// channel id; a new channel has none).
+fn reset_tables(c: &mut Client) {
+    const TABLES: [&str; 8] = [
+        "outbox._channels",
+        "outbox._channel_flow",
+        "outbox._channel_stats",
+        "outbox._channel_minutes",
+        "outbox._messages",
+        "outbox._attempts",
+        "outbox._ledger",
+        "outbox._operator_log",
+    ];
+    c.batch_execute(&format!("TRUNCATE {}", TABLES.join(", ")))
+        .unwrap();
+    // One statement each: VACUUM cannot run in the implicit transaction of a multi-statement
+    // query. ANALYZE sets the statistics (and autovacuum's counts) of the empty tables alike
+    // before every drain.
+    for table in TABLES {
+        c.batch_execute(&format!("VACUUM ANALYZE {table}")).unwrap();
+    }
 }
 
 /// CPU time (user and system) the delivery workers have used, in ms, from /proc (clock
