@@ -252,6 +252,80 @@ pub(super) fn cluster_status(c: &mut Client, id: i64) -> Option<String> {
         .get(0)
 }
 
+/// Transactions committed in the cluster's database so far.
+fn commits(c: &mut postgres::Client) -> i64 {
+    c.query_one(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+        &[],
+    )
+    .unwrap()
+    .get(0)
+}
+
+#[test]
+fn an_ordering_key_behind_an_uncertain_message_leaves_the_workers_asleep() {
+    let (cluster, mut c, sim) = cluster_and_sim();
+    cluster.wait_for_worker();
+    let ch = unique("w_order_stuck");
+    create_channel(
+        &mut c,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"idempotency_header": "Idempotency-Key"}"#,
+    );
+    c.execute("SELECT outbox.pause_channel($1::text, 'set up')", &[&ch])
+        .unwrap();
+    let okey = unique("conversation");
+    let first = enqueue_with(
+        &mut c,
+        &ch,
+        r#"{"seq": 0}"#,
+        &unique("o0"),
+        Some(&okey),
+        None,
+    );
+    // The first message of the key waits for an operator (as after an ambiguous outcome
+    // on a channel that cannot be asked).
+    c.execute(
+        "UPDATE outbox._messages SET state = 'uncertain' WHERE id = $1",
+        &[&first],
+    )
+    .unwrap();
+    let second = enqueue_with(
+        &mut c,
+        &ch,
+        r#"{"seq": 1}"#,
+        &unique("o1"),
+        Some(&okey),
+        None,
+    );
+    c.execute("SELECT outbox.resume_channel($1::text)", &[&ch])
+        .unwrap();
+
+    // The second is due and cannot be claimed: the workers claim it a few times a second,
+    // not a thousand (each claim is a transaction of its own).
+    std::thread::sleep(Duration::from_millis(1500));
+    let before = commits(&mut c);
+    std::thread::sleep(Duration::from_secs(3));
+    let during = commits(&mut c) - before;
+    assert!(
+        during < 300,
+        "{during} transactions in 3 s while the only due message waits for its ordering key"
+    );
+    let m = message(&mut c, second).unwrap().unwrap();
+    assert_eq!((m.state.as_str(), m.attempts), ("queued", 0));
+    assert_eq!(sim.send_count(&ch), 0);
+
+    // The operator settles the first: the second is delivered.
+    c.execute(
+        "SELECT outbox.resolve($1, 'failed', 'the provider never got it')",
+        &[&first],
+    )
+    .unwrap();
+    wait_message(&cluster, second, "delivered");
+    assert_eq!(sim.send_count(&ch), 1);
+}
+
 // ---------------------------------------------------------------------------------------
 // 3. Ordering key while the first message keeps failing
 // ---------------------------------------------------------------------------------------
