@@ -36,8 +36,6 @@ const RETENTION_ROUNDS: usize = 20;
 
 pub struct CycleReport {
     pub claimed: usize,
-    /// The claim took a whole batch: more may be due at once.
-    pub full: bool,
     pub next_due_ms: Option<i64>,
 }
 
@@ -134,12 +132,10 @@ impl Worker {
         if jobs.is_empty() {
             return CycleReport {
                 claimed: 0,
-                full: false,
                 next_due_ms,
             };
         }
-        let full = jobs.len() >= gucs::batch_size().max(1) as usize;
-        if full {
+        if jobs.len() >= gucs::batch_size().max(1) as usize {
             slots::wake_idle_peer(self.index);
         }
         slots::update(self.index, |s| {
@@ -177,7 +173,6 @@ impl Worker {
         });
         CycleReport {
             claimed: jobs.len(),
-            full,
             next_due_ms: None,
         }
     }
@@ -364,16 +359,6 @@ impl Worker {
                 .unwrap_or_else(|e| panic!("outbox_delivery worker: recording lookups failed: {e}"))
             }),
         );
-    }
-
-    /// When the next message is due (unix ms), read in a transaction of its own: after a
-    /// batch that took every message due, it tells whether the batch scheduled a retry
-    /// sooner than the poll interval without a claim (and its wait for the claim lock).
-    pub fn next_due_ms(&self) -> Option<i64> {
-        identity::transaction(self.role, || {
-            Spi::connect_mut(|client| claim::next_due_ms(client))
-                .unwrap_or_else(|e| panic!("outbox_delivery worker: next due time failed: {e}"))
-        })
     }
 
     /// Runs retention in short transactions.

@@ -352,26 +352,16 @@ fn deliver(mut worker: cycle::Worker) -> ! {
             guarded(index, &database, "retention", || worker.retention());
             last_retention = Instant::now();
         }
-        let mut next_due_ms = report.next_due_ms;
         if report.claimed > 0 {
-            // A full batch may have left more due, and a commit may have woken the worker
-            // meanwhile: it claims again. A batch that took everything due may still have
-            // scheduled a retry sooner than the poll interval, or released a message that
-            // waited for it (an ordering key, room in max_in_flight): the next due time
-            // says, without the claim lock.
-            let woken = latch_was_set();
+            // More may be due, and this batch may have scheduled a retry sooner than the
+            // poll interval: the next cycle claims again or learns when the next one is due.
+            let _ = latch_was_set();
             if stop_requested() {
                 break;
             }
-            if report.full || woken {
-                continue;
-            }
-            next_due_ms = guarded(index, &database, "delivery cycle", || worker.next_due_ms());
-            if next_due_ms.is_none_or(|due| due <= now_ms()) {
-                continue;
-            }
+            continue;
         }
-        let (timeout, starved) = idle_wait(next_due_ms, now_ms(), gucs::poll_interval());
+        let (timeout, starved) = idle_wait(report.next_due_ms, now_ms(), gucs::poll_interval());
         slots::update(index, |s| {
             s.phase = slots::Phase::Idle;
             s.starved = starved;
