@@ -102,25 +102,35 @@ pub fn preloaded() -> bool {
     PRELOADED.load(Ordering::Relaxed)
 }
 
-/// Sets the latch of every running worker of this database. Called at COMMIT of an
-/// enqueuing transaction.
+/// Copies of the slots of the running workers of this backend's database, but the slot
+/// `except`; with `unbound`, also those of workers not connected to a database yet.
+fn workers_here(except: Option<usize>, unbound: bool) -> Vec<Slot> {
+    let database = u32::from(unsafe { pg_sys::MyDatabaseId });
+    SLOTS
+        .share()
+        .slots
+        .iter()
+        .enumerate()
+        .filter(|(i, s)| {
+            Some(*i) != except
+                && s.pid > 0
+                && (s.database_oid == database || (unbound && s.database_oid == 0))
+        })
+        .map(|(_, s)| *s)
+        .collect()
+}
+
+/// Wakes the workers of this database that a COMMIT of an enqueuing transaction wakes
+/// ([`to_wake`]).
 pub fn wake_workers() {
     if !preloaded() {
         return;
     }
-    let database = u32::from(unsafe { pg_sys::MyDatabaseId });
-    let committer = unsafe { pg_sys::MyProcPid };
-    let pids = {
-        let slots = SLOTS.share();
-        let phases: Vec<(i32, Phase)> = slots
-            .slots
-            .iter()
-            .filter(|s| s.pid > 0 && (s.database_oid == 0 || s.database_oid == database))
-            .map(|s| (s.pid, s.phase))
-            .collect();
-        to_wake(&phases, committer)
-    };
-    set_latches(&pids);
+    let phases: Vec<(i32, Phase)> = workers_here(None, true)
+        .iter()
+        .map(|s| (s.pid, s.phase))
+        .collect();
+    set_latches(&to_wake(&phases, unsafe { pg_sys::MyProcPid }));
 }
 
 /// Wakes one idle worker of this worker's database besides itself, if there is one: called
@@ -131,22 +141,12 @@ pub fn wake_idle_peer(index: usize) {
     if !preloaded() {
         return;
     }
-    let database = u32::from(unsafe { pg_sys::MyDatabaseId });
-    let own = unsafe { pg_sys::MyProcPid };
-    let pid = {
-        let slots = SLOTS.share();
-        let idle: Vec<i32> = slots
-            .slots
-            .iter()
-            .enumerate()
-            .filter(|(i, s)| {
-                *i != index && s.pid > 0 && s.database_oid == database && s.phase == Phase::Idle
-            })
-            .map(|(_, s)| s.pid)
-            .collect();
-        (!idle.is_empty()).then(|| idle[own.unsigned_abs() as usize % idle.len()])
-    };
-    set_latches(pid.as_slice());
+    let idle: Vec<i32> = workers_here(Some(index), false)
+        .iter()
+        .filter(|s| s.phase == Phase::Idle)
+        .map(|s| s.pid)
+        .collect();
+    set_latches(pick_one(&idle, unsafe { pg_sys::MyProcPid }).as_slice());
 }
 
 /// Wakes the idle workers of this worker's database that wait for messages they could not
@@ -158,21 +158,18 @@ pub fn wake_starved_peers(index: usize) {
     if !preloaded() {
         return;
     }
-    let database = u32::from(unsafe { pg_sys::MyDatabaseId });
-    let pids: Vec<i32> = SLOTS
-        .share()
-        .slots
+    let pids: Vec<i32> = workers_here(Some(index), false)
         .iter()
-        .enumerate()
-        .filter(|(i, s)| {
-            *i != index
-                && s.pid > 0
-                && s.database_oid == database
-                && ((s.phase == Phase::Idle && s.starved) || s.phase == Phase::Claiming)
-        })
-        .map(|(_, s)| s.pid)
+        .filter(|s| (s.phase == Phase::Idle && s.starved) || s.phase == Phase::Claiming)
+        .map(|s| s.pid)
         .collect();
     set_latches(&pids);
+}
+
+/// One of `pids`, which one turning with `turn` (a pid), so that the wake-ups of many
+/// backends spread over the workers.
+fn pick_one(pids: &[i32], turn: i32) -> Option<i32> {
+    (!pids.is_empty()).then(|| pids[turn.unsigned_abs() as usize % pids.len()])
 }
 
 fn set_latches(pids: &[i32]) {
@@ -198,10 +195,10 @@ pub fn to_wake(workers: &[(i32, Phase)], committer: i32) -> Vec<i32> {
         .filter(|(_, phase)| *phase == Phase::Idle)
         .map(|(pid, _)| *pid)
         .collect();
-    if idle.is_empty() {
-        return workers.iter().map(|(pid, _)| *pid).collect();
+    match pick_one(&idle, committer) {
+        Some(pid) => vec![pid],
+        None => workers.iter().map(|(pid, _)| *pid).collect(),
     }
-    vec![idle[committer.unsigned_abs() as usize % idle.len()]]
 }
 
 /// Updates this worker's slot.
@@ -342,6 +339,15 @@ mod tests {
         for committer in 0..5 {
             assert_eq!(to_wake(&one_idle, committer), vec![12]);
         }
+    }
+
+    #[test]
+    fn one_of_several_turns_with_the_pid_and_none_of_none() {
+        assert_eq!(pick_one(&[], 5), None);
+        assert_eq!(pick_one(&[7], 123), Some(7));
+        let picked: Vec<Option<i32>> = (0..4).map(|turn| pick_one(&[7, 8, 9], turn)).collect();
+        assert_eq!(picked, vec![Some(7), Some(8), Some(9), Some(7)]);
+        assert_eq!(pick_one(&[7, 8], i32::MIN), Some(7), "no overflow");
     }
 
     #[test]
