@@ -181,23 +181,14 @@ fn wait_for_role(index: usize) -> pg_sys::Oid {
     }
 }
 
-/// Waits on the latch at most `timeout` (at least a millisecond): true when it was set (a
-/// wake-up at commit, a signal), false when the time ran out.
+/// Waits on the latch at most `timeout`: true when it was set (a wake-up at commit, a
+/// signal), false when the time ran out.
 fn latch_set_within(timeout: Duration) -> bool {
-    latch_set_after(timeout.as_millis().max(1) as std::ffi::c_long)
-}
-
-/// Was the latch set (a commit woke the worker during its cycle)? Does not wait; resets it.
-fn latch_was_set() -> bool {
-    latch_set_after(0)
-}
-
-fn latch_set_after(timeout_ms: std::ffi::c_long) -> bool {
     let set = unsafe {
         let events = pg_sys::WaitLatch(
             pg_sys::MyLatch,
             (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
-            timeout_ms,
+            timeout.as_millis().max(1) as std::ffi::c_long,
             pg_sys::PG_WAIT_EXTENSION,
         );
         pg_sys::ResetLatch(pg_sys::MyLatch);
@@ -355,7 +346,7 @@ fn deliver(mut worker: cycle::Worker) -> ! {
         if report.claimed > 0 {
             // More may be due, and this batch may have scheduled a retry sooner than the
             // poll interval: the next cycle claims again or learns when the next one is due.
-            let _ = latch_was_set();
+            let _ = BackgroundWorker::wait_latch(Some(Duration::from_millis(0)));
             if stop_requested() {
                 break;
             }
