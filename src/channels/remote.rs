@@ -214,22 +214,3 @@ impl Remotes {
         self.open.retain(|id, _| live(*id));
     }
 }
-
-/// Runs prepared sends together on `runtime`; each result in the order given.
-pub fn run_all(runtime: &tokio::runtime::Runtime, sends: Vec<Pending<Sent>>) -> Vec<Sent> {
-    runtime.block_on(async move {
-        let handles: Vec<_> = sends.into_iter().map(tokio::spawn).collect();
-        let mut results = Vec::with_capacity(handles.len());
-        for h in handles {
-            results.push(h.await.unwrap_or_else(|e| {
-                Sent::Http(Transmission::Failed {
-                    phase: crate::classify::Phase::Wait,
-                    timed_out: false,
-                    error: format!("send task ended abnormally: {e}"),
-                    elapsed_ms: 0,
-                })
-            }));
-        }
-        results
-    })
-}

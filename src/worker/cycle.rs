@@ -1,11 +1,13 @@
 //! One worker cycle, in named phases: sweep for lost leases and due lookups (at most every
-//! 250 ms, see `sweep`) and claim (one transaction); the lookups; sort, send and decide with
-//! no transaction open (`send`); run the `sql` effects and record every outcome (one
-//! transaction).
+//! 250 ms, see `sweep`) and claim (one transaction); the lookups; sort and start the sends
+//! with no transaction open (`send`); then wait for what the batches under way come to, and
+//! run the `sql` effects and record every outcome that arrived (one transaction). Up to
+//! [`flight::FLIGHTS`] batches are under way at once (`flight`).
 
 use super::claim::{self, Channels, Job, LookupJob};
 use super::claim_cursor::ClaimCursors;
 use super::decide;
+use super::flight::{self, Sends};
 use super::record::{self, Outcomes, Tally};
 use super::send::{self, unusable_channel};
 use super::sweep::SweepClock;
@@ -25,7 +27,7 @@ use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Lost leases recovered per sweep at most.
 const RECOVER_PER_SWEEP: i64 = 500;
@@ -35,7 +37,8 @@ const LOOKUPS_PER_SWEEP: i32 = 50;
 const RETENTION_ROUNDS: usize = 20;
 
 pub struct CycleReport {
-    pub claimed: usize,
+    /// Batches are under way, or more may be due: the worker goes on without sleeping.
+    pub busy: bool,
     pub next_due_ms: Option<i64>,
 }
 
@@ -46,6 +49,38 @@ struct Claimed {
     jobs: Vec<Job>,
     /// When the next message is due, for an idle worker's sleep.
     next_due_ms: Option<i64>,
+}
+
+/// A claimed batch under way (`flight`): its sends run on the runtime, its other outcomes
+/// and its `sql` effects wait for its first record.
+struct Flight {
+    channels: Channels,
+    jobs: Vec<Job>,
+    /// Outcomes known without a send (the barrier, unusable channels).
+    known: Outcomes,
+    /// Jobs (by index) whose `sql` effect runs in the flight's first record.
+    effects: Vec<usize>,
+    sends: Sends,
+}
+
+impl Flight {
+    /// Nothing is left to send or to record.
+    fn landed(&self) -> bool {
+        self.sends.outstanding() == 0 && self.known.is_empty() && self.effects.is_empty()
+    }
+
+    /// Everything left can be recorded now.
+    fn complete(&self) -> bool {
+        self.sends.all_ended() && !self.landed()
+    }
+}
+
+/// One flight's share of a record transaction.
+struct Landing {
+    flight: usize,
+    effects: Vec<usize>,
+    sent: Vec<usize>,
+    outcomes: Outcomes,
 }
 
 pub struct Worker {
@@ -63,14 +98,26 @@ pub struct Worker {
     /// When lost leases and due lookups were last looked for, on the clock of `started`.
     sweeps: SweepClock,
     started: Instant,
+    /// The batches under way, oldest first.
+    flights: Vec<Flight>,
+    /// Whether the next cycle claims: more may be due (the last claim was full, a record
+    /// freed room, a commit woke the worker).
+    claim_wanted: bool,
+    /// After an empty claim with batches still under way: when to claim again unwoken (the
+    /// next message is due, or the sweep is), as an idle worker would.
+    claim_at: Option<Instant>,
     /// The role every transaction of the worker runs as (`outbox.role`).
     pub role: pgrx::pg_sys::Oid,
 }
 
 /// Dies at a fault-injection point, as a crash would: nothing after this point happens, an
 /// open transaction is rolled back, and the postmaster starts a new worker.
-fn crash_if(point: FaultPoint, armed: FaultPoint, jobs: &[Job]) {
-    if point != armed || !jobs.iter().any(|j| j.attempt == 1) {
+fn crash_if<'a>(point: FaultPoint, armed: FaultPoint, jobs: impl IntoIterator<Item = &'a Job>) {
+    if point != armed {
+        return;
+    }
+    let jobs: Vec<&Job> = jobs.into_iter().collect();
+    if !jobs.iter().any(|j| j.attempt == 1) {
         return;
     }
     let ids: Vec<i64> = jobs.iter().map(|j| j.message_id).collect();
@@ -99,6 +146,9 @@ impl Worker {
             cursors: ClaimCursors::default(),
             sweeps: SweepClock::default(),
             started: Instant::now(),
+            flights: Vec::new(),
+            claim_wanted: true,
+            claim_at: None,
             role,
         }
     }
@@ -108,10 +158,57 @@ impl Worker {
         self.index
     }
 
-    /// One cycle: claim, look up, send, record.
+    /// Claimed messages not yet recorded.
+    fn outstanding(&self) -> usize {
+        self.flights
+            .iter()
+            .map(|f| {
+                f.sends.outstanding()
+                    + f.known.delivered.len()
+                    + f.known.settled.len()
+                    + f.effects.len()
+            })
+            .sum()
+    }
+
+    /// One cycle: claim when there is room for a batch and more may be due, then wait for
+    /// what the batches under way come to and record it (`flight`).
     pub fn run_once(&mut self) -> CycleReport {
         let fault = gucs::fault_injection();
+        let batch_size = gucs::batch_size().max(1) as usize;
+        let mut next_due_ms = None;
+        // With no batch under way the worker was idle until now: it claims.
+        if (self.claim_wanted || self.flights.is_empty())
+            && flight::may_claim(self.outstanding(), batch_size)
+        {
+            next_due_ms = self.claim_and_send(batch_size, fault);
+            // With batches under way, the claim after one that took all it could comes
+            // when an idle worker's would: at the next due time, within the poll interval.
+            let (wait, _) = super::idle_wait(next_due_ms, now_ms(), gucs::poll_interval());
+            self.claim_at = Some(Instant::now() + wait);
+        }
+        if self.flights.is_empty() {
+            return CycleReport {
+                busy: self.claim_wanted,
+                next_due_ms,
+            };
+        }
+        if self.wait_for_arrivals(batch_size) {
+            self.land(fault);
+        }
+        CycleReport {
+            busy: true,
+            next_due_ms: None,
+        }
+    }
+
+    /// Claims a batch and starts its sends; returns when the next message is due when
+    /// nothing was claimed.
+    fn claim_and_send(&mut self, batch_size: usize, fault: FaultPoint) -> Option<i64> {
         self.refresh_allowed_hosts();
+        // A commit from now on sets the latch again, and the wait for arrivals sees it; one
+        // before is seen by this claim.
+        unsafe { pgrx::pg_sys::ResetLatch(pgrx::pg_sys::MyLatch) };
         slots::update(self.index, |s| {
             s.phase = slots::Phase::Claiming;
             s.starved = false;
@@ -124,57 +221,148 @@ impl Worker {
             next_due_ms,
         } = self.claim();
         self.longest_retry_horizon_ms = channels.longest_retry_horizon_ms();
-        self.remotes.retain(|id| channels.by_id.contains_key(&id));
+        let live: Vec<i32> = self
+            .flights
+            .iter()
+            .flat_map(|f| f.channels.by_id.keys().copied())
+            .collect();
+        self.remotes
+            .retain(|id| channels.by_id.contains_key(&id) || live.contains(&id));
         if !lookups.is_empty() {
             self.reconcile(&channels, lookups);
             slots::wake_starved_peers(self.index);
         }
+        // A full batch says more may be due; a partial one took all it could.
+        self.claim_wanted = jobs.len() >= batch_size;
         if jobs.is_empty() {
-            return CycleReport {
-                claimed: 0,
-                next_due_ms,
-            };
+            return next_due_ms;
         }
-        if jobs.len() >= gucs::batch_size().max(1) as usize {
+        if self.claim_wanted {
             slots::wake_idle_peer(self.index);
         }
-        slots::update(self.index, |s| {
-            s.claimed_total += jobs.len() as i64;
-            s.in_flight = jobs.len() as i32;
-            s.phase = slots::Phase::Sending;
-        });
+        let claimed = jobs.len() as i64;
         crash_if(FaultPoint::CrashAfterClaim, fault, &jobs);
-
         let send::Sorted {
-            mut outcomes,
+            outcomes,
             effects,
             requests,
         } = send::sort(&mut self.remotes, &channels, &jobs, &mut self.jitter);
-        let sent = send::send(&self.runtime, requests);
-        crash_if(FaultPoint::CrashAfterSend, fault, &jobs);
-        send::decide_all(&channels, &jobs, &sent, &mut self.jitter, &mut outcomes);
-        crash_if(FaultPoint::CrashAfterResponse, fault, &jobs);
-
-        slots::update(self.index, |s| s.phase = slots::Phase::Recording);
-        let sent_jobs: Vec<usize> = sent.iter().map(|(i, _)| *i).collect();
-        self.record(&channels, &jobs, &effects, &sent_jobs, &mut outcomes, fault);
-        slots::wake_starved_peers(self.index);
-        let delivered = outcomes.delivered.len() as i64;
-        debug1!(
-            "outbox_delivery worker {}: batch of {} recorded ({} delivered, {} other outcomes)",
-            self.index,
-            jobs.len(),
-            delivered,
-            outcomes.settled.len()
-        );
-        slots::update(self.index, |s| {
-            s.delivered_total += delivered;
-            s.in_flight = 0;
+        self.flights.push(Flight {
+            channels,
+            jobs,
+            known: outcomes,
+            effects,
+            sends: Sends::start(&self.runtime, requests),
         });
-        CycleReport {
-            claimed: jobs.len(),
-            next_due_ms: None,
+        let outstanding = self.outstanding() as i32;
+        slots::update(self.index, |s| {
+            s.claimed_total += claimed;
+            s.in_flight = outstanding;
+            s.phase = slots::Phase::Sending;
+        });
+        None
+    }
+
+    /// Waits until what has arrived is to be recorded (true), or until the worker may
+    /// claim again (a commit woke it, its last claim was full, the next message is due) or
+    /// is asked to stop (false). It looks at its sends and its latch every millisecond.
+    fn wait_for_arrivals(&mut self, batch_size: usize) -> bool {
+        loop {
+            let now = Instant::now();
+            let mut complete = false;
+            let mut oldest = None;
+            for f in &mut self.flights {
+                f.sends.collect(&self.runtime, now);
+                complete |= f.complete();
+                oldest = oldest.max(f.sends.oldest_arrival(now));
+            }
+            if flight::should_land(complete, oldest) {
+                return true;
+            }
+            if self.claim_wanted && flight::may_claim(self.outstanding(), batch_size) {
+                return false;
+            }
+            if super::latch_set_within(Duration::from_millis(1))
+                || self.claim_at.is_some_and(|at| Instant::now() >= at)
+            {
+                self.claim_wanted = true;
+            }
+            if super::stop_requested() {
+                return false;
+            }
         }
+    }
+
+    /// Waits for every send under way and records everything: before the worker stops or
+    /// changes its role.
+    pub fn land_all(&mut self) {
+        if self.flights.is_empty() {
+            return;
+        }
+        for f in &mut self.flights {
+            f.sends.collect_all(&self.runtime);
+        }
+        self.land(gucs::fault_injection());
+    }
+
+    /// Decides what has arrived and records it, with each flight's other outcomes and
+    /// effects, in one transaction; flights with nothing left are done.
+    fn land(&mut self, fault: FaultPoint) {
+        let mut landings = Vec::new();
+        for (at, f) in self.flights.iter_mut().enumerate() {
+            let arrived = f.sends.take_arrived();
+            if arrived.is_empty() && f.known.is_empty() && f.effects.is_empty() {
+                continue;
+            }
+            crash_if(
+                FaultPoint::CrashAfterSend,
+                fault,
+                arrived.iter().map(|(i, _)| &f.jobs[*i]),
+            );
+            let mut outcomes = std::mem::take(&mut f.known);
+            send::decide_all(
+                &f.channels,
+                &f.jobs,
+                &arrived,
+                &mut self.jitter,
+                &mut outcomes,
+            );
+            crash_if(
+                FaultPoint::CrashAfterResponse,
+                fault,
+                arrived.iter().map(|(i, _)| &f.jobs[*i]),
+            );
+            landings.push(Landing {
+                flight: at,
+                effects: std::mem::take(&mut f.effects),
+                sent: arrived.iter().map(|(i, _)| *i).collect(),
+                outcomes,
+            });
+        }
+        slots::update(self.index, |s| s.phase = slots::Phase::Recording);
+        self.record(&mut landings, fault);
+        slots::wake_starved_peers(self.index);
+        let delivered: usize = landings.iter().map(|l| l.outcomes.delivered.len()).sum();
+        let other: usize = landings.iter().map(|l| l.outcomes.settled.len()).sum();
+        debug1!(
+            "outbox_delivery worker {}: {} outcome(s) recorded ({delivered} delivered, {other} other)",
+            self.index,
+            delivered + other,
+        );
+        self.flights.retain(|f| !f.landed());
+        // A record frees room (max_in_flight, an ordering key) and may have scheduled a
+        // retry sooner than the poll interval.
+        self.claim_wanted = true;
+        let outstanding = self.outstanding() as i32;
+        slots::update(self.index, |s| {
+            s.delivered_total += delivered as i64;
+            s.in_flight = outstanding;
+            s.phase = if outstanding > 0 {
+                slots::Phase::Sending
+            } else {
+                slots::Phase::Claiming
+            };
+        });
     }
 
     /// The claim transaction: the channels, a sweep when one is due, the due lookups and
@@ -236,29 +424,40 @@ impl Worker {
         )
     }
 
-    /// The record transaction: the `sql` effects run first, each in its own
+    /// The record transaction: each flight's `sql` effects run first, each in its own
     /// subtransaction, so that they commit together with their ledger entry or not at all;
-    /// then every outcome of the batch is recorded.
-    fn record(
-        &mut self,
-        channels: &Channels,
-        jobs: &[Job],
-        effects: &[usize],
-        sent: &[usize],
-        outcomes: &mut Outcomes,
-        fault: FaultPoint,
-    ) {
+    /// then every outcome is recorded.
+    fn record(&mut self, landings: &mut [Landing], fault: FaultPoint) {
         let jitter = &mut self.jitter;
+        let flights = &self.flights;
         identity::transaction(
             self.role,
             AssertUnwindSafe(|| {
-                Spi::connect_mut(|client| {
-                    run_effects(client, channels, jobs, effects, jitter, outcomes)?;
-                    record::record(client, outcomes)?;
-                    flow::after_batch(client, channels, jobs, sent, outcomes)
+                Spi::connect_mut(|client| -> SpiResult<()> {
+                    for l in landings.iter_mut() {
+                        let f = &flights[l.flight];
+                        run_effects(
+                            client,
+                            &f.channels,
+                            &f.jobs,
+                            &l.effects,
+                            jitter,
+                            &mut l.outcomes,
+                        )?;
+                        record::record(client, &l.outcomes)?;
+                        flow::after_batch(client, &f.channels, &f.jobs, &l.sent, &l.outcomes)?;
+                    }
+                    Ok(())
                 })
                 .unwrap_or_else(|e| panic!("outbox_delivery worker: record failed: {e}"));
-                crash_if(FaultPoint::CrashBeforeCommit, fault, jobs);
+                crash_if(
+                    FaultPoint::CrashBeforeCommit,
+                    fault,
+                    landings.iter().flat_map(|l| {
+                        let jobs = &flights[l.flight].jobs;
+                        l.sent.iter().chain(&l.effects).map(move |&i| &jobs[i])
+                    }),
+                );
             }),
         );
     }
@@ -300,7 +499,7 @@ impl Worker {
                 &channel.version,
                 &channel.endpoint,
                 options,
-                gucs::batch_size(),
+                flight::connections(gucs::batch_size()),
             ) {
                 Ok(remote) => {
                     let lookup = remote.lookup(&job.subject, self.remotes.allowed());

@@ -33,7 +33,7 @@ pub fn room_for_sockets(soft: u64, postgres_files: u64) -> u64 {
 }
 
 /// Raises the soft limit of this process and tells the log what the sockets have;
-/// `needed` is how many connections one batch can hold open at once.
+/// `needed` is how many connections the worker can hold open at once.
 pub fn make_room_for_sockets(index: usize, needed: u64) {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
@@ -58,7 +58,7 @@ pub fn make_room_for_sockets(index: usize, needed: u64) {
     let room = room_for_sockets(now, postgres_files);
     if room < needed {
         pgrx::warning!(
-            "outbox_delivery worker {index}: only {room} file descriptors are left for connections to providers (open files limit {now}, hard limit {hard}, PostgreSQL's own files {postgres_files}); a batch in flight and the connections kept for the next may need {needed}. Raise the hard limit of the server (LimitNOFILE in its systemd unit, or ulimit -Hn) or lower outbox.batch_size."
+            "outbox_delivery worker {index}: only {room} file descriptors are left for connections to providers (open files limit {now}, hard limit {hard}, PostgreSQL's own files {postgres_files}); the batches in flight and the connections kept for the next may need {needed}. Raise the hard limit of the server (LimitNOFILE in its systemd unit, or ulimit -Hn) or lower outbox.batch_size."
         );
     } else if now > soft {
         pgrx::log!(

@@ -9,6 +9,7 @@ pub mod claim_cursor;
 pub mod cycle;
 pub mod decide;
 pub mod descriptors;
+pub mod flight;
 pub mod flow;
 pub mod lease;
 pub mod record;
@@ -183,7 +184,7 @@ fn wait_for_role(index: usize) -> pg_sys::Oid {
 
 /// Waits on the latch at most `timeout`: true when it was set (a wake-up at commit, a
 /// signal), false when the time ran out.
-fn latch_set_within(timeout: Duration) -> bool {
+pub(super) fn latch_set_within(timeout: Duration) -> bool {
     let set = unsafe {
         let events = pg_sys::WaitLatch(
             pg_sys::MyLatch,
@@ -223,7 +224,7 @@ fn sleep(timeout: Duration) -> bool {
 /// `BackgroundWorker::sigterm_received()` clears its own flag when read, and
 /// `wait_latch` reads it too, so a SIGTERM that arrived during a busy cycle was consumed
 /// by the next latch check and the worker kept delivering through the shutdown.
-fn stop_requested() -> bool {
+pub(super) fn stop_requested() -> bool {
     unsafe { (&raw const pg_sys::ShutdownRequestPending).read_volatile() != 0 }
 }
 
@@ -311,9 +312,12 @@ fn prepare_session(index: usize, database: &str) -> tokio::runtime::Runtime {
     }
     pin_search_path();
 
-    // Sockets to providers must not take the descriptors PostgreSQL counts on: a batch in
-    // flight, and as many idle connections kept for the next one.
-    descriptors::make_room_for_sockets(index, 2 * gucs::batch_size() as u64);
+    // Sockets to providers must not take the descriptors PostgreSQL counts on: the batches
+    // under way, and as many idle connections as one batch uses kept for the next one.
+    descriptors::make_room_for_sockets(
+        index,
+        (flight::FLIGHTS as u64 + 1) * gucs::batch_size() as u64,
+    );
     let runtime = match runtime::build() {
         Ok(r) => r,
         Err(e) => {
@@ -332,6 +336,8 @@ fn deliver(mut worker: cycle::Worker) -> ! {
     let mut last_retention = Instant::now() - RETENTION_EVERY;
     loop {
         if reload_config_if_asked(index) {
+            // The batches under way are recorded as the role they were claimed as.
+            guarded(index, &database, "delivery cycle", || worker.land_all());
             worker.role = wait_for_role(index);
         }
         if stop_requested() {
@@ -343,10 +349,10 @@ fn deliver(mut worker: cycle::Worker) -> ! {
             guarded(index, &database, "retention", || worker.retention());
             last_retention = Instant::now();
         }
-        if report.claimed > 0 {
-            // More may be due, and this batch may have scheduled a retry sooner than the
-            // poll interval: the next cycle claims again or learns when the next one is due.
-            let _ = BackgroundWorker::wait_latch(Some(Duration::from_millis(0)));
+        if report.busy {
+            // Batches are under way, or more may be due: the next cycle waits for them,
+            // claims again or learns when the next message is due.
+            pg_sys::check_for_interrupts!();
             if stop_requested() {
                 break;
             }
@@ -362,6 +368,8 @@ fn deliver(mut worker: cycle::Worker) -> ! {
             break;
         }
     }
+    // What was sent is recorded before the worker stops: a fast shutdown waits for it.
+    guarded(index, &database, "delivery cycle", || worker.land_all());
     stop(index);
 }
 
@@ -371,7 +379,7 @@ fn deliver(mut worker: cycle::Worker) -> ! {
 /// [`sweep::SWEEP_EVERY_MS`]: claiming again a millisecond later would take nothing
 /// either, a thousand times a second for as long as an ordering key waits behind an
 /// uncertain message. Otherwise until the next message is due, within the poll interval.
-fn idle_wait(next_due_ms: Option<i64>, now_ms: i64, poll: Duration) -> (Duration, bool) {
+pub(super) fn idle_wait(next_due_ms: Option<i64>, now_ms: i64, poll: Duration) -> (Duration, bool) {
     let poll_ms = poll.as_millis().max(1) as i64;
     match next_due_ms {
         Some(due) if due <= now_ms => (

@@ -1,13 +1,13 @@
 //! The sending phase of a cycle, with no transaction open: the claimed jobs are sorted
 //! (already in the ledger, on an unusable channel, a `sql` effect for the record
-//! transaction, or a send on a remote channel: HTTP or NATS), the sends run together, and
-//! each outcome is decided.
+//! transaction, or a send on a remote channel: HTTP or NATS), and each send's outcome is
+//! decided once it arrives (`flight`).
 
 use super::claim::{Channels, Job};
 use super::decide::{self, Verdict};
 use super::record::Outcomes;
 use crate::channels::options::{ChannelOptions, Kind};
-use crate::channels::remote::{self, Pending, Remotes, Sent};
+use crate::channels::remote::{Pending, Remotes, Sent};
 use crate::channels::request;
 use crate::classify::Class;
 use crate::clock::now_ms;
@@ -82,7 +82,7 @@ pub fn sort(
                     &channel.version,
                     &channel.endpoint,
                     options,
-                    gucs::batch_size(),
+                    super::flight::connections(gucs::batch_size()),
                 )?;
                 let message = request::Message {
                     channel_id: job.channel_id,
@@ -102,18 +102,6 @@ pub fn sort(
         }
     }
     sorted
-}
-
-/// Runs the sends together on `runtime`; returns each job's index with what happened.
-pub fn send(
-    runtime: &tokio::runtime::Runtime,
-    requests: Vec<(usize, Pending<Sent>)>,
-) -> Vec<(usize, Sent)> {
-    let (order, sends): (Vec<usize>, Vec<Pending<Sent>>) = requests.into_iter().unzip();
-    order
-        .into_iter()
-        .zip(remote::run_all(runtime, sends))
-        .collect()
 }
 
 /// Decides each send (retry policy, classification) into `outcomes`; a message that did

@@ -23,6 +23,7 @@ mod bad_rows;
 mod concurrency;
 mod crashes;
 mod delivery;
+mod flights;
 mod leases;
 mod retention;
 

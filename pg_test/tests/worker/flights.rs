@@ -1,0 +1,161 @@
+//! 7. Batches under way: a provider that hangs holds back its own messages only. A worker
+//! claims and sends the next batch while one is in flight, and records what has arrived
+//! without waiting for the slowest request of its batch (src/worker/flight.rs).
+
+use super::*;
+
+/// How long the slow provider takes to answer: far longer than a fast delivery.
+const SLOW: Duration = Duration::from_secs(6);
+/// How soon a fast message must be delivered (recorded) while the slow ones are in flight.
+const PROMPT: Duration = Duration::from_secs(3);
+
+/// Messages of `ids` in state `delivered`.
+fn delivered(c: &mut Client, ids: &[i64]) -> i64 {
+    count(
+        c,
+        "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'delivered'",
+        &[&ids],
+    )
+}
+
+/// Both workers hold a request to a provider that answers after [`SLOW`]; then messages
+/// for another channel are committed. Before, each worker waited for its whole batch: the
+/// fast messages waited for the slow answers. Now a worker with a batch under way claims
+/// the next one when a commit wakes it.
+#[test]
+fn a_hanging_provider_holds_back_no_other_channels_messages() {
+    let cluster = with_two_workers();
+    let (_, mut c, sim) = cluster_and_sim();
+    let slow = sim_channel(&mut c, &sim, "fl_slow", r#"{"timeout_ms": 20000}"#);
+    let fast = sim_channel(&mut c, &sim, "fl_fast", "{}");
+    sim.set_default(&slow, Action::AcceptAfter(SLOW));
+    // Two slow messages committed one after the other: a commit wakes an idle worker, so
+    // each worker holds one.
+    let s1 = enqueue_payload(&mut c, &slow, r#"{"n": 1}"#, &unique("fl-s1"));
+    assert!(
+        sim.wait_for_sends(&slow, 1, SETTLE),
+        "the slow provider got no request"
+    );
+    let s2 = enqueue_payload(&mut c, &slow, r#"{"n": 2}"#, &unique("fl-s2"));
+    assert!(
+        sim.wait_for_sends(&slow, 2, SETTLE),
+        "the second slow request was not sent"
+    );
+    let pids: i64 = count(
+        &mut c,
+        "SELECT count(DISTINCT attempt_pid) FROM outbox._messages WHERE id = ANY($1) AND state = 'sending'",
+        &[&vec![s1, s2]],
+    );
+    assert_eq!(pids, 2, "each worker holds one slow request");
+
+    let started = std::time::Instant::now();
+    let mut tx = c.transaction().unwrap();
+    let ids: Vec<i64> = (0..10)
+        .map(|i| {
+            enqueue_payload(
+                &mut tx,
+                &fast,
+                r#"{"fast": true}"#,
+                &unique(&format!("fl-f{i}")),
+            )
+        })
+        .collect();
+    tx.commit().unwrap();
+    let all = wait_for_count(
+        &cluster,
+        PROMPT,
+        "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'delivered'",
+        &[&ids],
+        |n| n == ids.len() as i64,
+    );
+    let took = started.elapsed();
+    assert!(
+        all,
+        "the fast channel's messages waited for the slow provider: {} of {} delivered within {PROMPT:?}",
+        delivered(&mut c, &ids),
+        ids.len()
+    );
+    let still: i64 = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'sending'",
+        &[&vec![s1, s2]],
+    );
+    assert_eq!(
+        still, 2,
+        "delivered in {took:?}, while both slow requests were in flight"
+    );
+
+    wait_message(&cluster, s1, "delivered");
+    wait_message(&cluster, s2, "delivered");
+    assert_eq!(sim.send_count(&slow), 2, "each slow message was sent once");
+    assert_eq!(sim.send_count(&fast), ids.len());
+}
+
+/// A slow and several fast messages claimed in one batch: the fast ones are recorded
+/// (delivered, with their ledger entries) while the slow one is still in flight.
+#[test]
+fn what_has_arrived_is_recorded_without_waiting_for_the_slowest_request_of_its_batch() {
+    let cluster = with_two_workers();
+    let (_, mut c, sim) = cluster_and_sim();
+    let slow = sim_channel(&mut c, &sim, "fl_batch_slow", r#"{"timeout_ms": 20000}"#);
+    let fast = sim_channel(&mut c, &sim, "fl_batch_fast", "{}");
+    sim.set_default(&slow, Action::AcceptAfter(SLOW));
+
+    let mut tx = c.transaction().unwrap();
+    let s = enqueue_payload(&mut tx, &slow, r#"{"slow": true}"#, &unique("fl-bs"));
+    let ids: Vec<i64> = (0..5)
+        .map(|i| {
+            enqueue_payload(
+                &mut tx,
+                &fast,
+                r#"{"fast": true}"#,
+                &unique(&format!("fl-bf{i}")),
+            )
+        })
+        .collect();
+    tx.commit().unwrap();
+    // A commit wakes one idle worker, which claims all six in one batch.
+    let mut all_six = ids.clone();
+    all_six.push(s);
+    let workers = poll(&cluster, SETTLE, |c| {
+        let r = c.query_one(
+            "SELECT count(DISTINCT message_id), count(DISTINCT worker_pid)
+               FROM outbox.attempts WHERE message_id = ANY($1) AND kind = 'send'",
+            &[&all_six],
+        )?;
+        let (claimed, pids): (i64, i64) = (r.get(0), r.get(1));
+        Ok((claimed == 6).then_some(pids))
+    });
+    assert_eq!(
+        workers,
+        Some(1),
+        "the six messages were not claimed in one batch"
+    );
+
+    let all = wait_for_count(
+        &cluster,
+        PROMPT,
+        "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'delivered'",
+        &[&ids],
+        |n| n == ids.len() as i64,
+    );
+    assert!(
+        all,
+        "the fast messages waited for the slow one: {} of {} recorded within {PROMPT:?}",
+        delivered(&mut c, &ids),
+        ids.len()
+    );
+    assert_eq!(
+        wait_message(&cluster, s, "delivered").attempts,
+        1,
+        "the slow message is recorded once its answer arrives"
+    );
+    for id in &ids {
+        assert_eq!(ledger_entries(&mut c, *id), 1);
+    }
+    assert_eq!(
+        sim.send_count(&fast),
+        ids.len(),
+        "each fast message was sent once"
+    );
+}
