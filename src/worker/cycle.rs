@@ -61,6 +61,7 @@ struct Flight {
     /// Jobs (by index) whose `sql` effect runs in the flight's first record.
     effects: Vec<usize>,
     sends: Sends,
+    claimed_at: Instant,
 }
 
 impl Flight {
@@ -69,9 +70,18 @@ impl Flight {
         self.sends.outstanding() == 0 && self.known.is_empty() && self.effects.is_empty()
     }
 
-    /// Everything left can be recorded now.
-    fn complete(&self) -> bool {
-        self.sends.all_ended() && !self.landed()
+    /// What it has is to be recorded now: all of it (nothing is running), or what arrived
+    /// and has waited long enough for the rest (`flight::should_land`). Outcomes known at
+    /// the claim count as arrived then, so a hanging send does not hold them back. A flight
+    /// that is not ready is left whole for a later record, not split by another flight's.
+    fn ready(&self, now: Instant) -> bool {
+        let known_since = (!self.known.is_empty() || !self.effects.is_empty())
+            .then(|| now.saturating_duration_since(self.claimed_at));
+        !self.landed()
+            && flight::should_land(
+                self.sends.all_ended(),
+                self.sends.oldest_arrival(now).max(known_since),
+            )
     }
 }
 
@@ -253,6 +263,7 @@ impl Worker {
             known: outcomes,
             effects,
             sends: Sends::start(&self.runtime, requests),
+            claimed_at: Instant::now(),
         });
         let outstanding = self.outstanding() as i32;
         slots::update(self.index, |s| {
@@ -269,14 +280,12 @@ impl Worker {
     fn wait_for_arrivals(&mut self, batch_size: usize) -> bool {
         loop {
             let now = Instant::now();
-            let mut complete = false;
-            let mut oldest = None;
+            let mut ready = false;
             for f in &mut self.flights {
                 f.sends.collect(&self.runtime, now);
-                complete |= f.complete();
-                oldest = oldest.max(f.sends.oldest_arrival(now));
+                ready |= f.ready(now);
             }
-            if flight::should_land(complete, oldest) {
+            if ready {
                 return true;
             }
             if self.claim_wanted && flight::may_claim(self.outstanding(), batch_size) {
@@ -303,17 +312,19 @@ impl Worker {
             f.sends.collect_all(&self.runtime);
         }
         self.land(gucs::fault_injection());
+        debug_assert!(self.flights.is_empty());
     }
 
-    /// Decides what has arrived and records it, with each flight's other outcomes and
-    /// effects, in one transaction; flights with nothing left are done.
+    /// Decides what has arrived in the flights that are ready and records it, with their
+    /// other outcomes and effects, in one transaction; flights with nothing left are done.
     fn land(&mut self, fault: FaultPoint) {
         let mut landings = Vec::new();
+        let now = Instant::now();
         for (at, f) in self.flights.iter_mut().enumerate() {
-            let arrived = f.sends.take_arrived();
-            if arrived.is_empty() && f.known.is_empty() && f.effects.is_empty() {
+            if !f.ready(now) {
                 continue;
             }
+            let arrived = f.sends.take_arrived();
             crash_if(
                 FaultPoint::CrashAfterSend,
                 fault,

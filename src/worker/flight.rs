@@ -19,7 +19,7 @@ pub const FLIGHTS: usize = 2;
 /// How long an arrived outcome may wait for the rest of its batch before it is recorded
 /// on its own group: a batch whose requests all answer within this is recorded in one
 /// transaction; a slow request holds back the others' records no longer than this.
-pub const GROUP_WAIT: Duration = Duration::from_millis(10);
+pub const GROUP_WAIT: Duration = Duration::from_millis(50);
 
 /// Connections one worker may have open to a destination at once: its batches under way.
 pub fn connections(batch_size: usize) -> usize {
@@ -171,7 +171,7 @@ mod tests {
     fn what_arrived_is_recorded_when_its_batch_is_complete_or_has_waited_long_enough() {
         assert!(!should_land(false, None));
         assert!(should_land(true, None));
-        assert!(!should_land(false, Some(Duration::from_millis(9))));
+        assert!(!should_land(false, Some(Duration::from_millis(49))));
         assert!(should_land(false, Some(GROUP_WAIT)));
         assert!(should_land(true, Some(Duration::ZERO)));
     }
