@@ -7,7 +7,7 @@
 use super::claim::{self, Channels, Job, LookupJob};
 use super::claim_cursor::ClaimCursors;
 use super::decide;
-use super::flight::{self, Sends};
+use super::flight::{self, Bell, Sends};
 use super::record::{self, Outcomes, Tally};
 use super::send::{self, unusable_channel};
 use super::sweep::SweepClock;
@@ -27,6 +27,7 @@ use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Lost leases recovered per sweep at most.
@@ -116,6 +117,8 @@ pub struct Worker {
     /// After an empty claim with batches still under way: when to claim again unwoken (the
     /// next message is due, or the sweep is), as an idle worker would.
     claim_at: Option<Instant>,
+    /// What the sends ring when a batch's first and last answers arrive.
+    bell: Arc<Bell>,
     /// The role every transaction of the worker runs as (`outbox.role`).
     pub role: pgrx::pg_sys::Oid,
 }
@@ -143,6 +146,7 @@ impl Worker {
         index: usize,
         pid: i32,
         runtime: tokio::runtime::Runtime,
+        bell: Arc<Bell>,
         role: pgrx::pg_sys::Oid,
     ) -> Worker {
         Worker {
@@ -159,6 +163,7 @@ impl Worker {
             flights: Vec::new(),
             claim_wanted: true,
             claim_at: None,
+            bell,
             role,
         }
     }
@@ -262,7 +267,7 @@ impl Worker {
             jobs,
             known: outcomes,
             effects,
-            sends: Sends::start(&self.runtime, requests),
+            sends: Sends::start(&self.runtime, &self.bell, requests),
             claimed_at: Instant::now(),
         });
         let outstanding = self.outstanding() as i32;
@@ -275,26 +280,39 @@ impl Worker {
     }
 
     /// Waits until what has arrived is to be recorded (true), or until the worker may
-    /// claim again (a commit woke it, its last claim was full, the next message is due) or
-    /// is asked to stop (false). It looks at its sends and its latch every millisecond.
+    /// claim again (a commit woke it, the next message is due, or its last claim was full
+    /// and has been under way for `flight::AHEAD_AFTER`) or is asked to stop (false). It
+    /// sleeps on its latch and its bell, and looks around every `flight::LOOK_EVERY`.
     fn wait_for_arrivals(&mut self, batch_size: usize) -> bool {
+        let mut woken = false;
         loop {
             let now = Instant::now();
             let mut ready = false;
+            // A send that ends from here on rings again and cuts the next sleep short.
+            self.bell.silence();
             for f in &mut self.flights {
-                f.sends.collect(&self.runtime, now);
+                f.sends.collect(now);
                 ready |= f.ready(now);
             }
             if ready {
                 return true;
             }
-            if self.claim_wanted && flight::may_claim(self.outstanding(), batch_size) {
+            let last_claim_age = self
+                .flights
+                .iter()
+                .map(|f| now.saturating_duration_since(f.claimed_at))
+                .min()
+                .unwrap_or(Duration::MAX);
+            if self.claim_wanted
+                && flight::may_claim_beside(self.outstanding(), batch_size, woken, last_claim_age)
+            {
                 return false;
             }
-            if super::latch_set_within(Duration::from_millis(1))
+            if super::latch_set_within(Some(&self.bell), flight::LOOK_EVERY)
                 || self.claim_at.is_some_and(|at| Instant::now() >= at)
             {
                 self.claim_wanted = true;
+                woken = true;
             }
             if super::stop_requested() {
                 return false;
@@ -309,7 +327,7 @@ impl Worker {
             return;
         }
         for f in &mut self.flights {
-            f.sends.collect_all(&self.runtime);
+            f.sends.collect_all();
         }
         self.land(gucs::fault_injection());
         debug_assert!(self.flights.is_empty());

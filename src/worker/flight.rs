@@ -10,8 +10,10 @@
 use crate::channels::http::Transmission;
 use crate::channels::remote::{Pending, Sent};
 use crate::classify::Phase;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
-use tokio::task::JoinHandle;
 
 /// Batches a worker keeps under way at most: one being sent while the next is claimed.
 pub const FLIGHTS: usize = 2;
@@ -20,6 +22,18 @@ pub const FLIGHTS: usize = 2;
 /// on its own group: a batch whose requests all answer within this is recorded in one
 /// transaction; a slow request holds back the others' records no longer than this.
 pub const GROUP_WAIT: Duration = Duration::from_millis(50);
+
+/// How long the last batch claimed has been under way before the worker claims another
+/// beside it only because the last claim was full. A batch that its providers answer
+/// sooner is recorded first, and a drain claims and records in turn: on a machine whose
+/// cores the drain already fills, a second batch under way adds work and no speed. A
+/// commit that wakes the worker, or a message falling due, claims at once.
+pub const AHEAD_AFTER: Duration = Duration::from_millis(50);
+
+/// How often a worker with batches under way looks at them when nothing woke it: for the
+/// group wait, the claim beside a slow batch, a due time. The ends that matter ring its
+/// [`Bell`] and are seen at once.
+pub const LOOK_EVERY: Duration = Duration::from_millis(5);
 
 /// Connections one worker may have open to a destination at once: its batches under way.
 pub fn connections(batch_size: usize) -> usize {
@@ -32,59 +46,153 @@ pub fn may_claim(outstanding: usize, batch_size: usize) -> bool {
     outstanding <= (FLIGHTS - 1) * batch_size.max(1)
 }
 
+/// Whether a worker with a batch under way claims another beside it now: there is room
+/// ([`may_claim`]), and it was woken (a commit, a due time) or its last batch has been
+/// under way for [`AHEAD_AFTER`].
+pub fn may_claim_beside(
+    outstanding: usize,
+    batch_size: usize,
+    woken: bool,
+    last_claim_age: Duration,
+) -> bool {
+    may_claim(outstanding, batch_size) && (woken || last_claim_age >= AHEAD_AFTER)
+}
+
 /// Whether what has arrived is recorded now: a batch has nothing left running (all of it
 /// can be recorded in one group), or the oldest arrival has waited [`GROUP_WAIT`].
 pub fn should_land(a_batch_is_complete: bool, oldest_arrival: Option<Duration>) -> bool {
     a_batch_is_complete || oldest_arrival.is_some_and(|waited| waited >= GROUP_WAIT)
 }
 
-/// The sends of one claimed batch: those still running, by the index of their job, and
-/// those that arrived and wait to be recorded.
-#[derive(Default)]
+/// What a worker waits on beside its latch: an `eventfd` that the sends ring when the
+/// first and when the last send of a batch ends. A batch's answers are seen as soon as
+/// they are complete, without the worker looking every millisecond.
+pub struct Bell(OwnedFd);
+
+impl Bell {
+    pub fn new() -> std::io::Result<Arc<Bell>> {
+        // SAFETY: eventfd takes no pointers; a negative result is an error.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: fd was just opened and is owned by nothing else.
+        Ok(Arc::new(Bell(unsafe { OwnedFd::from_raw_fd(fd) })))
+    }
+
+    /// Makes the descriptor readable; any thread may ring.
+    pub fn ring(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer; a full counter (EAGAIN) is still readable.
+        unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+    }
+
+    /// Makes it unreadable again, before the worker looks at what has arrived.
+    pub fn silence(&self) {
+        let mut count = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live buffer; EAGAIN when not rung.
+        unsafe { libc::read(self.0.as_raw_fd(), count.as_mut_ptr().cast(), count.len()) };
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+/// One send's way back: its outcome into the batch's inbox, then a ring of the bell when it
+/// is the first or the last of its batch to end. A send that ends without an outcome (its
+/// task panicked or was cancelled) hands in a failure when it is dropped.
+struct Handover {
+    index: usize,
+    inbox: Option<mpsc::Sender<(usize, Sent)>>,
+    bell: Arc<Bell>,
+    left: Arc<AtomicUsize>,
+    total: usize,
+}
+
+impl Handover {
+    fn hand_in(&mut self, sent: Sent) {
+        let Some(inbox) = self.inbox.take() else {
+            return;
+        };
+        // The receiver is gone only when the worker no longer waits for this batch.
+        let _ = inbox.send((self.index, sent));
+        let left = self.left.fetch_sub(1, Ordering::AcqRel) - 1;
+        if left == 0 || left + 1 == self.total {
+            self.bell.ring();
+        }
+    }
+}
+
+impl Drop for Handover {
+    fn drop(&mut self) {
+        self.hand_in(ended_abnormally());
+    }
+}
+
+/// The sends of one claimed batch: how many are still running, and those that arrived and
+/// wait to be recorded, by the index of their job.
 pub struct Sends {
-    running: Vec<(usize, JoinHandle<Sent>)>,
+    running: usize,
+    inbox: mpsc::Receiver<(usize, Sent)>,
     arrived: Vec<(usize, Sent)>,
     /// When the oldest outcome waiting in `arrived` was noticed.
     arrived_since: Option<Instant>,
 }
 
 impl Sends {
-    /// Starts every send on `runtime`; they run while the worker does other things.
-    pub fn start(runtime: &tokio::runtime::Runtime, sends: Vec<(usize, Pending<Sent>)>) -> Sends {
+    /// Starts every send on `runtime`; they run while the worker does other things, and
+    /// ring `bell` when the first and the last of them end.
+    pub fn start(
+        runtime: &tokio::runtime::Runtime,
+        bell: &Arc<Bell>,
+        sends: Vec<(usize, Pending<Sent>)>,
+    ) -> Sends {
+        let (outbox, inbox) = mpsc::channel();
+        let total = sends.len();
+        let left = Arc::new(AtomicUsize::new(total));
+        for (index, send) in sends {
+            let mut handover = Handover {
+                index,
+                inbox: Some(outbox.clone()),
+                bell: bell.clone(),
+                left: left.clone(),
+                total,
+            };
+            runtime.spawn(async move {
+                let sent = send.await;
+                handover.hand_in(sent);
+            });
+        }
         Sends {
-            running: sends
-                .into_iter()
-                .map(|(i, send)| (i, runtime.spawn(send)))
-                .collect(),
-            ..Sends::default()
+            running: total,
+            inbox,
+            arrived: Vec::new(),
+            arrived_since: None,
         }
     }
 
-    /// Moves the sends that ended into `arrived`; `runtime` only collects what has ended.
-    pub fn collect(&mut self, runtime: &tokio::runtime::Runtime, now: Instant) {
-        if !self.running.iter().any(|(_, h)| h.is_finished()) {
-            return;
+    /// Moves the sends that ended into `arrived`.
+    pub fn collect(&mut self, now: Instant) {
+        let before = self.arrived.len();
+        while let Ok(outcome) = self.inbox.try_recv() {
+            self.arrived.push(outcome);
         }
-        let (ended, running): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
-            .into_iter()
-            .partition(|(_, h)| h.is_finished());
-        self.running = running;
-        for (i, handle) in ended {
-            let sent = runtime
-                .block_on(handle)
-                .unwrap_or_else(|e| ended_abnormally(&e));
-            self.arrived.push((i, sent));
+        self.running -= self.arrived.len() - before;
+        if !self.arrived.is_empty() {
+            self.arrived_since.get_or_insert(now);
         }
-        self.arrived_since.get_or_insert(now);
     }
 
     /// Waits for every send still running.
-    pub fn collect_all(&mut self, runtime: &tokio::runtime::Runtime) {
-        for (i, handle) in std::mem::take(&mut self.running) {
-            let sent = runtime
-                .block_on(handle)
-                .unwrap_or_else(|e| ended_abnormally(&e));
-            self.arrived.push((i, sent));
+    pub fn collect_all(&mut self) {
+        while self.running > 0 {
+            let outcome = self
+                .inbox
+                .recv()
+                .expect("every send hands in an outcome, also when it ends abnormally");
+            self.arrived.push(outcome);
+            self.running -= 1;
         }
         if !self.arrived.is_empty() {
             self.arrived_since.get_or_insert_with(Instant::now);
@@ -101,7 +209,7 @@ impl Sends {
 
     /// Nothing is running any more.
     pub fn all_ended(&self) -> bool {
-        self.running.is_empty()
+        self.running == 0
     }
 
     /// How long the oldest arrived outcome has waited to be recorded.
@@ -112,17 +220,17 @@ impl Sends {
 
     /// Sends running or arrived and not yet recorded.
     pub fn outstanding(&self) -> usize {
-        self.running.len() + self.arrived.len()
+        self.running + self.arrived.len()
     }
 }
 
 /// A send whose task ended without an outcome (it panicked or was cancelled): no answer,
 /// so the provider may or may not have acted.
-fn ended_abnormally(e: &tokio::task::JoinError) -> Sent {
+fn ended_abnormally() -> Sent {
     Sent::Http(Transmission::Failed {
         phase: Phase::Wait,
         timed_out: false,
-        error: format!("send task ended abnormally: {e}"),
+        error: "send task ended abnormally: it stopped without an outcome".into(),
         elapsed_ms: 0,
     })
 }
@@ -150,6 +258,66 @@ mod tests {
             .unwrap()
     }
 
+    fn bell() -> Arc<Bell> {
+        Bell::new().unwrap()
+    }
+
+    /// Whether the bell's descriptor is readable now.
+    fn rung(bell: &Bell) -> bool {
+        let mut fds = libc::pollfd {
+            fd: bell.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd.
+        unsafe { libc::poll(&mut fds, 1, 0) == 1 }
+    }
+
+    #[test]
+    fn the_bell_rings_when_the_first_and_the_last_send_of_a_batch_end() {
+        let rt = runtime();
+        let bell = bell();
+        assert!(!rung(&bell));
+        let (release, held) = tokio::sync::oneshot::channel::<()>();
+        let slow: Pending<Sent> = Box::pin(async move {
+            let _ = held.await;
+            answered(500)
+        });
+        let fast: Pending<Sent> = Box::pin(async { answered(200) });
+        let third: Pending<Sent> = Box::pin(async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            answered(201)
+        });
+        let mut sends = Sends::start(&rt, &bell, vec![(0, slow), (1, fast), (2, third)]);
+        let started = Instant::now();
+        while !rung(&bell) {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the first end rang no bell"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        bell.silence();
+        assert!(!rung(&bell));
+        while sends.arrived.len() < 2 {
+            assert!(started.elapsed() < Duration::from_secs(10));
+            sends.collect(Instant::now());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(!rung(&bell), "the second of three ends quietly");
+        release.send(()).unwrap();
+        while !rung(&bell) {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the last end rang no bell"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        sends.collect(Instant::now());
+        assert!(sends.all_ended(), "what rang has arrived");
+        assert_eq!(sends.outstanding(), 3);
+    }
+
     #[test]
     fn a_worker_keeps_at_most_two_batches_under_way() {
         assert!(may_claim(0, 200));
@@ -165,6 +333,24 @@ mod tests {
         assert!(!may_claim(2, 0));
         assert_eq!(connections(200), 400);
         assert_eq!(connections(0), 2);
+    }
+
+    #[test]
+    fn a_second_batch_is_claimed_beside_a_slow_one_or_when_woken() {
+        let soon = Duration::from_millis(1);
+        assert!(
+            !may_claim_beside(200, 200, false, soon),
+            "a fast batch is recorded first"
+        );
+        assert!(!may_claim_beside(200, 200, false, AHEAD_AFTER - soon));
+        assert!(may_claim_beside(200, 200, false, AHEAD_AFTER));
+        assert!(
+            may_claim_beside(200, 200, true, Duration::ZERO),
+            "a commit claims at once"
+        );
+        assert!(may_claim_beside(1, 200, true, soon));
+        assert!(!may_claim_beside(201, 200, true, AHEAD_AFTER), "no room");
+        assert!(!may_claim_beside(400, 200, false, Duration::from_secs(60)));
     }
 
     #[test]
@@ -185,12 +371,12 @@ mod tests {
             answered(500)
         });
         let fast: Pending<Sent> = Box::pin(async { answered(200) });
-        let mut sends = Sends::start(&rt, vec![(0, slow), (1, fast)]);
+        let mut sends = Sends::start(&rt, &bell(), vec![(0, slow), (1, fast)]);
         assert_eq!(sends.outstanding(), 2);
         let started = Instant::now();
         while sends.oldest_arrival(Instant::now()).is_none() {
             assert!(started.elapsed() < Duration::from_secs(10));
-            sends.collect(&rt, Instant::now());
+            sends.collect(Instant::now());
             std::thread::sleep(Duration::from_millis(1));
         }
         assert!(!sends.all_ended());
@@ -204,7 +390,7 @@ mod tests {
         assert_eq!(sends.oldest_arrival(Instant::now()), None);
 
         release.send(()).unwrap();
-        sends.collect_all(&rt);
+        sends.collect_all();
         assert!(sends.all_ended());
         assert!(sends.oldest_arrival(Instant::now()).is_some());
         assert_eq!(sends.take_arrived(), vec![(0, answered(500))]);
@@ -215,10 +401,10 @@ mod tests {
     fn the_oldest_arrival_is_kept_while_later_ones_join_it() {
         let rt = runtime();
         let first: Pending<Sent> = Box::pin(async { answered(200) });
-        let mut sends = Sends::start(&rt, vec![(3, first)]);
-        sends.collect_all(&rt);
+        let mut sends = Sends::start(&rt, &bell(), vec![(3, first)]);
+        sends.collect_all();
         std::thread::sleep(Duration::from_millis(2));
-        sends.collect(&rt, Instant::now());
+        sends.collect(Instant::now());
         assert!(
             sends.oldest_arrival(Instant::now()).unwrap() >= Duration::from_millis(2),
             "a later look does not restart the wait of what arrived before"
@@ -229,8 +415,8 @@ mod tests {
     fn a_send_that_panics_arrives_as_a_failure_without_an_answer() {
         let rt = runtime();
         let panics: Pending<Sent> = Box::pin(async { panic!("boom") });
-        let mut sends = Sends::start(&rt, vec![(0, panics)]);
-        sends.collect_all(&rt);
+        let mut sends = Sends::start(&rt, &bell(), vec![(0, panics)]);
+        sends.collect_all();
         match sends.take_arrived().pop() {
             Some((0, Sent::Http(Transmission::Failed { phase, error, .. }))) => {
                 assert_eq!(phase, Phase::Wait);

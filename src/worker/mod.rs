@@ -182,13 +182,19 @@ fn wait_for_role(index: usize) -> pg_sys::Oid {
     }
 }
 
-/// Waits on the latch at most `timeout`: true when it was set (a wake-up at commit, a
-/// signal), false when the time ran out.
-pub(super) fn latch_set_within(timeout: Duration) -> bool {
+/// Waits on the latch, and on `bell` when given, at most `timeout`: true when the latch
+/// was set (a wake-up at commit, a signal), false when the bell rang or the time ran out.
+pub(super) fn latch_set_within(bell: Option<&flight::Bell>, timeout: Duration) -> bool {
+    let (socket, readable) = match bell {
+        Some(bell) => (bell.fd(), pg_sys::WL_SOCKET_READABLE),
+        None => (pg_sys::PGINVALID_SOCKET, 0),
+    };
     let set = unsafe {
-        let events = pg_sys::WaitLatch(
+        let events = pg_sys::WaitLatchOrSocket(
             pg_sys::MyLatch,
-            (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+            (pg_sys::WL_LATCH_SET | readable | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH)
+                as i32,
+            socket,
             timeout.as_millis().max(1) as std::ffi::c_long,
             pg_sys::PG_WAIT_EXTENSION,
         );
@@ -206,7 +212,8 @@ fn idle(index: usize, database: &str, timeout: Duration) -> bool {
     let until = Instant::now() + timeout;
     loop {
         let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() || latch_set_within(left.min(LOOK_AROUND_EVERY)) || stop_requested() {
+        if left.is_zero() || latch_set_within(None, left.min(LOOK_AROUND_EVERY)) || stop_requested()
+        {
             return !stop_requested();
         }
         served_database::leave_if_gone(index, database, served_database::look_around());
@@ -247,14 +254,14 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
 
     let database = database_of(index);
     connect(index, &database);
-    let runtime = prepare_session(index, &database);
+    let (runtime, bell) = prepare_session(index, &database);
     if !standby::wait_for_promotion(index, &database, sleep) {
         stop(index);
     }
     wait_for_schema(index, &database);
     let role = wait_for_role(index);
     slots::update(index, |s| s.told_gone = false);
-    deliver(cycle::Worker::new(index, pid, runtime, role));
+    deliver(cycle::Worker::new(index, pid, runtime, bell, role));
 }
 
 /// Connects to `database`. A worker that died while connecting (the database does not
@@ -290,7 +297,10 @@ fn connect(index: usize, database: &str) {
 }
 
 /// The session's settings, its descriptors and its HTTP runtime.
-fn prepare_session(index: usize, database: &str) -> tokio::runtime::Runtime {
+fn prepare_session(
+    index: usize,
+    database: &str,
+) -> (tokio::runtime::Runtime, std::sync::Arc<flight::Bell>) {
     // Many short statements: a JIT compilation (triggered by a misestimate on a large
     // table) would cost more than any query it speeds up.
     unsafe {
@@ -325,8 +335,15 @@ fn prepare_session(index: usize, database: &str) -> tokio::runtime::Runtime {
             unsafe { pg_sys::proc_exit(1) }
         }
     };
+    let bell = match flight::Bell::new() {
+        Ok(b) => b,
+        Err(e) => {
+            log!("outbox_delivery worker {index}: could not open the eventfd its sends ring: {e}");
+            unsafe { pg_sys::proc_exit(1) }
+        }
+    };
     log_settings(index, database);
-    runtime
+    (runtime, bell)
 }
 
 /// The delivery loop: a cycle, retention now and then, and a sleep when nothing was due.

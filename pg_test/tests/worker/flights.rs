@@ -9,13 +9,51 @@ const SLOW: Duration = Duration::from_secs(6);
 /// How soon a fast message must be delivered (recorded) while the slow ones are in flight.
 const PROMPT: Duration = Duration::from_secs(3);
 
+/// How many of the messages `$1` are delivered.
+const DELIVERED_OF: &str =
+    "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'delivered'";
+
+/// Two workers, a simulator, and two channels to it: `{prefix}_slow`, whose every answer
+/// takes [`SLOW`], and `{prefix}_fast`.
+fn slow_and_fast(prefix: &str) -> (Cluster, Client, Simulator, String, String) {
+    let cluster = with_two_workers();
+    let (_, mut c, sim) = cluster_and_sim();
+    let timeout = r#"{"timeout_ms": 20000}"#;
+    let slow = sim_channel(&mut c, &sim, &format!("{prefix}_slow"), timeout);
+    let fast = sim_channel(&mut c, &sim, &format!("{prefix}_fast"), "{}");
+    sim.set_default(&slow, Action::AcceptAfter(SLOW));
+    (cluster, c, sim, slow, fast)
+}
+
 /// Messages of `ids` in state `delivered`.
 fn delivered(c: &mut Client, ids: &[i64]) -> i64 {
-    count(
-        c,
-        "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'delivered'",
-        &[&ids],
-    )
+    count(c, DELIVERED_OF, &[&ids])
+}
+
+/// `n` messages for `channel`, with effect keys `{key}0`, `{key}1`, ..., in the transaction `tx`.
+fn enqueue_fast(
+    tx: &mut impl postgres::GenericClient,
+    channel: &str,
+    n: usize,
+    key: &str,
+) -> Vec<i64> {
+    (0..n)
+        .map(|i| {
+            enqueue_payload(
+                tx,
+                channel,
+                r#"{"fast": true}"#,
+                &unique(&format!("{key}{i}")),
+            )
+        })
+        .collect()
+}
+
+/// Whether every message of `ids` is delivered within [`PROMPT`].
+fn all_delivered_promptly(cluster: &Cluster, ids: &[i64]) -> bool {
+    wait_for_count(cluster, PROMPT, DELIVERED_OF, &[&ids], |n| {
+        n == ids.len() as i64
+    })
 }
 
 /// Both workers hold a request to a provider that answers after [`SLOW`]; then messages
@@ -24,11 +62,7 @@ fn delivered(c: &mut Client, ids: &[i64]) -> i64 {
 /// the next one when a commit wakes it.
 #[test]
 fn a_hanging_provider_holds_back_no_other_channels_messages() {
-    let cluster = with_two_workers();
-    let (_, mut c, sim) = cluster_and_sim();
-    let slow = sim_channel(&mut c, &sim, "fl_slow", r#"{"timeout_ms": 20000}"#);
-    let fast = sim_channel(&mut c, &sim, "fl_fast", "{}");
-    sim.set_default(&slow, Action::AcceptAfter(SLOW));
+    let (cluster, mut c, sim, slow, fast) = slow_and_fast("fl");
     // Two slow messages committed one after the other: a commit wakes an idle worker, so
     // each worker holds one.
     let s1 = enqueue_payload(&mut c, &slow, r#"{"n": 1}"#, &unique("fl-s1"));
@@ -50,24 +84,9 @@ fn a_hanging_provider_holds_back_no_other_channels_messages() {
 
     let started = std::time::Instant::now();
     let mut tx = c.transaction().unwrap();
-    let ids: Vec<i64> = (0..10)
-        .map(|i| {
-            enqueue_payload(
-                &mut tx,
-                &fast,
-                r#"{"fast": true}"#,
-                &unique(&format!("fl-f{i}")),
-            )
-        })
-        .collect();
+    let ids = enqueue_fast(&mut tx, &fast, 10, "fl-f");
     tx.commit().unwrap();
-    let all = wait_for_count(
-        &cluster,
-        PROMPT,
-        "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'delivered'",
-        &[&ids],
-        |n| n == ids.len() as i64,
-    );
+    let all = all_delivered_promptly(&cluster, &ids);
     let took = started.elapsed();
     assert!(
         all,
@@ -95,24 +114,11 @@ fn a_hanging_provider_holds_back_no_other_channels_messages() {
 /// (delivered, with their ledger entries) while the slow one is still in flight.
 #[test]
 fn what_has_arrived_is_recorded_without_waiting_for_the_slowest_request_of_its_batch() {
-    let cluster = with_two_workers();
-    let (_, mut c, sim) = cluster_and_sim();
-    let slow = sim_channel(&mut c, &sim, "fl_batch_slow", r#"{"timeout_ms": 20000}"#);
-    let fast = sim_channel(&mut c, &sim, "fl_batch_fast", "{}");
-    sim.set_default(&slow, Action::AcceptAfter(SLOW));
+    let (cluster, mut c, sim, slow, fast) = slow_and_fast("fl_batch");
 
     let mut tx = c.transaction().unwrap();
     let s = enqueue_payload(&mut tx, &slow, r#"{"slow": true}"#, &unique("fl-bs"));
-    let ids: Vec<i64> = (0..5)
-        .map(|i| {
-            enqueue_payload(
-                &mut tx,
-                &fast,
-                r#"{"fast": true}"#,
-                &unique(&format!("fl-bf{i}")),
-            )
-        })
-        .collect();
+    let ids = enqueue_fast(&mut tx, &fast, 5, "fl-bf");
     tx.commit().unwrap();
     // A commit wakes one idle worker, which claims all six in one batch.
     let mut all_six = ids.clone();
@@ -132,13 +138,7 @@ fn what_has_arrived_is_recorded_without_waiting_for_the_slowest_request_of_its_b
         "the six messages were not claimed in one batch"
     );
 
-    let all = wait_for_count(
-        &cluster,
-        PROMPT,
-        "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'delivered'",
-        &[&ids],
-        |n| n == ids.len() as i64,
-    );
+    let all = all_delivered_promptly(&cluster, &ids);
     assert!(
         all,
         "the fast messages waited for the slow one: {} of {} recorded within {PROMPT:?}",
