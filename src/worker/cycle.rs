@@ -66,9 +66,18 @@ struct Flight {
 }
 
 impl Flight {
+    /// Its messages not yet recorded: sends running or arrived, outcomes known at the
+    /// claim, `sql` effects.
+    fn outstanding(&self) -> usize {
+        self.sends.outstanding()
+            + self.known.delivered.len()
+            + self.known.settled.len()
+            + self.effects.len()
+    }
+
     /// Nothing is left to send or to record.
     fn landed(&self) -> bool {
-        self.sends.outstanding() == 0 && self.known.is_empty() && self.effects.is_empty()
+        self.outstanding() == 0
     }
 
     /// What it has is to be recorded now: all of it (nothing is running), or what arrived
@@ -175,15 +184,7 @@ impl Worker {
 
     /// Claimed messages not yet recorded.
     fn outstanding(&self) -> usize {
-        self.flights
-            .iter()
-            .map(|f| {
-                f.sends.outstanding()
-                    + f.known.delivered.len()
-                    + f.known.settled.len()
-                    + f.effects.len()
-            })
-            .sum()
+        self.flights.iter().map(Flight::outstanding).sum()
     }
 
     /// One cycle: claim when there is room for a batch and more may be due, then wait for
@@ -297,12 +298,10 @@ impl Worker {
             if ready {
                 return true;
             }
-            let last_claim_age = self
-                .flights
-                .iter()
-                .map(|f| now.saturating_duration_since(f.claimed_at))
-                .min()
-                .unwrap_or(Duration::MAX);
+            // Flights are kept oldest first: the last one is the last claim.
+            let last_claim_age = self.flights.last().map_or(Duration::MAX, |f| {
+                now.saturating_duration_since(f.claimed_at)
+            });
             if self.claim_wanted
                 && flight::may_claim_beside(self.outstanding(), batch_size, woken, last_claim_age)
             {

@@ -185,19 +185,20 @@ fn wait_for_role(index: usize) -> pg_sys::Oid {
 /// Waits on the latch, and on `bell` when given, at most `timeout`: true when the latch
 /// was set (a wake-up at commit, a signal), false when the bell rang or the time ran out.
 pub(super) fn latch_set_within(bell: Option<&flight::Bell>, timeout: Duration) -> bool {
-    let (socket, readable) = match bell {
-        Some(bell) => (bell.fd(), pg_sys::WL_SOCKET_READABLE),
-        None => (pg_sys::PGINVALID_SOCKET, 0),
-    };
+    let wake = (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32;
+    let timeout = timeout.as_millis().max(1) as std::ffi::c_long;
     let set = unsafe {
-        let events = pg_sys::WaitLatchOrSocket(
-            pg_sys::MyLatch,
-            (pg_sys::WL_LATCH_SET | readable | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH)
-                as i32,
-            socket,
-            timeout.as_millis().max(1) as std::ffi::c_long,
-            pg_sys::PG_WAIT_EXTENSION,
-        );
+        // Without a bell, the latch's own wait set; with one, a set made for this wait.
+        let events = match bell {
+            None => pg_sys::WaitLatch(pg_sys::MyLatch, wake, timeout, pg_sys::PG_WAIT_EXTENSION),
+            Some(bell) => pg_sys::WaitLatchOrSocket(
+                pg_sys::MyLatch,
+                wake | pg_sys::WL_SOCKET_READABLE as i32,
+                bell.fd(),
+                timeout,
+                pg_sys::PG_WAIT_EXTENSION,
+            ),
+        };
         pg_sys::ResetLatch(pg_sys::MyLatch);
         events & pg_sys::WL_LATCH_SET as i32 != 0
     };
