@@ -4,7 +4,6 @@
 //! it). It can require a client certificate signed by a given CA (mutual TLS). It counts
 //! handshakes that completed and that failed, and the connections it accepted.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -74,10 +73,6 @@ impl TlsFront {
         client_ca_pem: Option<&str>,
     ) -> TlsFront {
         let acceptor = TlsAcceptor::from(Arc::new(server_config(cert_pem, key_pem, client_ca_pem)));
-        let std_listener = std::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-            .expect("bind the TLS front");
-        std_listener.set_nonblocking(true).expect("nonblocking");
-        let port = std_listener.local_addr().expect("local address").port();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -85,8 +80,9 @@ impl TlsFront {
             .expect("TLS front runtime");
         let listener = {
             let _guard = rt.enter();
-            TcpListener::from_std(std_listener).expect("listener")
+            crate::sim::listen_on_loopback(0).expect("bind the TLS front")
         };
+        let port = listener.local_addr().expect("local address").port();
         let counters = Arc::new(FrontCounters::default());
         let c = counters.clone();
         let (tx, rx) = oneshot::channel::<()>();

@@ -129,6 +129,23 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 
+/// Connections the kernel queues for a listener before `accept`. A worker opens a
+/// connection per request of a batch at once, up to two batches per worker; the queue of
+/// `std::net::TcpListener::bind` (128) overflows at that, and a connection whose SYN is
+/// dropped is retried by its client a whole second later. The kernel caps it at
+/// `net.core.somaxconn`.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// A listener on `127.0.0.1:port` (0 for a free port) with [`LISTEN_BACKLOG`], registered
+/// with the current tokio runtime.
+pub(crate) fn listen_on_loopback(port: u16) -> io::Result<TcpListener> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    // As std's bind does: a fixed port is free again at once after the previous listener.
+    socket.set_reuseaddr(true)?;
+    socket.bind(SocketAddr::from(([127, 0, 0, 1], port)))?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// One request received on a channel.
 #[derive(Debug, Clone)]
 pub struct Received {
@@ -315,9 +332,6 @@ impl Simulator {
 
     /// Starts on `127.0.0.1:port` (0 for a free port).
     pub fn try_start_on(port: u16) -> io::Result<Simulator> {
-        let std_listener = std::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port)))?;
-        std_listener.set_nonblocking(true)?;
-        let port = std_listener.local_addr()?.port();
         let workers = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(2)
@@ -329,8 +343,9 @@ impl Simulator {
             .build()?;
         let listener = {
             let _guard = rt.enter();
-            TcpListener::from_std(std_listener)?
+            listen_on_loopback(port)?
         };
+        let port = listener.local_addr()?.port();
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 channels: HashMap::new(),

@@ -204,9 +204,10 @@ fn a_deep_backlog_on_one_channel_does_not_starve_another() {
     let quiet = [unique("w_quiet_before"), unique("w_quiet_after")];
     let mut c = cluster.connect();
     create_channel(&mut c, &quiet[0], &sim.send_url(&quiet[0]), "{}");
-    // Every request of the busy channel takes 50 ms, and its max_in_flight is above the
-    // batch size, so that it could fill every batch alone: its backlog needs dozens.
-    let busy = slow_channel(&mut c, &sim, "w_busy", Duration::from_millis(50), 1000);
+    // Every request of the busy channel takes 200 ms, and its max_in_flight is above the
+    // batch size, so that it could fill every batch alone: its backlog needs dozens, and
+    // two workers with two batches under way each drain it in about 1.5 s.
+    let busy = slow_channel(&mut c, &sim, "w_busy", Duration::from_millis(200), 1000);
     c.execute(
         "SELECT outbox.pause_channel($1, 'loading a backlog')",
         &[&busy],
