@@ -10,6 +10,7 @@
 #   CONF (more postgresql.conf lines for the cluster, e.g. "max_wal_size = 8GB"),
 #   STATEMENTS=1 (the workers' statements by total time, from pg_stat_statements),
 #   SETUP_SQL (statements run before the backlog is enqueued, e.g. to try a schema change),
+#   WALDUMP=1 (the drain's WAL by record type, from pg_waldump --stats=record),
 #   TIMELINE=1 (every 5 s of the drain: its rate, the whole machine's CPU by kind from
 #   /proc/stat, including the kernel's own threads and time taken by the host, and the
 #   page cache's dirty and writeback memory)
@@ -20,6 +21,7 @@ export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54821}
 export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
 export OUTBOX_EXTRA_CONF="outbox.batch_size = ${BATCH:-200}
 ${STATEMENTS:+shared_preload_libraries = 'outbox_delivery, pg_stat_statements'}
+${WALDUMP:+wal_keep_size = 4GB}
 ${CONF:-}"
 SINK_PORT=18801
 
@@ -91,6 +93,7 @@ for run in $(seq 1 "${RUNS:-1}"); do
   SAMPLER=$!
   if [ -n "${TIMELINE:-}" ]; then sample_machine >"$OUTBOX_BASE/machine.samples" & MACHINE=$!; fi
   k0=$(process_ticks $SINK_PID)
+  lsn0=$(psql -c "SELECT pg_current_wal_lsn()")
   t0=$(date +%s%N)
   psql -c "SELECT outbox.resume_channel('profile')" >/dev/null
   if [ -n "${PROFILE:-}" ]; then
@@ -124,6 +127,16 @@ for run in $(seq 1 "${RUNS:-1}"); do
                          (SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter) || ' checkpoints,',
                          (SELECT buffers_backend FROM pg_stat_bgwriter) || ' buffers written by backends'
                     FROM pg_stat_wal"
+  if [ -n "${WALDUMP:-}" ]; then
+    lsn1=$(psql -c "SELECT pg_current_wal_lsn()")
+    echo "WAL of the drain by record type, a message: bytes (of which full-page images), records"
+    runuser -u postgres -- "${OUTBOX_PGBIN:-/usr/lib/postgresql/15/bin}/pg_waldump" --stats=record \
+        -p "$OUTBOX_BASE/pgdata/pg_wal" -s "$lsn0" -e "$lsn1" 2>/dev/null |
+      awk -v n="$N" '$1 ~ /\// || $1 == "Total" {
+        line = $0; gsub(/[[(][ 0-9.%]*[])]/, "", line); split(line, f, " ")
+        if (f[5] > 0) printf "  %-36s %8.1f B (%6.1f) %6.2f\n", f[1], f[5] / n, f[4] / n, f[2] / n }' |
+      sort -k2 -g -r | head -18
+  fi
   if [ -n "${TIMELINE:-}" ]; then print_timeline "$OUTBOX_BASE/machine.samples"; fi
   if [ -n "${STATEMENTS:-}" ]; then
     echo "statements by total time (ms; buffers per call):"

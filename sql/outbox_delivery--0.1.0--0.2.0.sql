@@ -496,8 +496,31 @@ SELECT m.id,
   FROM outbox._messages m
  WHERE m.state = 'sending'
    AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
-                    WHERE o.message_id = m.id AND o.attempt = m.attempts AND o.kind = 'send');
+                    WHERE o.message_id = m.id AND o.attempt = m.attempts AND o.kind = 'send')
+UNION ALL
+-- A send that delivered its message in the attempt the message still counts, and whose
+-- row the record did not write: the delivered message is that row (src/ledger.rs,
+-- RECORD_SENT). Any row of that attempt (a recovery's, a late answer's) is the row instead.
+SELECT m.id,
+       m.attempts,
+       'send'::text,
+       m.attempt_started_at,
+       m.delivered_at,
+       'delivered'::text,
+       NULL::outbox.error_class,
+       m.last_http_status,
+       NULL::text,
+       NULL::bigint,
+       m.external_id,
+       outbox._provider_key(m.tenant, m.effect_key),
+       m.attempt_pid,
+       NULL::bigint,
+       m.tenant
+  FROM outbox._messages m
+ WHERE m.state = 'delivered' AND m.attempts > 0 AND m.attempt_started_at IS NOT NULL
+   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
+                    WHERE o.message_id = m.id AND o.attempt = m.attempts);
 ALTER VIEW outbox.attempts SET (security_invoker = true);
 COMMENT ON VIEW outbox.attempts IS
-    'Attempt history: one row per send, reconcile lookup or recovery decision, with its classified outcome; a send in progress has no outcome and no finished_at yet.';
+    'Attempt history: one row per send, reconcile lookup or recovery decision, with its classified outcome; a send in progress has no outcome and no finished_at yet; a send that delivered is shown from its delivered message.';
 GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text) TO outbox_writer, outbox_operator;

@@ -94,7 +94,8 @@ CREATE TABLE outbox._messages (
     delivered_at     timestamptz,
     -- The attempt in progress (state `sending`): when it was claimed and the pid of the
     -- worker that sends it. Its row of outbox._attempts is written once, with its outcome,
-    -- when it is recorded or recovered; until then outbox.attempts shows it from here.
+    -- when it is recorded or recovered; until then outbox.attempts shows it from here, and
+    -- so it does for good when that attempt delivered the message (no row is written).
     -- Kept out of every index, so that the claim's and the record's updates stay HOT.
     attempt_started_at timestamptz,
     attempt_pid      integer,
@@ -121,7 +122,8 @@ CREATE INDEX _messages_finished_idx ON outbox._messages (updated_at)
     WHERE state IN ('delivered', 'cancelled');
 
 -- Attempts: one row per finished send, reconcile lookup or recovery decision, written once
--- with its outcome (a send in progress is the `sending` message itself: outbox.attempts).
+-- with its outcome (a send in progress is the `sending` message itself, and so is a send
+-- that delivered it: outbox.attempts).
 -- A database updated from 0.1.0 may still hold rows of sends open at the update
 -- (finished_at NULL): recovery closes them.
 CREATE SEQUENCE outbox._attempts_id_seq AS bigint;

@@ -91,9 +91,13 @@ pub fn record_delivered(
 }
 
 /// The worker's confirmed sends of messages still in the attempt that sent them (`sending`,
-/// same attempt number): each is marked delivered with its lease cleared, its ledger entry
-/// written (an effect already recorded keeps its first entry), and the attempt's row
-/// written once, with its outcome (unless `$6` says it is written already). The
+/// same attempt number): each is marked delivered with its lease cleared and its ledger
+/// entry written (an effect already recorded keeps its first entry). The delivered message
+/// is its attempt's row in `outbox.attempts` (when it started, by which worker, the status,
+/// the external id, `delivered_at`); a row of `outbox._attempts` is written only for what
+/// the message cannot tell: another outcome text (a duplicate a stream reported), an answer
+/// without the external id or status the message keeps from before, an attempt that began
+/// before the update from 0.1.0 (`$6`: its row is written already). The
 /// `m.id = ANY(...)` condition beside the join keeps the batch's messages reached through
 /// the primary key, whatever the plan expects of the arrays.
 /// Its first two steps are those of `outbox._record_delivered` (sql/ledger.sql), which
@@ -116,7 +120,8 @@ WITH d AS (
            lease_owner = NULL
       FROM d
      WHERE m.id = d.id AND m.id = ANY ($1::int8[]) AND m.state = 'sending' AND m.attempts = d.attempt
- RETURNING m.id, m.tenant, m.effect_key, m.external_id, m.attempt_started_at, m.attempt_pid
+ RETURNING m.id, m.tenant, m.effect_key, m.external_id, m.last_http_status, m.attempt_started_at,
+           m.attempt_pid
 ), l AS (
     INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
     SELECT m.tenant, m.effect_key, m.id, m.external_id, 'worker' FROM m
@@ -128,6 +133,11 @@ WITH d AS (
            d.http_status, d.external_id, outbox._provider_key(m.tenant, m.effect_key), m.attempt_pid
       FROM m JOIN d ON d.id = m.id
      WHERE NOT d.row_written
+       -- A plain delivery's row is the delivered message itself (outbox.attempts): written
+       -- only when the message cannot tell the attempt whole.
+       AND (d.outcome <> 'delivered' OR m.attempt_started_at IS NULL
+            OR m.external_id IS DISTINCT FROM d.external_id
+            OR m.last_http_status IS DISTINCT FROM d.http_status)
 )
 SELECT m.id FROM m",
 );

@@ -1,8 +1,9 @@
-//! Record: one transaction per batch. A confirmed delivery writes the ledger entry, marks
-//! the message delivered and writes its attempt's row, atomically; any other outcome moves
-//! the message to its next state and writes the attempt's row with its classified facts.
-//! The row of an attempt is written once, here or by recovery, with its outcome: while the
-//! attempt is in progress the `sending` message stands for it (src/worker/claim.rs).
+//! Record: one transaction per batch. A confirmed delivery writes the ledger entry and
+//! marks the message delivered, atomically, and the delivered message stands for its
+//! attempt's row (`crate::ledger::RECORD_SENT`); any other outcome moves the message to its
+//! next state and writes the attempt's row with its classified facts. The row of an attempt
+//! is written once, here or by recovery, with its outcome: while the attempt is in progress
+//! the `sending` message stands for it (src/worker/claim.rs).
 
 use crate::classify::Class;
 use crate::ledger;

@@ -217,15 +217,23 @@ fn worker_writes_reach_the_statistics_autovacuum_reads() {
     let before = counts(&mut c);
 
     let sim = Simulator::start();
-    let ch = sim_channel(&mut c, &sim, "obs_stats", "{}");
+    let ch = sim_channel(
+        &mut c,
+        &sim,
+        "obs_stats",
+        r#"{"retry": {"base_ms": 20, "jitter": "none"}}"#,
+    );
     const N: i64 = 40;
+    // A delivering send writes no attempt row (its delivered message stands for it): the
+    // first N requests are refused, so that N attempt rows are written.
+    sim.set_plan(&ch, vec![Action::Status(503); N as usize]);
     let last = (0..N)
         .map(|i| enqueue(&mut c, &ch, &format!("{ch}-{i}")))
         .last()
         .unwrap();
     wait_state(&cluster, last, "delivered");
     assert!(
-        sim.wait_for_sends(&ch, N as usize, SETTLE),
+        sim.wait_for_sends(&ch, 2 * N as usize, SETTLE),
         "the provider did not receive {N} messages"
     );
 
@@ -235,8 +243,9 @@ fn worker_writes_reach_the_statistics_autovacuum_reads() {
         now = counts(&mut c);
         let grew =
             |t: &str, f: fn(&(i64, i64)) -> i64| f(&now[t]) - before.get(t).map(f).unwrap_or(0);
-        // Each delivery: the claim and the record update its message, and the record
-        // writes its attempt row (enqueue's inserts are a client's, reported anyway).
+        // Each message: every claim and record updates it, each refused send writes its
+        // attempt row, its delivery its ledger entry (enqueue's inserts are a client's,
+        // reported anyway).
         grew("_attempts", |x| x.0) >= N
             && grew("_messages", |x| x.1) >= 2 * N
             && grew("_ledger", |x| x.0) >= N

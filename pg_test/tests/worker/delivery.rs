@@ -101,10 +101,12 @@ fn commit_is_delivered_with_ledger_attempt_and_headers() {
 
 /// A send in progress is the `sending` message: `outbox.attempts` shows it (no outcome, no
 /// finished_at, the key it carries, the pid of the worker sending it) while the attempt
-/// table has no row for it; the record writes that row once, with its outcome, keeping the
-/// start and the pid seen while it was in progress.
+/// table has no row for it. When it delivers, the delivered message goes on standing for
+/// it, now with its outcome, keeping the start and the pid seen while it was in progress:
+/// the attempt table gets no row. A send that fails first is written, once, with its
+/// outcome, and the delivering one after it still is not.
 #[test]
-fn a_send_in_progress_is_shown_from_its_message_and_its_row_written_once() {
+fn a_send_in_progress_and_the_send_that_delivers_are_shown_from_their_message() {
     let (cluster, mut c, sim) = cluster_and_sim();
     cluster.wait_for_worker();
     let ch = sim_channel(&mut c, &sim, "w_in_progress", r#"{"timeout_ms": 10000}"#);
@@ -157,7 +159,37 @@ fn a_send_in_progress_is_shown_from_its_message_and_its_row_written_once() {
         (a.started_at_us, a.worker_pid, &a.effect_key_sent),
         "the row keeps what the attempt in progress showed"
     );
-    assert_eq!(rows(&mut c), 1);
+    assert_eq!(rows(&mut c), 0, "a delivering send writes no attempt row");
+
+    // A first attempt refused with a 503, then a delivery: one written row, one shown.
+    sim.set_default(&ch, Action::Accept);
+    sim.set_plan(&ch, vec![Action::Status(503)]);
+    c.execute(
+        "SELECT outbox.alter_channel($1, '{\"retry\": {\"base_ms\": 50, \"jitter\": \"none\"}}')",
+        &[&ch],
+    )
+    .unwrap();
+    let retried = enqueue_payload(&mut c, &ch, r#"{"to": "twice"}"#, &unique("retried"));
+    wait_message(&cluster, retried, "delivered");
+    let both = attempts(&mut c, retried);
+    let seen: Vec<(i32, Option<&str>, Option<i32>)> = both
+        .iter()
+        .map(|a| (a.attempt, a.outcome.as_deref(), a.http_status))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            (1, Some("transient"), Some(503)),
+            (2, Some("delivered"), Some(200))
+        ],
+        "{both:?}"
+    );
+    let written = count(
+        &mut c,
+        "SELECT count(*) FROM outbox._attempts WHERE message_id = $1",
+        &[&retried],
+    );
+    assert_eq!(written, 1, "only the refused send is written");
 }
 
 // ---------------------------------------------------------------------------------------

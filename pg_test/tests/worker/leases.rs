@@ -235,7 +235,7 @@ fn not_before_holds_a_message_until_its_time() {
     let on_time: bool = one(
         &mut c,
         "SELECT a.started_at >= m.not_before FROM outbox._messages m
-               JOIN outbox._attempts a ON a.message_id = m.id WHERE m.id = $1",
+               JOIN outbox.attempts a ON a.message_id = m.id WHERE m.id = $1",
         &[&id],
     );
     assert!(on_time, "the attempt started before not_before");
