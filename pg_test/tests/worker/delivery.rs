@@ -134,7 +134,8 @@ fn a_send_in_progress_and_the_send_that_delivers_are_shown_from_their_message() 
         &[&pid],
     );
     assert!(is_worker, "pid {pid} is not a delivery worker");
-    let rows = |c: &mut Client| -> i64 {
+    // Rows of the attempt table for a message.
+    let rows = |c: &mut Client, id: i64| -> i64 {
         count(
             c,
             "SELECT count(*) FROM outbox._attempts WHERE message_id = $1",
@@ -142,7 +143,7 @@ fn a_send_in_progress_and_the_send_that_delivers_are_shown_from_their_message() 
         )
     };
     assert_eq!(
-        rows(&mut c),
+        rows(&mut c, id),
         0,
         "no attempt row before the outcome is known"
     );
@@ -159,7 +160,11 @@ fn a_send_in_progress_and_the_send_that_delivers_are_shown_from_their_message() 
         (a.started_at_us, a.worker_pid, &a.effect_key_sent),
         "the row keeps what the attempt in progress showed"
     );
-    assert_eq!(rows(&mut c), 0, "a delivering send writes no attempt row");
+    assert_eq!(
+        rows(&mut c, id),
+        0,
+        "a delivering send writes no attempt row"
+    );
 
     // A first attempt refused with a 503, then a delivery: one written row, one shown.
     sim.set_default(&ch, Action::Accept);
@@ -184,12 +189,7 @@ fn a_send_in_progress_and_the_send_that_delivers_are_shown_from_their_message() 
         ],
         "{both:?}"
     );
-    let written = count(
-        &mut c,
-        "SELECT count(*) FROM outbox._attempts WHERE message_id = $1",
-        &[&retried],
-    );
-    assert_eq!(written, 1, "only the refused send is written");
+    assert_eq!(rows(&mut c, retried), 1, "only the refused send is written");
 }
 
 // ---------------------------------------------------------------------------------------
