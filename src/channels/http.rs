@@ -245,13 +245,26 @@ impl Transport {
         }
         let client = builder
             .pool_max_idle_per_host((options.max_in_flight as usize).min(batch_size))
-            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_idle_timeout(super::pool_budget::IDLE_LIFE)
             .tcp_nodelay(true)
             .build()
             .map_err(|e| format!("HTTP client could not be built: {e}"))?;
         self.clients
             .insert(channel_id, (version.to_string(), client.clone()));
         Ok(client)
+    }
+
+    /// Drops a channel's pool: its idle connections close once no request holds the
+    /// client any more.
+    pub fn forget(&mut self, channel_id: i32) {
+        self.clients.remove(&channel_id);
+    }
+
+    /// The channels that have a pool, in order.
+    pub fn pooled(&self) -> Vec<i32> {
+        let mut ids: Vec<i32> = self.clients.keys().copied().collect();
+        ids.sort_unstable();
+        ids
     }
 
     /// Forgets pools of channels that no longer exist.

@@ -2,7 +2,8 @@
 //! channel's options; `admin` is the SQL to manage channels; `guard` holds every destination
 //! to `outbox.allowed_hosts`; `remote` is the `Channel` trait that the HTTP (`http`,
 //! `request`, `lookup`) and NATS JetStream (`nats`, `nats_subject`) transports implement;
-//! `sql_effect` runs a `sql` channel's function in the record transaction.
+//! `sql_effect` runs a `sql` channel's function in the record transaction; `pool_budget`
+//! bounds the idle HTTP connections a worker keeps across its channels.
 
 pub mod admin;
 pub mod circuit;
@@ -17,6 +18,7 @@ pub mod nats_subject;
 pub mod nats_window;
 pub mod option_error;
 pub mod options;
+pub mod pool_budget;
 pub mod rate_limit;
 pub mod remote;
 pub mod request;

@@ -6,7 +6,9 @@
 //!
 //! [`Remotes`] keeps one channel object per channel and options version: an HTTP channel's
 //! connection pool, a `nats` channel's connection. Every send and lookup is held to the
-//! `outbox.allowed_hosts` list of the moment.
+//! `outbox.allowed_hosts` list of the moment. [`Remotes::trim`] closes the pools of
+//! channels no longer in use once they hold more than the worker's budget of idle
+//! connections (`pool_budget`).
 
 use super::guard::{self, AllowList};
 use super::http::{self, Transmission, Transport};
@@ -14,11 +16,13 @@ use super::lookup::{self, Lookup, Subject};
 use super::lookup_url;
 use super::nats::{NatsConnection, Publication};
 use super::options::{ChannelOptions, Kind};
+use super::pool_budget::{self, Demand, PoolUse};
 use super::request;
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// A send or lookup under way, run on the worker's (or a backend's) runtime.
 pub type Pending<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
@@ -42,6 +46,12 @@ pub trait Channel: Send + Sync {
 
     /// A read-only lookup of one message at the destination.
     fn lookup(&self, subject: &Subject, allowed: Arc<AllowList>) -> Pending<Lookup>;
+
+    /// The requests of the channel's connection pool, for the worker's budget of idle
+    /// connections; `None` for a channel without a pool of its own.
+    fn demand(&self) -> Option<&Arc<Demand>> {
+        None
+    }
 }
 
 /// An HTTP channel: its endpoint, options and connection pool.
@@ -49,6 +59,8 @@ pub struct HttpChannel {
     pub client: reqwest::Client,
     pub endpoint: String,
     pub options: Arc<ChannelOptions>,
+    /// Requests under way on `client`'s pool.
+    pub demand: Arc<Demand>,
 }
 
 impl Channel for HttpChannel {
@@ -67,8 +79,9 @@ impl Channel for HttpChannel {
                 out.body.as_bytes(),
             );
         }
-        let client = self.client.clone();
+        let (client, demand) = (self.client.clone(), self.demand.clone());
         Ok(Box::pin(async move {
+            let _under_way = demand.start();
             Sent::Http(http::transmit(client, out, allowed).await)
         }))
     }
@@ -81,18 +94,29 @@ impl Channel for HttpChannel {
             });
         };
         match lookup_url::fill(&config.url, subject) {
-            Ok(url) => Box::pin(lookup::lookup(
-                self.client.clone(),
-                (*self.options).clone(),
-                url,
-                subject.clone(),
-                allowed,
-            )),
+            Ok(url) => {
+                let looked_up = lookup::lookup(
+                    self.client.clone(),
+                    (*self.options).clone(),
+                    url,
+                    subject.clone(),
+                    allowed,
+                );
+                let demand = self.demand.clone();
+                Box::pin(async move {
+                    let _under_way = demand.start();
+                    looked_up.await
+                })
+            }
             Err(error) => ready(Lookup::Unavailable {
                 error,
                 http_status: None,
             }),
         }
+    }
+
+    fn demand(&self) -> Option<&Arc<Demand>> {
+        Some(&self.demand)
     }
 }
 
@@ -147,6 +171,7 @@ pub fn open(
             client: transport.client(channel_id, version, options, batch_size)?,
             endpoint: endpoint.to_string(),
             options: Arc::new(options.clone()),
+            demand: Arc::new(Demand::default()),
         })),
         Kind::Nats(target) => Ok(Arc::new(NatsChannel {
             connection: Arc::new(NatsConnection::new(
@@ -164,7 +189,16 @@ pub fn open(
 #[derive(Default)]
 pub struct Remotes {
     pub transport: Transport,
-    open: HashMap<i32, (String, Arc<dyn Channel>)>,
+    open: HashMap<i32, Open>,
+    /// When the pools' demand windows last turned (`pool_budget::IDLE_LIFE`).
+    window_started: Option<Instant>,
+}
+
+/// One channel object, at a version of the channel's options, and when it was last used.
+struct Open {
+    version: String,
+    channel: Arc<dyn Channel>,
+    used_at: Instant,
 }
 
 impl Remotes {
@@ -190,9 +224,10 @@ impl Remotes {
         options: &ChannelOptions,
         batch_size: usize,
     ) -> Result<Arc<dyn Channel>, String> {
-        if let Some((v, c)) = self.open.get(&channel_id) {
-            if v == version {
-                return Ok(c.clone());
+        if let Some(o) = self.open.get_mut(&channel_id) {
+            if o.version == version {
+                o.used_at = Instant::now();
+                return Ok(o.channel.clone());
             }
         }
         let c = open(
@@ -203,14 +238,133 @@ impl Remotes {
             options,
             batch_size,
         )?;
-        self.open
-            .insert(channel_id, (version.to_string(), c.clone()));
+        self.open.insert(
+            channel_id,
+            Open {
+                version: version.to_string(),
+                channel: c.clone(),
+                used_at: Instant::now(),
+            },
+        );
         Ok(c)
+    }
+
+    /// Holds the idle connections of the pools to `budget` (`pool_budget::to_close`):
+    /// closes the pools of the channels used least recently. Returns the channels whose
+    /// pools were closed.
+    pub fn trim(&mut self, now: Instant, budget: usize) -> Vec<i32> {
+        let started = *self.window_started.get_or_insert(now);
+        let new_window = now.saturating_duration_since(started) >= pool_budget::IDLE_LIFE;
+        if new_window {
+            self.window_started = Some(now);
+        }
+        let pools: Vec<PoolUse> = self
+            .open
+            .iter()
+            .filter_map(|(id, o)| {
+                let demand = o.channel.demand()?;
+                if new_window {
+                    demand.new_window();
+                }
+                Some(PoolUse {
+                    channel_id: *id,
+                    idle_for: now.saturating_duration_since(o.used_at),
+                    connections: demand.connections(),
+                    in_flight: demand.in_flight(),
+                })
+            })
+            .collect();
+        let closed = pool_budget::to_close(&pools, budget, pool_budget::GRACE);
+        for id in &closed {
+            self.open.remove(id);
+            self.transport.forget(*id);
+        }
+        closed
     }
 
     /// Forgets channels that no longer exist.
     pub fn retain(&mut self, live: impl Fn(i32) -> bool) {
         self.transport.retain(&live);
         self.open.retain(|id, _| live(*id));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn remotes_with_bursts(bursts: &[(i32, usize)]) -> Remotes {
+        let mut r = Remotes::default();
+        assert_eq!(r.set_allowed_hosts("*"), Some(Ok(())));
+        let o = ChannelOptions::default();
+        for &(id, n) in bursts {
+            let c = r
+                .channel(id, "v1", "http://127.0.0.1:9/x", &o, 400)
+                .unwrap();
+            let demand = c.demand().expect("an HTTP channel has a pool");
+            let burst: Vec<_> = (0..n).map(|_| demand.start()).collect();
+            drop(burst);
+        }
+        r
+    }
+
+    fn open_ids(r: &Remotes) -> Vec<i32> {
+        let mut ids: Vec<i32> = r.open.keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    #[test]
+    fn trim_closes_the_least_recently_used_pools_beyond_the_budget() {
+        // Four channels drained one after the other, 400 requests under way at once each.
+        let mut r = remotes_with_bursts(&[(1, 400), (2, 400), (3, 400), (4, 400)]);
+        let now = Instant::now();
+        // Within the grace nothing closes, however far over the budget.
+        assert!(r.trim(now, 800).is_empty());
+        assert_eq!(open_ids(&r), vec![1, 2, 3, 4]);
+        let later = now + Duration::from_secs(2);
+        assert_eq!(r.trim(later, 800), vec![1, 2]);
+        assert_eq!(open_ids(&r), vec![3, 4]);
+        assert_eq!(r.transport.pooled(), vec![3, 4]);
+        assert!(r.trim(later, 800).is_empty(), "the rest fits");
+        // A closed channel's next send opens a new pool.
+        let o = ChannelOptions::default();
+        let c = r.channel(1, "v1", "http://127.0.0.1:9/x", &o, 400).unwrap();
+        assert_eq!(c.demand().unwrap().connections(), 0);
+        assert_eq!(r.transport.pooled(), vec![1, 3, 4]);
+    }
+
+    #[test]
+    fn trim_keeps_a_pool_with_a_request_under_way() {
+        let mut r = remotes_with_bursts(&[(1, 500), (2, 500)]);
+        let busy = r.open[&1].channel.demand().unwrap().start();
+        let later = Instant::now() + Duration::from_secs(2);
+        assert_eq!(r.trim(later, 800), vec![2]);
+        assert_eq!(open_ids(&r), vec![1]);
+        drop(busy);
+        assert_eq!(r.trim(later, 400), vec![1]);
+        assert!(open_ids(&r).is_empty());
+        assert!(r.transport.pooled().is_empty());
+    }
+
+    #[test]
+    fn a_burst_counts_for_two_idle_lives_of_a_connection() {
+        let mut r = remotes_with_bursts(&[(1, 500), (2, 500)]);
+        let start = Instant::now();
+        // The first trim starts the windows; the bursts count in this one and the next.
+        assert!(r.trim(start, 1_000).is_empty());
+        let one = start + pool_budget::IDLE_LIFE;
+        assert!(r.trim(one, 1_000).is_empty());
+        assert_eq!(r.open[&1].channel.demand().unwrap().connections(), 500);
+        // Two idle lives later no connection of the bursts can be pooled any more.
+        let two = one + pool_budget::IDLE_LIFE;
+        assert!(r.trim(two, 0).is_empty());
+        assert_eq!(r.open[&1].channel.demand().unwrap().connections(), 0);
+        assert_eq!(open_ids(&r), vec![1, 2]);
+
+        let mut r = remotes_with_bursts(&[(1, 500), (2, 500)]);
+        assert!(r.trim(start, 1_000).is_empty());
+        assert_eq!(r.trim(one, 999), vec![1], "the least recently used goes");
     }
 }

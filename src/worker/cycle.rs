@@ -14,6 +14,7 @@ use super::sweep::SweepClock;
 use super::{flow, lease, recovery, retention, slots};
 use crate::channels::lookup::Lookup;
 use crate::channels::options::Kind;
+use crate::channels::pool_budget;
 use crate::channels::remote::Remotes;
 use crate::channels::sql_effect;
 use crate::classify::Class;
@@ -244,6 +245,10 @@ impl Worker {
             .collect();
         self.remotes
             .retain(|id| channels.by_id.contains_key(&id) || live.contains(&id));
+        self.remotes.trim(
+            Instant::now(),
+            pool_budget::budget(flight::connections(batch_size)),
+        );
         if !lookups.is_empty() {
             self.reconcile(&channels, lookups);
             slots::wake_starved_peers(self.index);
