@@ -192,7 +192,7 @@ impl Worker {
     /// what the batches under way come to and record it (`flight`).
     pub fn run_once(&mut self) -> CycleReport {
         let fault = gucs::fault_injection();
-        let batch_size = gucs::batch_size().max(1) as usize;
+        let batch_size = gucs::batch_size();
         let mut next_due_ms = None;
         // With no batch under way the worker was idle until now: it claims.
         if (self.claim_wanted || self.flights.is_empty())
