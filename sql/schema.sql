@@ -96,7 +96,8 @@ CREATE TABLE outbox._messages (
     -- worker that sends it. Its row of outbox._attempts is written once, with its outcome,
     -- when it is recorded or recovered; until then outbox.attempts shows it from here, and
     -- so it does for good when that attempt delivered the message (no row is written).
-    -- Kept out of every index, so that the claim's and the record's updates stay HOT.
+    -- Kept out of every index: they add no index entries of their own. (The claim's and the
+    -- record's updates are not HOT anyway: they change `state`, which the partial indexes read.)
     attempt_started_at timestamptz,
     attempt_pid      integer,
     CONSTRAINT message_effect_key_unique UNIQUE (tenant, effect_key)
