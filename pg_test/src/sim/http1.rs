@@ -17,7 +17,12 @@ pub(super) async fn accept_loop(
             res = listener.accept() => match res {
                 Ok((stream, _)) => {
                     bump(&shared.counters.connections);
-                    tokio::spawn(serve_connection(shared.clone(), stream));
+                    let shared = shared.clone();
+                    shared.open_connections.fetch_add(1, Ordering::Relaxed);
+                    tokio::spawn(async move {
+                        serve_connection(shared.clone(), stream).await;
+                        shared.open_connections.fetch_sub(1, Ordering::Relaxed);
+                    });
                 }
                 // Out of file descriptors and the like: back off instead of spinning.
                 Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,

@@ -292,6 +292,8 @@ struct Shared {
     state: Mutex<State>,
     cond: Condvar,
     counters: AtomicCounters,
+    /// TCP connections accepted and not yet closed.
+    open_connections: AtomicU64,
     record_requests: AtomicBool,
     record_bodies: AtomicBool,
     has_observer: AtomicBool,
@@ -357,6 +359,7 @@ impl Simulator {
             }),
             cond: Condvar::new(),
             counters: AtomicCounters::default(),
+            open_connections: AtomicU64::new(0),
             record_requests: AtomicBool::new(true),
             record_bodies: AtomicBool::new(true),
             has_observer: AtomicBool::new(false),
@@ -606,6 +609,11 @@ impl Simulator {
 
     pub fn counters(&self) -> Counters {
         self.shared.counters.snapshot()
+    }
+
+    /// TCP connections open now: accepted, and not yet closed by either side.
+    pub fn open_connections(&self) -> u64 {
+        self.shared.open_connections.load(Ordering::Relaxed)
     }
 }
 

@@ -207,6 +207,28 @@ fn keep_alive_serves_many_requests_on_one_connection() {
 }
 
 #[test]
+fn open_connections_count_those_not_yet_closed() {
+    let sim = Simulator::start();
+    assert_eq!(sim.open_connections(), 0);
+    let mut a = Client::connect(sim.port());
+    let mut b = Client::connect(sim.port());
+    assert_eq!(a.roundtrip(&post("open", "{}", &[])).status, 200);
+    assert_eq!(b.roundtrip(&post("open", "{}", &[])).status, 200);
+    assert_eq!(sim.open_connections(), 2);
+    // Closed by the simulator (Connection: close), then by the client.
+    let r = a.roundtrip(&post("open", "{}", &[("Connection", "close")]));
+    assert_eq!(r.status, 200);
+    assert!(a.closed());
+    drop(b);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while sim.open_connections() > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(sim.open_connections(), 0);
+    assert_eq!(sim.counters().connections, 2);
+}
+
+#[test]
 fn http10_closes_unless_keep_alive() {
     let sim = Simulator::start();
     let mut c = Client::connect(sim.port());

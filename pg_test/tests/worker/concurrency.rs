@@ -7,7 +7,7 @@ use super::*;
 // 6. SIGHUP changes batch_size without a restart
 // ---------------------------------------------------------------------------------------
 
-fn settings_lines_with(log: &str, needle: &str) -> HashSet<String> {
+pub(super) fn settings_lines_with(log: &str, needle: &str) -> HashSet<String> {
     log.lines()
         .filter(|l| l.contains(" settings: ") && l.contains(needle))
         .filter_map(|l| {

@@ -1,6 +1,8 @@
 //! 7. Batches under way: a provider that hangs holds back its own messages only. A worker
 //! claims and sends the next batch while one is in flight, and records what has arrived
-//! without waiting for the slowest request of its batch (src/worker/flight.rs).
+//! without waiting for the slowest request of its batch (src/worker/flight.rs). The
+//! connections its batches leave idle are held to a budget across channels
+//! (src/channels/pool_budget.rs).
 
 use super::*;
 
@@ -158,4 +160,80 @@ fn what_has_arrived_is_recorded_without_waiting_for_the_slowest_request_of_its_b
         ids.len(),
         "each fast message was sent once"
     );
+}
+
+/// A worker keeps at most four batches' worth of idle connections across its channels'
+/// pools (src/channels/pool_budget.rs). Eight channels are drained one after the other,
+/// each by batches of 10 under way against a provider that answers in 100 ms: up to 20
+/// connections a worker and channel, more in all than the two workers' budgets (40
+/// each). Once the channels are no longer used, the workers close the pools of the ones
+/// used least recently. Without the budget every pool would keep its connections for a
+/// minute, and the provider would still hold all of them.
+#[test]
+fn the_pools_of_channels_no_longer_used_are_closed_beyond_the_budget() {
+    const CHANNELS: usize = 8;
+    const PER_CHANNEL: usize = 300;
+    const BATCH: usize = 10;
+    let cluster = with_two_workers();
+    let workers = wait_for_workers(&cluster, &[]).len();
+    let mut c = cluster.connect();
+    let guard = SettingsGuard::new(&cluster, &["outbox.batch_size"]);
+    let mark = cluster.log_mark();
+    set_setting(&mut c, "outbox.batch_size", &BATCH.to_string());
+    let applied = outbox_e2e::cluster::wait_until(SETTLE, || {
+        super::concurrency::settings_lines_with(&cluster.log_since(mark), "batch_size=10").len()
+            == workers
+    });
+    assert!(applied, "the workers did not take batch_size = 10");
+    // Two batches under way a worker: the budget is twice their connections.
+    let budget = (2 * 2 * BATCH * workers) as u64;
+    // A pool may hold a connection or two more than its requests under way at once (one
+    // made while another came free); a handful over the budgets is not a pool left open.
+    let bound = budget + budget / 4;
+
+    let sim = Simulator::start();
+    for i in 0..CHANNELS {
+        let ch = sim_channel(
+            &mut c,
+            &sim,
+            &format!("pools{i}"),
+            r#"{"max_in_flight": 64, "idempotency_header": "Idempotency-Key"}"#,
+        );
+        sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(100)));
+        let ids = {
+            let mut tx = c.transaction().unwrap();
+            let ids = enqueue_fast(&mut tx, &ch, PER_CHANNEL, &format!("pools{i}-"));
+            tx.commit().unwrap();
+            ids
+        };
+        let all = wait_for_count(
+            &cluster,
+            Duration::from_secs(60),
+            DELIVERED_OF,
+            &[&ids],
+            |n| n == ids.len() as i64,
+        );
+        assert!(
+            all,
+            "channel {i}: {} of {PER_CHANNEL} delivered",
+            delivered(&mut c, &ids)
+        );
+        // Past the time a channel in use keeps its pool whatever its size.
+        std::thread::sleep(Duration::from_millis(1_200));
+    }
+    let accepted = sim.counters().connections;
+    assert!(
+        accepted > bound,
+        "the drains opened {accepted} connections, not more than the budgets ({bound}): the test shows nothing"
+    );
+    // Idle workers look at their pools at each poll (1 s).
+    let within = outbox_e2e::cluster::wait_until(Duration::from_secs(10), || {
+        sim.open_connections() <= bound
+    });
+    assert!(
+        within,
+        "{} connections still open to the provider, more than the workers' budgets ({budget}, {bound} with room); {accepted} were opened",
+        sim.open_connections()
+    );
+    drop(guard);
 }
