@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Write paths of a delivery compared in plain SQL, on the extension's own tables, without the
+# worker or HTTP: what each design writes, measured before it is built. A throwaway cluster
+# (port 54845) with the extension; its channel stays paused, so the worker leaves the rows
+# alone. Each round enqueues 20,000 messages with outbox.enqueue() for each design, vacuums,
+# checkpoints, then drains them with one procedure call on one connection (100 batches of
+# 200, a transaction for the claim and one for the record) and prints the WAL a message
+# (pg_current_wal_lsn() around the drain) and the rate. Figures only; nothing is asserted.
+#   today              the claim moves each message to sending, the record to delivered and
+#                      inserts its ledger entry (what the worker does)
+#   batch_row          the claim writes one row per batch (the ids it took); the record moves
+#                      each message to delivered and inserts its ledger entry
+#   batch_row_history  batch rows, and the record moves each delivered message out of the
+#                      queue into an append-only history keyed by (tenant, effect_key), which
+#                      is also the ledger
+# Usage: scripts/bench_write_paths.sh [rounds = 3]
+source "$(dirname "$0")/lib.sh"
+ROUNDS=${1:-3}
+export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_write_paths}
+export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54845}
+export OUTBOX_WORKERS=1
+bash scripts/setup.sh >/dev/null
+bash scripts/cluster.sh install >/dev/null
+fresh_cluster >/dev/null
+trap 'bash scripts/cluster.sh destroy >/dev/null 2>&1 || true' EXIT
+P() { bash scripts/cluster.sh psql -qAt "$@"; }
+P <<'SQL'
+SELECT outbox.create_channel('proto', 'http://127.0.0.1:9/x', '{"idempotency_header": "Idempotency-Key"}'::jsonb);
+SELECT outbox.pause_channel('proto', 'write paths measured in SQL: nothing is sent');
+CREATE TABLE public.claim_batches (id bigserial PRIMARY KEY, channel_id int NOT NULL, worker int NOT NULL,
+  lease_until timestamptz NOT NULL, started_at timestamptz NOT NULL, ids int8[] NOT NULL);
+-- Today: the claim moves each message to sending, the record to delivered and writes the ledger.
+CREATE PROCEDURE public.drain_today(batches int) LANGUAGE plpgsql AS $$
+DECLARE ids int8[];
+BEGIN
+  FOR i IN 1..batches LOOP
+    WITH d AS (SELECT m.id FROM outbox._messages m
+                WHERE m.channel_id = (SELECT id FROM outbox._channels WHERE name = 'proto')
+                  AND m.state = 'queued' ORDER BY m.next_attempt_at, m.id LIMIT 200 FOR UPDATE SKIP LOCKED),
+         c AS (UPDATE outbox._messages m SET state = 'sending', attempts = m.attempts + 1,
+                      lease_until = now() + interval '1 min', lease_owner = 1,
+                      first_attempt_at = coalesce(m.first_attempt_at, now()),
+                      attempt_started_at = clock_timestamp(), attempt_pid = 1, updated_at = now()
+                 FROM d WHERE m.id = d.id RETURNING m.id)
+    SELECT array_agg(id) INTO ids FROM c;
+    COMMIT;
+    UPDATE outbox._messages m SET state = 'delivered', lease_until = NULL, lease_owner = NULL,
+           last_http_status = 200, external_id = 'msg-' || m.id, delivered_at = now(), updated_at = now()
+     WHERE m.id = ANY (ids);
+    INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
+    SELECT m.tenant, m.effect_key, m.id, 'msg-' || m.id, 'worker' FROM outbox._messages m WHERE m.id = ANY (ids)
+    ON CONFLICT DO NOTHING;
+    COMMIT;
+  END LOOP;
+END $$;
+-- One batch row per claim: the message rows are written once, at the record.
+CREATE PROCEDURE public.drain_batch_row(batches int) LANGUAGE plpgsql AS $$
+DECLARE ids int8[]; b int8; ch int; pos int8 := 0;
+BEGIN
+  SELECT id INTO ch FROM outbox._channels WHERE name = 'proto';
+  FOR i IN 1..batches LOOP
+    WITH d AS (SELECT m.id FROM outbox._messages m
+                WHERE m.channel_id = ch AND m.state = 'queued' AND m.id > pos
+                ORDER BY m.next_attempt_at, m.id LIMIT 200)
+    INSERT INTO public.claim_batches (channel_id, worker, lease_until, started_at, ids)
+    SELECT ch, 1, now() + interval '1 min', clock_timestamp(), array_agg(id) FROM d
+    RETURNING id, claim_batches.ids INTO b, ids;
+    pos := ids[array_length(ids, 1)];
+    COMMIT;
+    UPDATE outbox._messages m SET state = 'delivered', attempts = m.attempts + 1,
+           first_attempt_at = coalesce(m.first_attempt_at, now()),
+           attempt_started_at = clock_timestamp(), attempt_pid = 1,
+           last_http_status = 200, external_id = 'msg-' || m.id, delivered_at = now(), updated_at = now()
+     WHERE m.id = ANY (ids);
+    INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
+    SELECT m.tenant, m.effect_key, m.id, 'msg-' || m.id, 'worker' FROM outbox._messages m WHERE m.id = ANY (ids)
+    ON CONFLICT DO NOTHING;
+    DELETE FROM public.claim_batches WHERE id = b;
+    COMMIT;
+  END LOOP;
+END $$;
+-- Batch-row claims, and a delivered message leaves the queue: its row moves to an
+-- append-only history that is also the ledger (its key is (tenant, effect_key)).
+CREATE TABLE public.history (LIKE outbox._messages, PRIMARY KEY (tenant, effect_key));
+CREATE INDEX ON public.history (id);
+CREATE PROCEDURE public.drain_batch_row_history(batches int) LANGUAGE plpgsql AS $$
+DECLARE ids int8[]; b int8; ch int; pos int8 := 0;
+BEGIN
+  SELECT id INTO ch FROM outbox._channels WHERE name = 'proto';
+  FOR i IN 1..batches LOOP
+    WITH d AS (SELECT m.id FROM outbox._messages m
+                WHERE m.channel_id = ch AND m.state = 'queued' AND m.id > pos
+                ORDER BY m.next_attempt_at, m.id LIMIT 200)
+    INSERT INTO public.claim_batches (channel_id, worker, lease_until, started_at, ids)
+    SELECT ch, 1, now() + interval '1 min', clock_timestamp(), array_agg(id) FROM d
+    RETURNING id, claim_batches.ids INTO b, ids;
+    pos := ids[array_length(ids, 1)];
+    COMMIT;
+    WITH gone AS (DELETE FROM outbox._messages m WHERE m.id = ANY (ids) RETURNING m.*)
+    INSERT INTO public.history
+    SELECT g.id, g.tenant, g.channel_id, 'delivered', g.effect_key, g.ordering_key, g.payload, g.headers,
+           g.not_before, g.next_attempt_at, g.attempts + 1, g.budget_base, g.budget_started_at,
+           g.reconcile_attempts, NULL, NULL, coalesce(g.first_attempt_at, now()), NULL, NULL, 200,
+           'msg-' || g.id, g.owner, g.created_at, now(), now(), clock_timestamp(), 1
+      FROM gone g;
+    DELETE FROM public.claim_batches WHERE id = b;
+    COMMIT;
+  END LOOP;
+END $$;
+SQL
+for round in $(seq 1 "$ROUNDS"); do
+for design in today batch_row batch_row_history; do
+  P -c "SELECT count(outbox.enqueue('proto', jsonb_build_object('n', g, 'text', 'benchmark message'), 'p$round$design:' || g)) FROM generate_series(1, 20000) g" >/dev/null
+  P -c "VACUUM ANALYZE outbox._messages" -c "VACUUM ANALYZE outbox._ledger" -c "CHECKPOINT" >/dev/null
+  start=$(P -c "SELECT pg_current_wal_lsn()")
+  t0=$(date +%s.%N)
+  P -c "CALL public.drain_$design(100)" >/dev/null
+  t1=$(date +%s.%N)
+  end=$(P -c "SELECT pg_current_wal_lsn()")
+  left=$(P -c "SELECT count(*) FROM outbox._messages WHERE state IN ('queued','sending')")
+  P -c "SELECT round(pg_wal_lsn_diff('$end', '$start') / 20000.0) || ' B a message, ' || round(20000 / ($t1 - $t0)) || ' msg/s (one connection, no HTTP), left $left'" | sed "s/^/round $round $design: /"
+done
+done
