@@ -12,8 +12,10 @@
 //! the channel's next send, whose connections are then new ones.
 //!
 //! A pool's size is estimated by [`Demand`]: the most requests under way at once in this
-//! window or the one before. Windows are as long as a pooled connection may stay idle, so
-//! that the estimate forgets a burst once its connections can have idled out.
+//! window or the two before. Windows are as long as a pooled connection's idle life
+//! ([`IDLE_LIFE`]); the pool looks for idle connections once per idle life, so one may stay
+//! up to twice that after its last use. The estimate forgets a burst only once its
+//! connections must have been closed.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -23,9 +25,13 @@ use std::time::Duration;
 /// use keeps its connections.
 pub const GRACE: Duration = Duration::from_secs(1);
 
-/// How long a pooled connection may stay idle before it is closed, and so how long a burst
-/// counts in a pool's estimate.
+/// How long a pooled connection may stay idle before the pool closes it (at its next look
+/// for idle connections, one per idle life), and the length of a [`Demand`] window.
 pub const IDLE_LIFE: Duration = Duration::from_secs(60);
+
+/// The windows a burst counts in: the current one and the two before, so at least twice
+/// [`IDLE_LIFE`].
+pub const WINDOWS: u32 = 3;
 
 /// The idle connections a worker keeps across its channels' pools: twice the connections
 /// its batches under way can use at once, so that two channels sent to at full speed in
@@ -35,12 +41,13 @@ pub fn budget(batch_connections: usize) -> usize {
 }
 
 /// The requests of one channel's pool under way now, and the most that were under way at
-/// once in this window and the previous one.
+/// once in this window and the two before.
 #[derive(Debug, Default)]
 pub struct Demand {
     in_flight: AtomicUsize,
     peak: AtomicUsize,
-    previous_peak: AtomicUsize,
+    /// The peaks of the two windows before, the last one first.
+    earlier_peaks: [AtomicUsize; (WINDOWS - 1) as usize],
 }
 
 impl Demand {
@@ -55,16 +62,20 @@ impl Demand {
     /// The connections the pool is estimated to hold: no more than the requests that were
     /// under way at once while its connections could still be idle in it.
     pub fn connections(&self) -> usize {
-        self.peak
-            .load(Ordering::Relaxed)
-            .max(self.previous_peak.load(Ordering::Relaxed))
+        self.earlier_peaks
+            .iter()
+            .map(|p| p.load(Ordering::Relaxed))
+            .fold(self.peak.load(Ordering::Relaxed), usize::max)
     }
 
-    /// Starts a new window: the peak of the one ending becomes the previous peak.
+    /// Starts a new window: the peak of the one ending becomes the last earlier peak, and
+    /// the oldest is forgotten.
     pub fn new_window(&self) {
         let now = self.in_flight.load(Ordering::Relaxed);
-        let ended = self.peak.swap(now, Ordering::Relaxed);
-        self.previous_peak.store(ended, Ordering::Relaxed);
+        let mut ended = self.peak.swap(now, Ordering::Relaxed);
+        for earlier in &self.earlier_peaks {
+            ended = earlier.swap(ended, Ordering::Relaxed);
+        }
     }
 
     pub fn in_flight(&self) -> usize {
@@ -190,7 +201,7 @@ mod tests {
     }
 
     #[test]
-    fn demand_counts_requests_under_way_and_the_peak_of_two_windows() {
+    fn demand_counts_requests_under_way_and_the_peak_of_three_windows() {
         let d = Arc::new(Demand::default());
         assert_eq!(d.connections(), 0);
         let a = d.start();
@@ -200,7 +211,10 @@ mod tests {
         drop(b);
         drop(c);
         assert_eq!((d.in_flight(), d.connections()), (1, 3));
-        // The burst counts for this window and the next.
+        // The burst counts for this window and the two after it: a connection it left idle
+        // may stay open up to two idle lives.
+        d.new_window();
+        assert_eq!(d.connections(), 3);
         d.new_window();
         assert_eq!(d.connections(), 3);
         d.new_window();
@@ -208,6 +222,8 @@ mod tests {
         drop(a);
         d.new_window();
         assert_eq!((d.in_flight(), d.connections()), (0, 1));
+        d.new_window();
+        assert_eq!(d.connections(), 1);
         d.new_window();
         assert_eq!(d.connections(), 0);
     }

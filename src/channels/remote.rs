@@ -250,20 +250,29 @@ impl Remotes {
     }
 
     /// Holds the idle connections of the pools to `budget` (`pool_budget::to_close`):
-    /// closes the pools of the channels used least recently. Returns the channels whose
-    /// pools were closed.
-    pub fn trim(&mut self, now: Instant, budget: usize) -> Vec<i32> {
+    /// closes the pools of the channels used least recently. The channels of `in_use` (a
+    /// claim's, about to be sent to) count as used now. Returns the channels whose pools
+    /// were closed.
+    pub fn trim(&mut self, now: Instant, budget: usize, in_use: &[i32]) -> Vec<i32> {
         let started = *self.window_started.get_or_insert(now);
-        let new_window = now.saturating_duration_since(started) >= pool_budget::IDLE_LIFE;
-        if new_window {
-            self.window_started = Some(now);
+        // Every window that ended since the last look turns, up to all of them.
+        let ended = (now.saturating_duration_since(started).as_secs_f64()
+            / pool_budget::IDLE_LIFE.as_secs_f64()) as u32;
+        let turns = ended.min(pool_budget::WINDOWS);
+        if ended > 0 {
+            self.window_started = Some(started + pool_budget::IDLE_LIFE * ended);
+        }
+        for id in in_use {
+            if let Some(o) = self.open.get_mut(id) {
+                o.used_at = now;
+            }
         }
         let pools: Vec<PoolUse> = self
             .open
             .iter()
             .filter_map(|(id, o)| {
                 let demand = o.channel.demand()?;
-                if new_window {
+                for _ in 0..turns {
                     demand.new_window();
                 }
                 Some(PoolUse {
@@ -321,13 +330,13 @@ mod tests {
         let mut r = remotes_with_bursts(&[(1, 400), (2, 400), (3, 400), (4, 400)]);
         let now = Instant::now();
         // Within the grace nothing closes, however far over the budget.
-        assert!(r.trim(now, 800).is_empty());
+        assert!(r.trim(now, 800, &[]).is_empty());
         assert_eq!(open_ids(&r), vec![1, 2, 3, 4]);
         let later = now + Duration::from_secs(2);
-        assert_eq!(r.trim(later, 800), vec![1, 2]);
+        assert_eq!(r.trim(later, 800, &[]), vec![1, 2]);
         assert_eq!(open_ids(&r), vec![3, 4]);
         assert_eq!(r.transport.pooled(), vec![3, 4]);
-        assert!(r.trim(later, 800).is_empty(), "the rest fits");
+        assert!(r.trim(later, 800, &[]).is_empty(), "the rest fits");
         // A closed channel's next send opens a new pool.
         let o = ChannelOptions::default();
         let c = r.channel(1, "v1", "http://127.0.0.1:9/x", &o, 400).unwrap();
@@ -340,31 +349,50 @@ mod tests {
         let mut r = remotes_with_bursts(&[(1, 500), (2, 500)]);
         let busy = r.open[&1].channel.demand().unwrap().start();
         let later = Instant::now() + Duration::from_secs(2);
-        assert_eq!(r.trim(later, 800), vec![2]);
+        assert_eq!(r.trim(later, 800, &[]), vec![2]);
         assert_eq!(open_ids(&r), vec![1]);
         drop(busy);
-        assert_eq!(r.trim(later, 400), vec![1]);
+        assert_eq!(r.trim(later, 400, &[]), vec![1]);
         assert!(open_ids(&r).is_empty());
         assert!(r.transport.pooled().is_empty());
     }
 
     #[test]
-    fn a_burst_counts_for_two_idle_lives_of_a_connection() {
+    fn a_burst_counts_until_its_connections_must_have_been_closed() {
         let mut r = remotes_with_bursts(&[(1, 500), (2, 500)]);
         let start = Instant::now();
-        // The first trim starts the windows; the bursts count in this one and the next.
-        assert!(r.trim(start, 1_000).is_empty());
-        let one = start + pool_budget::IDLE_LIFE;
-        assert!(r.trim(one, 1_000).is_empty());
+        let life = pool_budget::IDLE_LIFE;
+        // The first trim starts the windows; a burst counts in its window and the two after.
+        assert!(r.trim(start, 1_000, &[]).is_empty());
+        assert!(r.trim(start + life, 1_000, &[]).is_empty());
+        assert!(r.trim(start + life * 2, 1_000, &[]).is_empty());
         assert_eq!(r.open[&1].channel.demand().unwrap().connections(), 500);
-        // Two idle lives later no connection of the bursts can be pooled any more.
-        let two = one + pool_budget::IDLE_LIFE;
-        assert!(r.trim(two, 0).is_empty());
+        // Three idle lives later no connection of the bursts can still be pooled.
+        assert!(r.trim(start + life * 3, 0, &[]).is_empty());
         assert_eq!(r.open[&1].channel.demand().unwrap().connections(), 0);
         assert_eq!(open_ids(&r), vec![1, 2]);
 
+        // After a long gap every window that ended turns at once.
         let mut r = remotes_with_bursts(&[(1, 500), (2, 500)]);
-        assert!(r.trim(start, 1_000).is_empty());
-        assert_eq!(r.trim(one, 999), vec![1], "the least recently used goes");
+        assert!(r.trim(start, 1_000, &[]).is_empty());
+        assert!(r.trim(start + life * 10, 0, &[]).is_empty());
+        assert_eq!(r.open[&2].channel.demand().unwrap().connections(), 0);
+
+        let mut r = remotes_with_bursts(&[(1, 500), (2, 500)]);
+        assert!(r.trim(start, 1_000, &[]).is_empty());
+        assert_eq!(
+            r.trim(start + life, 999, &[]),
+            vec![1],
+            "the least recently used goes"
+        );
+    }
+
+    #[test]
+    fn a_channel_about_to_be_sent_to_keeps_its_pool() {
+        // Channel 1 was used long ago, but this cycle's claim took messages of it.
+        let mut r = remotes_with_bursts(&[(1, 400), (2, 400), (3, 400)]);
+        let later = Instant::now() + Duration::from_secs(5);
+        assert_eq!(r.trim(later, 800, &[1]), vec![2]);
+        assert_eq!(open_ids(&r), vec![1, 3]);
     }
 }

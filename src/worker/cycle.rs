@@ -245,9 +245,16 @@ impl Worker {
             .collect();
         self.remotes
             .retain(|id| channels.by_id.contains_key(&id) || live.contains(&id));
+        // The channels of this claim are about to be sent to or looked up on: their pools stay.
+        let in_use: Vec<i32> = jobs
+            .iter()
+            .map(|j| j.channel_id)
+            .chain(lookups.iter().map(|l| l.channel_id))
+            .collect();
         self.remotes.trim(
             Instant::now(),
             pool_budget::budget(flight::connections(batch_size)),
+            &in_use,
         );
         if !lookups.is_empty() {
             self.reconcile(&channels, lookups);

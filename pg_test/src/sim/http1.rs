@@ -17,17 +17,34 @@ pub(super) async fn accept_loop(
             res = listener.accept() => match res {
                 Ok((stream, _)) => {
                     bump(&shared.counters.connections);
-                    let shared = shared.clone();
-                    shared.open_connections.fetch_add(1, Ordering::Relaxed);
+                    let open = OpenConnection::count(&shared);
+                    let served = serve_connection(shared.clone(), stream);
                     tokio::spawn(async move {
-                        serve_connection(shared.clone(), stream).await;
-                        shared.open_connections.fetch_sub(1, Ordering::Relaxed);
+                        let _open = open;
+                        served.await;
                     });
                 }
                 // Out of file descriptors and the like: back off instead of spinning.
                 Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
             },
         }
+    }
+}
+
+/// One connection counted in `open_connections` until it is dropped: when its task ends,
+/// panics or is cancelled with the runtime.
+struct OpenConnection(Arc<Shared>);
+
+impl OpenConnection {
+    fn count(shared: &Arc<Shared>) -> OpenConnection {
+        shared.open_connections.fetch_add(1, Ordering::Relaxed);
+        OpenConnection(shared.clone())
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.open_connections.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
