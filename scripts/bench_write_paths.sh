@@ -29,6 +29,22 @@ SELECT outbox.create_channel('proto', 'http://127.0.0.1:9/x', '{"idempotency_hea
 SELECT outbox.pause_channel('proto', 'write paths measured in SQL: nothing is sent');
 CREATE TABLE public.claim_batches (id bigserial PRIMARY KEY, channel_id int NOT NULL, worker int NOT NULL,
   lease_until timestamptz NOT NULL, started_at timestamptz NOT NULL, ids int8[] NOT NULL);
+-- The ledger entries of the messages `ids`, as the worker writes them.
+CREATE FUNCTION public.write_ledger(ids int8[]) RETURNS void LANGUAGE sql AS $$
+    INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
+    SELECT m.tenant, m.effect_key, m.id, 'msg-' || m.id, 'worker' FROM outbox._messages m WHERE m.id = ANY (ids)
+    ON CONFLICT DO NOTHING
+$$;
+-- A claim that writes one row for its batch: the next 200 queued messages of channel `ch`
+-- after message `after`, in due order.
+CREATE FUNCTION public.claim_batch(ch int, after int8) RETURNS public.claim_batches LANGUAGE sql AS $$
+    WITH d AS (SELECT m.id FROM outbox._messages m
+                WHERE m.channel_id = ch AND m.state = 'queued' AND m.id > after
+                ORDER BY m.next_attempt_at, m.id LIMIT 200)
+    INSERT INTO public.claim_batches (channel_id, worker, lease_until, started_at, ids)
+    SELECT ch, 1, now() + interval '1 min', clock_timestamp(), array_agg(id) FROM d
+    RETURNING *
+$$;
 -- Today: the claim moves each message to sending, the record to delivered and writes the ledger.
 CREATE PROCEDURE public.drain_today(batches int) LANGUAGE plpgsql AS $$
 DECLARE ids int8[];
@@ -47,9 +63,7 @@ BEGIN
     UPDATE outbox._messages m SET state = 'delivered', lease_until = NULL, lease_owner = NULL,
            last_http_status = 200, external_id = 'msg-' || m.id, delivered_at = now(), updated_at = now()
      WHERE m.id = ANY (ids);
-    INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
-    SELECT m.tenant, m.effect_key, m.id, 'msg-' || m.id, 'worker' FROM outbox._messages m WHERE m.id = ANY (ids)
-    ON CONFLICT DO NOTHING;
+    PERFORM public.write_ledger(ids);
     COMMIT;
   END LOOP;
 END $$;
@@ -59,12 +73,7 @@ DECLARE ids int8[]; b int8; ch int; pos int8 := 0;
 BEGIN
   SELECT id INTO ch FROM outbox._channels WHERE name = 'proto';
   FOR i IN 1..batches LOOP
-    WITH d AS (SELECT m.id FROM outbox._messages m
-                WHERE m.channel_id = ch AND m.state = 'queued' AND m.id > pos
-                ORDER BY m.next_attempt_at, m.id LIMIT 200)
-    INSERT INTO public.claim_batches (channel_id, worker, lease_until, started_at, ids)
-    SELECT ch, 1, now() + interval '1 min', clock_timestamp(), array_agg(id) FROM d
-    RETURNING id, claim_batches.ids INTO b, ids;
+    SELECT c.id, c.ids INTO b, ids FROM public.claim_batch(ch, pos) c;
     pos := ids[array_length(ids, 1)];
     COMMIT;
     UPDATE outbox._messages m SET state = 'delivered', attempts = m.attempts + 1,
@@ -72,9 +81,7 @@ BEGIN
            attempt_started_at = clock_timestamp(), attempt_pid = 1,
            last_http_status = 200, external_id = 'msg-' || m.id, delivered_at = now(), updated_at = now()
      WHERE m.id = ANY (ids);
-    INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
-    SELECT m.tenant, m.effect_key, m.id, 'msg-' || m.id, 'worker' FROM outbox._messages m WHERE m.id = ANY (ids)
-    ON CONFLICT DO NOTHING;
+    PERFORM public.write_ledger(ids);
     DELETE FROM public.claim_batches WHERE id = b;
     COMMIT;
   END LOOP;
@@ -88,12 +95,7 @@ DECLARE ids int8[]; b int8; ch int; pos int8 := 0;
 BEGIN
   SELECT id INTO ch FROM outbox._channels WHERE name = 'proto';
   FOR i IN 1..batches LOOP
-    WITH d AS (SELECT m.id FROM outbox._messages m
-                WHERE m.channel_id = ch AND m.state = 'queued' AND m.id > pos
-                ORDER BY m.next_attempt_at, m.id LIMIT 200)
-    INSERT INTO public.claim_batches (channel_id, worker, lease_until, started_at, ids)
-    SELECT ch, 1, now() + interval '1 min', clock_timestamp(), array_agg(id) FROM d
-    RETURNING id, claim_batches.ids INTO b, ids;
+    SELECT c.id, c.ids INTO b, ids FROM public.claim_batch(ch, pos) c;
     pos := ids[array_length(ids, 1)];
     COMMIT;
     WITH gone AS (DELETE FROM outbox._messages m WHERE m.id = ANY (ids) RETURNING m.*)

@@ -261,6 +261,7 @@ impl Transport {
     }
 
     /// The channels that have a pool, in order.
+    #[cfg(test)]
     pub fn pooled(&self) -> Vec<i32> {
         let mut ids: Vec<i32> = self.clients.keys().copied().collect();
         ids.sort_unstable();

@@ -194,7 +194,8 @@ pub struct Remotes {
     window_started: Option<Instant>,
 }
 
-/// One channel object, at a version of the channel's options, and when it was last used.
+/// One channel object, at a version of the channel's options, and when it was last used:
+/// opened, or named by a claim ([`Remotes::trim`]'s `in_use`).
 struct Open {
     version: String,
     channel: Arc<dyn Channel>,
@@ -224,9 +225,8 @@ impl Remotes {
         options: &ChannelOptions,
         batch_size: usize,
     ) -> Result<Arc<dyn Channel>, String> {
-        if let Some(o) = self.open.get_mut(&channel_id) {
+        if let Some(o) = self.open.get(&channel_id) {
             if o.version == version {
-                o.used_at = Instant::now();
                 return Ok(o.channel.clone());
             }
         }
