@@ -10,10 +10,13 @@
 #                      inserts its ledger entry (what the worker does)
 #   batch_row          the claim writes one row per batch (the ids it took); the record moves
 #                      each message to delivered and inserts its ledger entry
+#   history            today's claim, and the record moves each delivered message out of the
+#                      queue into an append-only history keyed by (tenant, effect_key), which
+#                      is also the ledger
 #   batch_row_history  batch rows, and the record moves each delivered message out of the
 #                      queue into an append-only history keyed by (tenant, effect_key), which
 #                      is also the ledger
-# Usage: scripts/bench_write_paths.sh [rounds = 3]
+# Usage: scripts/bench_write_paths.sh [rounds = 3]   (DESIGNS="today history" picks designs)
 source "$(dirname "$0")/lib.sh"
 ROUNDS=${1:-3}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_write_paths}
@@ -109,9 +112,34 @@ BEGIN
     COMMIT;
   END LOOP;
 END $$;
+-- Today's claim; the record moves each delivered message into the history.
+CREATE PROCEDURE public.drain_history(batches int) LANGUAGE plpgsql AS $$
+DECLARE ids int8[];
+BEGIN
+  FOR i IN 1..batches LOOP
+    WITH d AS (SELECT m.id FROM outbox._messages m
+                WHERE m.channel_id = (SELECT id FROM outbox._channels WHERE name = 'proto')
+                  AND m.state = 'queued' ORDER BY m.next_attempt_at, m.id LIMIT 200 FOR UPDATE SKIP LOCKED),
+         c AS (UPDATE outbox._messages m SET state = 'sending', attempts = m.attempts + 1,
+                      lease_until = now() + interval '1 min', lease_owner = 1,
+                      first_attempt_at = coalesce(m.first_attempt_at, now()),
+                      attempt_started_at = clock_timestamp(), attempt_pid = 1, updated_at = now()
+                 FROM d WHERE m.id = d.id RETURNING m.id)
+    SELECT array_agg(id) INTO ids FROM c;
+    COMMIT;
+    WITH gone AS (DELETE FROM outbox._messages m WHERE m.id = ANY (ids) RETURNING m.*)
+    INSERT INTO public.history
+    SELECT g.id, g.tenant, g.channel_id, 'delivered', g.effect_key, g.ordering_key, g.payload, g.headers,
+           g.not_before, g.next_attempt_at, g.attempts, g.budget_base, g.budget_started_at,
+           g.reconcile_attempts, NULL, NULL, g.first_attempt_at, NULL, NULL, 200,
+           'msg-' || g.id, g.owner, g.created_at, now(), now(), g.attempt_started_at, g.attempt_pid
+      FROM gone g;
+    COMMIT;
+  END LOOP;
+END $$;
 SQL
 for round in $(seq 1 "$ROUNDS"); do
-for design in today batch_row batch_row_history; do
+for design in ${DESIGNS:-today batch_row history batch_row_history}; do
   P -c "SELECT count(outbox.enqueue('proto', jsonb_build_object('n', g, 'text', 'benchmark message'), 'p$round$design:' || g)) FROM generate_series(1, 20000) g" >/dev/null
   P -c "VACUUM ANALYZE outbox._messages" -c "VACUUM ANALYZE outbox._ledger" -c "CHECKPOINT" >/dev/null
   start=$(P -c "SELECT pg_current_wal_lsn()")
