@@ -71,6 +71,7 @@ ALTER TABLE outbox_move.messages ADD COLUMN channel_name text;
 CREATE TABLE outbox_move.attempts (LIKE outbox._attempts);
 ALTER TABLE outbox_move.attempts ADD COLUMN effect_key text;
 CREATE TABLE outbox_move.ledger (LIKE outbox._ledger);
+ALTER TABLE outbox_move.ledger ADD COLUMN channel_name text;
 CREATE TABLE outbox_move.bindings (role_name text, tenant text);
 SQL
 copy() { # $1: query on the source, $2: staging table on the target
@@ -79,8 +80,12 @@ copy() { # $1: query on the source, $2: staging table on the target
 LAST_ID=$(src -At <<<"SELECT coalesce(max(id), 0) FROM outbox._messages WHERE tenant = :'tenant'")
 T=$(printf "%s" "$TENANT" | sed "s/'/''/g")
 copy "SELECT m.*, ch.name FROM outbox._messages m JOIN outbox._channels ch ON ch.id = m.channel_id WHERE m.tenant = '$T' AND m.id <= $LAST_ID" messages
-copy "SELECT a.*, m.effect_key FROM outbox._attempts a JOIN outbox._messages m ON m.id = a.message_id WHERE a.tenant = '$T'" attempts
-copy "SELECT * FROM outbox._ledger WHERE tenant = '$T'" ledger
+# The attempts of queued messages and of delivered ones (which live in their ledger entries).
+copy "SELECT a.*, coalesce(m.effect_key, l.effect_key) FROM outbox._attempts a
+        LEFT JOIN outbox._messages m ON m.id = a.message_id
+        LEFT JOIN outbox._ledger l ON l.message_id = a.message_id AND l.tenant = a.tenant AND l.channel_id IS NOT NULL
+       WHERE a.tenant = '$T' AND coalesce(m.effect_key, l.effect_key) IS NOT NULL" attempts
+copy "SELECT l.*, ch.name FROM outbox._ledger l LEFT JOIN outbox._channels ch ON ch.id = l.channel_id WHERE l.tenant = '$T'" ledger
 for role in $BINDINGS; do
   tgt -v role="$role" <<<"INSERT INTO outbox_move.bindings VALUES (:'role', :'tenant')"
 done
@@ -111,7 +116,10 @@ BEGIN
             USING ERRCODE = '55000', HINT = 'A tenant is moved into a database that has none of its rows.';
     END IF;
     SELECT string_agg(DISTINCT s.channel_name, ', ') INTO v_missing
-      FROM outbox_move.messages s LEFT JOIN outbox._channels ch ON ch.name = s.channel_name
+      FROM (SELECT channel_name FROM outbox_move.messages
+            UNION ALL
+            SELECT channel_name FROM outbox_move.ledger WHERE channel_name IS NOT NULL) s
+      LEFT JOIN outbox._channels ch ON ch.name = s.channel_name
      WHERE ch.id IS NULL;
     IF v_missing IS NOT NULL THEN
         RAISE EXCEPTION 'channels missing here: %', v_missing
@@ -132,24 +140,35 @@ BEGIN
                       FROM outbox_move.messages s JOIN outbox._channels ch ON ch.name = s.channel_name
                      ORDER BY s.id', v_cols, (SELECT string_agg('s.' || c, ', ') FROM unnest(string_to_array(v_cols, ', ')) c));
 
+    -- A ledger entry follows its message; one whose message retention removed gets an id of
+    -- this database's sequence, so that status() never reads it for another message, and so
+    -- does a delivered message, which lives in its entry (on the channel of the same name).
+    SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) INTO v_cols
+      FROM pg_attribute WHERE attrelid = 'outbox._ledger'::regclass AND attnum > 0
+       AND NOT attisdropped AND attname NOT IN ('message_id', 'channel_id');
+    EXECUTE format('INSERT INTO outbox._ledger (message_id, channel_id, %s)
+                    SELECT CASE WHEN l.channel_id IS NULL THEN coalesce(m.id, nextval(''outbox._messages_id_seq''))
+                                ELSE nextval(''outbox._messages_id_seq'') END,
+                           ch.id, %s
+                      FROM outbox_move.ledger l
+                      LEFT JOIN outbox._messages m ON m.tenant = l.tenant AND m.effect_key = l.effect_key
+                      LEFT JOIN outbox._channels ch ON ch.name = l.channel_name
+                     ORDER BY l.message_id', v_cols,
+                   (SELECT string_agg('l.' || c, ', ') FROM unnest(string_to_array(v_cols, ', ')) c));
+
     SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) INTO v_cols
       FROM pg_attribute WHERE attrelid = 'outbox._attempts'::regclass AND attnum > 0
        AND NOT attisdropped AND attname NOT IN ('id', 'message_id');
-    EXECUTE format('INSERT INTO outbox._attempts (message_id, %s) SELECT m.id, %s
-                      FROM outbox_move.attempts a JOIN outbox._messages m
-                        ON m.tenant = a.tenant AND m.effect_key = a.effect_key
+    EXECUTE format('INSERT INTO outbox._attempts (message_id, %s) SELECT t.id, %s
+                      FROM outbox_move.attempts a
+                      JOIN LATERAL (SELECT m.id FROM outbox._messages m
+                                     WHERE m.tenant = a.tenant AND m.effect_key = a.effect_key
+                                    UNION ALL
+                                    SELECT l.message_id FROM outbox._ledger l
+                                     WHERE l.tenant = a.tenant AND l.effect_key = a.effect_key
+                                       AND l.channel_id IS NOT NULL
+                                     LIMIT 1) t ON true
                      ORDER BY a.id', v_cols, (SELECT string_agg('a.' || c, ', ') FROM unnest(string_to_array(v_cols, ', ')) c));
-
-    -- A ledger entry follows its message; one whose message retention removed gets an id of
-    -- this database's sequence, so that status() never reads it for another message.
-    SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) INTO v_cols
-      FROM pg_attribute WHERE attrelid = 'outbox._ledger'::regclass AND attnum > 0
-       AND NOT attisdropped AND attname <> 'message_id';
-    EXECUTE format('INSERT INTO outbox._ledger (message_id, %s)
-                    SELECT coalesce(m.id, nextval(''outbox._messages_id_seq'')), %s
-                      FROM outbox_move.ledger l LEFT JOIN outbox._messages m
-                        ON m.tenant = l.tenant AND m.effect_key = l.effect_key', v_cols,
-                   (SELECT string_agg('l.' || c, ', ') FROM unnest(string_to_array(v_cols, ', ')) c));
 
     INSERT INTO outbox._tenant_bindings (role_name, role, tenant)
     SELECT b.role_name, b.role_name::regrole, b.tenant FROM outbox_move.bindings b

@@ -37,6 +37,16 @@ BEGIN
       FROM outbox._messages m
      WHERE m.tenant = _enqueue_existing.tenant AND m.effect_key = _enqueue_existing.effect_key;
     IF NOT FOUND THEN
+        -- Delivered: the message moved into its ledger entry. An entry without the message's
+        -- columns (its message stayed in the queue table until retention removed it) tells
+        -- neither payload nor channel: nothing to compare.
+        SELECT l.message_id AS id, coalesce(l.payload, _enqueue_existing.payload) AS payload,
+               coalesce(l.channel_id, _enqueue_existing.channel_id) AS channel_id
+          INTO v_existing
+          FROM outbox._ledger l
+         WHERE l.tenant = _enqueue_existing.tenant AND l.effect_key = _enqueue_existing.effect_key;
+    END IF;
+    IF NOT FOUND THEN
         RAISE EXCEPTION 'message with effect key % was removed while this enqueue ran', _enqueue_existing.effect_key
             USING ERRCODE = '40001', HINT = 'Retry the transaction.';
     END IF;

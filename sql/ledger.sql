@@ -2,8 +2,9 @@
 -- in outbox._ledger is never sent again: the worker looks it up before every send
 -- (outbox._ledger_entry), and every confirmation — a provider's answer, a reconcile lookup
 -- that found the message, an operator's `resolve(…, 'delivered', …)` — is recorded by the
--- one function below. Retention (src/ledger.rs) keeps each entry longer than any retry
--- horizon.
+-- one function below, which moves the confirmed message out of the queue into its entry.
+-- Retention (src/ledger.rs) keeps each entry longer than any retry horizon, and at least
+-- outbox.retention.
 
 CREATE FUNCTION outbox._ledger_entry(tenant text, effect_key text)
 RETURNS TABLE (message_id bigint, external_id text)
@@ -35,7 +36,18 @@ BEGIN
     RETURN QUERY
     WITH d AS (
         SELECT * FROM unnest(message_ids, external_ids, http_statuses) AS d(id, external_id, http_status)
-    ), m AS (
+    ), moved AS (
+        -- The usual case: the message leaves the queue for its ledger entry.
+        DELETE FROM outbox._messages m
+         USING d
+         WHERE m.id = d.id AND m.state <> 'delivered'
+           AND NOT (leave_sending AND m.state = 'sending')
+           AND NOT EXISTS (SELECT 1 FROM outbox._ledger x
+                            WHERE x.tenant = m.tenant AND x.effect_key = m.effect_key)
+     RETURNING m.*, d.external_id AS confirmed_external_id, d.http_status AS confirmed_http_status
+    ), kept AS (
+        -- An effect recorded already (by an earlier message of the key) keeps its first
+        -- entry; the message stays, delivered, until retention removes it.
         UPDATE outbox._messages m
            SET state = 'delivered',
                delivered_at = now(),
@@ -47,14 +59,25 @@ BEGIN
           FROM d
          WHERE m.id = d.id AND m.state <> 'delivered'
            AND NOT (leave_sending AND m.state = 'sending')
-     RETURNING m.id, m.tenant, m.effect_key, m.external_id
+           AND EXISTS (SELECT 1 FROM outbox._ledger x
+                        WHERE x.tenant = m.tenant AND x.effect_key = m.effect_key)
+     RETURNING m.id
     ), l AS (
-        INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
-        SELECT m.tenant, m.effect_key, m.id, m.external_id, recorder FROM m
-            ON CONFLICT (tenant, effect_key) DO NOTHING
+        INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by,
+                                    channel_id, ordering_key, payload, headers, not_before,
+                                    attempts, last_error_class, last_error, last_http_status,
+                                    owner, created_at, attempt_started_at, attempt_pid)
+        SELECT m.tenant, m.effect_key, m.id, coalesce(m.confirmed_external_id, m.external_id), recorder,
+               m.channel_id, m.ordering_key, m.payload, m.headers, m.not_before,
+               m.attempts, m.last_error_class, m.last_error,
+               coalesce(m.confirmed_http_status, m.last_http_status),
+               m.owner, m.created_at, m.attempt_started_at, m.attempt_pid
+          FROM moved m
     )
-    SELECT m.id FROM m;
+    SELECT moved.id FROM moved
+    UNION ALL
+    SELECT kept.id FROM kept;
 END
 $fn$;
 COMMENT ON FUNCTION outbox._record_delivered(bigint[], text[], integer[], text, boolean) IS
-    'Confirms effects: marks each message delivered (unless it already is, or is being sent and leave_sending is set), clears its lease and writes its ledger entry; an effect already in the ledger keeps its first entry. Returns the messages it marked.';
+    'Confirms effects: moves each message (unless it is delivered already, or is being sent and leave_sending is set) out of the queue into its ledger entry; a message whose effect is in the ledger already stays, marked delivered, and the entry keeps its first message. Returns the messages it confirmed.';

@@ -53,6 +53,7 @@ END
 $fn$;
 
 -- Locks one message for an operator action; unknown id, or another tenant's message: 02000.
+-- A delivered message moved into its ledger entry is returned as it was, delivered.
 CREATE FUNCTION outbox._lock_message(id bigint) RETURNS outbox._messages
 LANGUAGE plpgsql VOLATILE
 AS $fn$
@@ -65,6 +66,18 @@ BEGIN
     SELECT * INTO v FROM outbox._messages m
      WHERE m.id = _lock_message.id AND outbox._tenant_visible(m.tenant)
        FOR UPDATE;
+    IF NOT FOUND THEN
+        SELECT l.message_id, l.tenant, l.channel_id, 'delivered', l.effect_key, l.ordering_key,
+               l.payload, l.headers, l.not_before, l.recorded_at, l.attempts, 0, NULL, 0, NULL,
+               NULL, NULL, l.last_error_class, l.last_error, l.last_http_status, l.external_id,
+               l.owner, l.created_at, l.recorded_at, l.recorded_at, l.attempt_started_at,
+               l.attempt_pid
+          INTO v
+          FROM outbox._ledger l
+         WHERE l.message_id = _lock_message.id AND l.channel_id IS NOT NULL
+           AND outbox._tenant_visible(l.tenant)
+           FOR UPDATE;
+    END IF;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'message % does not exist', _lock_message.id
             USING ERRCODE = '02000',
@@ -114,7 +127,8 @@ BEGIN
             -- The provider may have it: ask before anything is resent.
             v_lookup := outbox.reconcile(v_msg.id);
             v_detail := jsonb_build_object('reconcile', v_lookup);
-            SELECT m.state INTO v_after FROM outbox._messages m WHERE m.id = v_msg.id;
+            -- Found: the message has moved into its ledger entry, delivered.
+            v_after := coalesce((SELECT m.state FROM outbox._messages m WHERE m.id = v_msg.id), 'delivered');
             IF v_lookup = 'unavailable' THEN
                 RAISE NOTICE 'message %: the provider could not be asked; nothing was resent', v_msg.id
                     USING HINT = 'Try again later, or settle it with outbox.resolve() after checking by hand.';
@@ -233,6 +247,11 @@ BEGIN
     v_msg := outbox._lock_message(assign.id);
     UPDATE outbox._messages m SET owner = NULLIF(pg_catalog.btrim(assign.owner), ''), updated_at = pg_catalog.now()
      WHERE m.id = v_msg.id;
+    IF NOT FOUND THEN
+        -- A delivered message, in its ledger entry.
+        UPDATE outbox._ledger l SET owner = NULLIF(pg_catalog.btrim(assign.owner), '')
+         WHERE l.message_id = v_msg.id AND l.channel_id IS NOT NULL;
+    END IF;
     INSERT INTO outbox._operator_log (action, message_id, tenant, state_before, state_after, detail)
     VALUES ('assign', v_msg.id, v_msg.tenant, v_msg.state, v_msg.state,
             jsonb_build_object('owner_before', v_msg.owner, 'owner', NULLIF(pg_catalog.btrim(assign.owner), '')));

@@ -151,6 +151,13 @@ CREATE INDEX _attempts_message_idx ON outbox._attempts (message_id, id);
 COMMENT ON TABLE outbox._attempts IS 'Attempt history (private; read outbox.attempts).';
 
 -- The ledger: the barrier. An effect recorded here is never sent again.
+-- It is also where delivered messages live: the record that confirms an effect moves its
+-- message out of outbox._messages (which keeps only what is still to do) into its entry,
+-- in the same transaction, so that a delivery writes the entry and deletes the queue row
+-- instead of writing a new version of the message and an entry besides. The columns
+-- after recorded_by are the moved message's; they are NULL in an entry whose message
+-- stayed in outbox._messages (an effect confirmed while an earlier message of its key
+-- had recorded it already). outbox.messages and outbox.attempts show the moved messages.
 CREATE TABLE outbox._ledger (
     tenant      text        NOT NULL,
     effect_key  text        NOT NULL,
@@ -158,6 +165,19 @@ CREATE TABLE outbox._ledger (
     external_id text,
     recorded_at timestamptz NOT NULL DEFAULT now(),
     recorded_by text        NOT NULL,
+    channel_id         integer,
+    ordering_key       text,
+    payload            jsonb,
+    headers            jsonb,
+    not_before         timestamptz,
+    attempts           integer,
+    last_error_class   outbox.error_class,
+    last_error         text,
+    last_http_status   integer,
+    owner              text,
+    created_at         timestamptz,
+    attempt_started_at timestamptz,
+    attempt_pid        integer,
     PRIMARY KEY (tenant, effect_key),
     CONSTRAINT ledger_recorded_by_known CHECK (recorded_by IN ('worker', 'reconcile', 'operator'))
 ) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.05);

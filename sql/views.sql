@@ -64,11 +64,37 @@ SELECT m.id,
        m.payload,
        m.headers
   FROM outbox._messages m
-  LEFT JOIN outbox.channels c ON c.id = m.channel_id;
+  LEFT JOIN outbox.channels c ON c.id = m.channel_id
+UNION ALL
+-- Delivered messages: moved into their ledger entries by the record that confirmed them.
+SELECT l.message_id,
+       l.tenant,
+       c.name,
+       'delivered'::outbox.state,
+       l.effect_key,
+       l.ordering_key,
+       l.attempts,
+       outbox._option_int(c.options, '{retry,max_attempts}'),
+       NULL::timestamptz,
+       l.last_error_class,
+       l.last_error,
+       l.last_http_status,
+       l.external_id,
+       l.owner,
+       l.created_at,
+       l.recorded_at,
+       l.recorded_at,
+       l.not_before,
+       NULL::timestamptz,
+       l.payload,
+       l.headers
+  FROM outbox._ledger l
+  LEFT JOIN outbox.channels c ON c.id = l.channel_id
+ WHERE l.channel_id IS NOT NULL;
 -- The caller's rights and row-level security apply; channels are read through the masked view.
 ALTER VIEW outbox.messages SET (security_invoker = true);
 COMMENT ON VIEW outbox.messages IS
-    'Every message: state, attempts and budget, next attempt, last classified error, external id, owner.';
+    'Every message: state, attempts and budget, next attempt, last classified error, external id, owner; delivered messages are read from their ledger entries.';
 
 -- A send is written to outbox._attempts once, with its outcome; while it is in progress
 -- the `sending` message is its row (finished_at NULL), unless the message still has a row
@@ -133,7 +159,28 @@ SELECT m.id,
   FROM outbox._messages m
  WHERE m.state = 'delivered' AND m.attempts > 0 AND m.attempt_started_at IS NOT NULL
    AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
-                    WHERE o.message_id = m.id AND o.attempt = m.attempts);
+                    WHERE o.message_id = m.id AND o.attempt = m.attempts)
+UNION ALL
+-- The same, for a delivered message moved into its ledger entry.
+SELECT l.message_id,
+       l.attempts,
+       'send'::text,
+       l.attempt_started_at,
+       l.recorded_at,
+       'delivered'::text,
+       NULL::outbox.error_class,
+       l.last_http_status,
+       NULL::text,
+       NULL::bigint,
+       l.external_id,
+       outbox._provider_key(l.tenant, l.effect_key),
+       l.attempt_pid,
+       NULL::bigint,
+       l.tenant
+  FROM outbox._ledger l
+ WHERE l.channel_id IS NOT NULL AND l.attempts > 0 AND l.attempt_started_at IS NOT NULL
+   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
+                    WHERE o.message_id = l.message_id AND o.attempt = l.attempts);
 ALTER VIEW outbox.attempts SET (security_invoker = true);
 COMMENT ON VIEW outbox.attempts IS
     'Attempt history: one row per send, reconcile lookup or recovery decision, with its classified outcome; a send in progress has no outcome and no finished_at yet; a send that delivered is shown from its delivered message.';

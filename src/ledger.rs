@@ -6,14 +6,18 @@
 //!   effect is recorded is settled without a send.
 //! - **Record.** Every confirmation — a provider's answer ([`record_delivered`] from the
 //!   worker), a lookup that found the message (reconcile), an operator's
-//!   `resolve(…, 'delivered', …)` — goes through `outbox._record_delivered`: mark the
-//!   message delivered, clear its lease, write the entry. An effect already recorded keeps
-//!   its first entry. The worker's answer for a message still in the attempt that sent it
-//!   is recorded by one statement ([`record_sent`]) that makes the same writes as
+//!   `resolve(…, 'delivered', …)` — goes through `outbox._record_delivered`: the message
+//!   leaves the queue (`outbox._messages`, which holds only what is still to do) for its
+//!   ledger entry, which keeps its columns: a delivery deletes one row and inserts one. An
+//!   effect already recorded keeps its first entry, and the message stays in the queue
+//!   table, marked delivered. The worker's answer for a message still in the attempt that
+//!   sent it is recorded by one statement ([`record_sent`]) that makes the same writes as
 //!   `outbox._record_delivered` (message, ledger entry) and adds the attempt's row.
 //! - **Purge.** Entries live for `outbox.ledger_retention`, never shorter than the longest
 //!   retry horizon of any channel ([`keep_s`]): a message may still be retried that long
-//!   after it was enqueued, and its entry is what stops a second send.
+//!   after it was enqueued, and its entry is what stops a second send. An entry that holds
+//!   its delivered message lives at least `outbox.retention` too, and takes the message's
+//!   attempts with it.
 
 use crate::spi::{self, Statement};
 use pgrx::spi::{SpiClient, SpiResult};
@@ -91,8 +95,8 @@ pub fn record_delivered(
 }
 
 /// The worker's confirmed sends of messages still in the attempt that sent them (`sending`,
-/// same attempt number): each is marked delivered with its lease cleared and its ledger
-/// entry written (an effect already recorded keeps its first entry). The delivered message
+/// same attempt number): each moves into its ledger entry (or, when its effect is recorded
+/// already, stays marked delivered with its lease cleared). The delivered message
 /// is its attempt's row in `outbox.attempts` (when it started, by which worker, the status,
 /// the external id, `delivered_at`); a row of `outbox._attempts` is written only for what
 /// the message cannot tell: another outcome text (a duplicate a stream reported), an answer
@@ -100,7 +104,7 @@ pub fn record_delivered(
 /// before the update from 0.1.0 (`$6`: its row is written already). The
 /// `m.id = ANY(...)` condition beside the join keeps the batch's messages reached through
 /// the primary key, whatever the plan expects of the arrays.
-/// Its first two steps are those of `outbox._record_delivered` (sql/ledger.sql), which
+/// Its first three steps are those of `outbox._record_delivered` (sql/ledger.sql), which
 /// reconcile, `resolve` and late answers go through, with the worker's own guard (the same
 /// attempt still open) and the attempt row in the same statement: a change to what
 /// "delivered" writes is made in both.
@@ -109,7 +113,15 @@ pub(crate) static RECORD_SENT: Statement = Statement::planned_once(
 WITH d AS (
     SELECT * FROM unnest($1::int8[], $2::int4[], $3::text[], $4::int4[], $5::text[], $6::bool[])
         AS d(id, attempt, external_id, http_status, outcome, row_written)
-), m AS (
+), moved AS (
+    DELETE FROM outbox._messages m
+     USING d
+     WHERE m.id = d.id AND m.id = ANY ($1::int8[]) AND m.state = 'sending' AND m.attempts = d.attempt
+       AND NOT EXISTS (SELECT 1 FROM outbox._ledger x
+                        WHERE x.tenant = m.tenant AND x.effect_key = m.effect_key)
+ RETURNING m.*, coalesce(d.external_id, m.external_id) AS confirmed_external_id,
+           coalesce(d.http_status, m.last_http_status) AS confirmed_http_status
+), kept AS (
     UPDATE outbox._messages m
        SET state = 'delivered',
            delivered_at = now(),
@@ -120,12 +132,26 @@ WITH d AS (
            lease_owner = NULL
       FROM d
      WHERE m.id = d.id AND m.id = ANY ($1::int8[]) AND m.state = 'sending' AND m.attempts = d.attempt
+       AND EXISTS (SELECT 1 FROM outbox._ledger x
+                    WHERE x.tenant = m.tenant AND x.effect_key = m.effect_key)
  RETURNING m.id, m.tenant, m.effect_key, m.external_id, m.last_http_status, m.attempt_started_at,
            m.attempt_pid
 ), l AS (
-    INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
-    SELECT m.tenant, m.effect_key, m.id, m.external_id, 'worker' FROM m
-        ON CONFLICT (tenant, effect_key) DO NOTHING
+    INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by,
+                                channel_id, ordering_key, payload, headers, not_before,
+                                attempts, last_error_class, last_error, last_http_status,
+                                owner, created_at, attempt_started_at, attempt_pid)
+    SELECT m.tenant, m.effect_key, m.id, m.confirmed_external_id, 'worker',
+           m.channel_id, m.ordering_key, m.payload, m.headers, m.not_before,
+           m.attempts, m.last_error_class, m.last_error, m.confirmed_http_status,
+           m.owner, m.created_at, m.attempt_started_at, m.attempt_pid
+      FROM moved m
+), m AS (
+    SELECT id, tenant, effect_key, confirmed_external_id AS external_id,
+           confirmed_http_status AS last_http_status, attempt_started_at, attempt_pid
+      FROM moved
+    UNION ALL
+    SELECT * FROM kept
 ), a AS (
     INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, started_at, finished_at, outcome,
                                   http_status, external_id, effect_key_sent, worker_pid)
@@ -190,14 +216,22 @@ pub fn record_sent(
         .collect()
 }
 
-/// Entries older than `$1` seconds, oldest first, a batch of `$2` at a time.
+/// Entries older than `$1` seconds, oldest first, a batch of `$2` at a time, and the
+/// attempts of the delivered messages they held.
 const PURGE: &str = "
-DELETE FROM outbox._ledger l
- WHERE l.ctid = ANY (ARRAY(
-       SELECT x.ctid FROM outbox._ledger x
-        WHERE x.recorded_at < now() - make_interval(secs => $1)
-        ORDER BY x.recorded_at
-        LIMIT $2))";
+WITH gone AS (
+    DELETE FROM outbox._ledger l
+     WHERE l.ctid = ANY (ARRAY(
+           SELECT x.ctid FROM outbox._ledger x
+            WHERE x.recorded_at < now() - make_interval(secs => $1)
+            ORDER BY x.recorded_at
+            LIMIT $2))
+ RETURNING l.message_id, l.channel_id
+), gone_attempts AS (
+    DELETE FROM outbox._attempts a
+     WHERE a.message_id = ANY (ARRAY(SELECT g.message_id FROM gone g WHERE g.channel_id IS NOT NULL))
+)
+SELECT g.message_id FROM gone g";
 
 /// Removes one batch of at most `batch` entries older than `keep_s` seconds; returns how
 /// many it removed.

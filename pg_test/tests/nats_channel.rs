@@ -51,8 +51,8 @@ fn stream_and_channel(
 fn in_state(c: &mut Client, channel: &str, state: &str) -> i64 {
     count(
         c,
-        "SELECT count(*) FROM outbox._messages m JOIN outbox._channels ch ON ch.id = m.channel_id
-          WHERE ch.name = $1 AND m.state::text = $2",
+        "SELECT count(*) FROM outbox.messages m
+          WHERE m.channel = $1 AND m.state::text = $2",
         &[&channel, &state],
     )
 }
@@ -64,8 +64,8 @@ fn wait_all(cluster: &Cluster, channel: &str, state: &str, n: i64, within: Durat
     let mut c = cluster.connect();
     let states: Vec<(String, i64)> = c
         .query(
-            "SELECT m.state::text, count(*) FROM outbox._messages m JOIN outbox._channels ch ON ch.id = m.channel_id
-              WHERE ch.name = $1 GROUP BY 1 ORDER BY 1",
+            "SELECT m.state::text, count(*) FROM outbox.messages m
+              WHERE m.channel = $1 GROUP BY 1 ORDER BY 1",
             &[&channel],
         )
         .unwrap()
@@ -82,8 +82,8 @@ fn wait_all(cluster: &Cluster, channel: &str, state: &str, n: i64, within: Durat
 fn sent_keys(c: &mut Client, channel: &str) -> Vec<(String, String, Option<String>)> {
     c.query(
         "SELECT outbox._provider_key(m.tenant, m.effect_key), m.state::text, m.external_id
-           FROM outbox._messages m JOIN outbox._channels ch ON ch.id = m.channel_id
-          WHERE ch.name = $1 ORDER BY m.id",
+           FROM outbox.messages m
+          WHERE m.channel = $1 ORDER BY m.id",
         &[&channel],
     )
     .unwrap()
@@ -180,7 +180,7 @@ fn a_message_the_stream_already_holds_is_delivered_with_the_sequence_stored_firs
         let id = enqueue(&mut c, &channel, &format!("{channel}-already"));
         let key: String = one(
             &mut c,
-            "SELECT outbox._provider_key(tenant, effect_key) FROM outbox._messages WHERE id = $1",
+            "SELECT outbox._provider_key(tenant, effect_key) FROM outbox.messages WHERE id = $1",
             &[&id],
         );
         // Another producer (or an attempt whose acknowledgement was lost) stored it first.
@@ -193,7 +193,7 @@ fn a_message_the_stream_already_holds_is_delivered_with_the_sequence_stored_firs
         wait_all(&cluster, &channel, "delivered", 1, SETTLE);
         let ext: Option<String> = one(
             &mut c,
-            "SELECT external_id FROM outbox._messages WHERE id = $1",
+            "SELECT external_id FROM outbox.messages WHERE id = $1",
             &[&id],
         );
         assert_eq!(ext, Some(format!("{stream}:{first}")), "{subject}");
@@ -230,7 +230,7 @@ fn a_subject_no_stream_listens_on_is_retried_and_says_so() {
     assert_ne!(
         one::<String>(
             &mut c,
-            "SELECT state::text FROM outbox._messages WHERE id = $1",
+            "SELECT state::text FROM outbox.messages WHERE id = $1",
             &[&id]
         ),
         "delivered"

@@ -257,7 +257,7 @@ fn held(su: &mut Client, run: &str, tenants: [&str; 2]) -> Held {
         .query(
             "SELECT tenant, payload->>'request_id', payload->>'tenant', id,
                     effect_key = outbox.effect_key(payload->>'request_id', 'order_confirmation')
-               FROM outbox._messages WHERE payload->>'request_id' LIKE $1",
+               FROM outbox.messages WHERE payload->>'request_id' LIKE $1",
             &[&like],
         )
         .expect("the run's messages")
@@ -445,7 +445,7 @@ fn two_applications_through_pgbouncer_write_each_message_once_in_its_own_tenant(
     let total = h.messages.len();
     let delivered = wait_until(SETTLE, || {
         su.query_one(
-            "SELECT count(*) FROM outbox._messages WHERE payload->>'request_id' LIKE $1 AND state = 'delivered'",
+            "SELECT count(*) FROM outbox.messages WHERE payload->>'request_id' LIKE $1 AND state = 'delivered'",
             &[&format!("{run}-%")],
         )
         .map(|r| r.get::<_, i64>(0) as usize == total)
@@ -472,7 +472,7 @@ fn enqueue_unnamed(c: &mut Client, su: &mut Client, channel: &str) -> Result<Str
         .map_err(|e| code_of(&e))?
         .get(0);
     Ok(su
-        .query_one("SELECT tenant FROM outbox._messages WHERE id = $1", &[&id])
+        .query_one("SELECT tenant FROM outbox.messages WHERE id = $1", &[&id])
         .expect("tenant of the message")
         .get(0))
 }
@@ -526,7 +526,7 @@ fn a_session_set_of_the_tenant_leaks_to_the_next_client_and_set_local_does_not()
         .get(0);
     tx.commit().expect("COMMIT");
     let t: String = su
-        .query_one("SELECT tenant FROM outbox._messages WHERE id = $1", &[&id])
+        .query_one("SELECT tenant FROM outbox.messages WHERE id = $1", &[&id])
         .expect("tenant")
         .get(0);
     assert_eq!(t, tenant, "the message enqueued under SET LOCAL");

@@ -27,7 +27,8 @@ fn retry_after(status: u16, value: &str) -> Action {
 }
 
 /// A message as `outbox.messages` shows it, plus the stored `next_attempt_at` (the view
-/// shows it only while queued; the table keeps it after the message moved on).
+/// shows it only while queued; the table keeps it after the message moved on, up to its
+/// delivery, which moves it into its ledger entry: NaN then).
 #[derive(Debug, Clone)]
 struct MessageRow {
     state: String,
@@ -45,8 +46,8 @@ fn message(c: &mut Client, id: i64) -> MessageRow {
         .query_one(
             "SELECT v.state::text, v.attempts, v.max_attempts, v.last_error_class::text,
                     v.last_error, v.last_http_status,
-                    (extract(epoch FROM m.next_attempt_at) * 1000)::float8, v.effect_key
-               FROM outbox.messages v JOIN outbox._messages m ON m.id = v.id
+                    coalesce((extract(epoch FROM m.next_attempt_at) * 1000)::float8, 'NaN'), v.effect_key
+               FROM outbox.messages v LEFT JOIN outbox._messages m ON m.id = v.id
               WHERE v.id = $1",
             &[&id],
         )

@@ -38,13 +38,17 @@ const NOT_BEFORE: usize = 4;
 const HEADERS: usize = 5;
 
 thread_local! {
-    /// Inserts the message if its (tenant, effect key) is new; returns its id.
+    /// Inserts the message if its (tenant, effect key) is new: neither queued nor in the
+    /// ledger, where a delivered message moves; returns its id.
     /// $1 tenant, $2 channel id, $3 effect key, $4 ordering key, $5 payload, $6 headers,
     /// $7 not_before.
     static INSERT_MESSAGE: PinnedStatement = const { PinnedStatement::new(
         c"INSERT INTO outbox._messages AS m
                  (tenant, channel_id, effect_key, ordering_key, payload, headers, not_before, next_attempt_at)
-          VALUES ($1, $2, $3, $4, $5, $6, $7, GREATEST(pg_catalog.now(), $7))
+          SELECT $1, $2, $3, $4, $5, $6, $7, GREATEST(pg_catalog.now(), $7)
+           WHERE NOT EXISTS (SELECT 1 FROM outbox._ledger l
+                              WHERE l.tenant OPERATOR(pg_catalog.=) $1
+                                AND l.effect_key OPERATOR(pg_catalog.=) $3)
           ON CONFLICT (tenant, effect_key) DO NOTHING
           RETURNING m.id",
         &[
@@ -58,8 +62,8 @@ thread_local! {
         ],
     ) };
 
-    /// When nothing was inserted: the id of the message the effect key already names (with
-    /// a warning if its channel or payload differs). $1 channel id, $2 payload,
+    /// When nothing was inserted: the id of the message the effect key already names, queued
+    /// or delivered (with a warning if its channel or payload differs). $1 channel id, $2 payload,
     /// $3 effect key, $4 tenant.
     static EXISTING_MESSAGE: PinnedStatement = const { PinnedStatement::new(
         c"SELECT outbox._enqueue_existing($1, $2, $3, $4)",

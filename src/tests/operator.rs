@@ -109,3 +109,70 @@ fn cancel_and_assign_and_the_work_queue() {
     assert_eq!(Spi::get_one::<i64>(&format!("SELECT count(*) FROM outbox.work_queue WHERE id = {id}")).unwrap(), Some(0));
     assert_eq!(log_rows(id), 2);
 }
+
+#[pg_test]
+fn a_delivered_message_lives_in_its_ledger_entry_and_every_action_still_finds_it() {
+    let id = op_setup("ophist");
+    Spi::run(&format!("UPDATE outbox._messages SET owner = 'bob', attempts = 2 WHERE id = {id}")).unwrap();
+    Spi::run(&format!(
+        "INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, finished_at, outcome, error_class)
+         VALUES ({id}, 'default', 1, 'send', now(), 'timeout', 'ambiguous')"
+    ))
+    .unwrap();
+    set_state(id, "uncertain");
+    let after = Spi::get_one::<String>(&format!("SELECT outbox.resolve({id}, 'delivered', 'seen at the provider', 'ext-9')::text")).unwrap();
+    assert_eq!(after.as_deref(), Some("delivered"));
+
+    // It left the queue table; its entry holds it whole, and the views read it from there.
+    assert_eq!(Spi::get_one::<i64>(&format!("SELECT count(*) FROM outbox._messages WHERE id = {id}")).unwrap(), Some(0));
+    let (payload, channel) = Spi::get_two::<String, String>(&format!(
+        "SELECT payload::text, channel FROM outbox.messages WHERE id = {id} AND state = 'delivered'
+            AND external_id = 'ext-9' AND owner = 'bob' AND attempts = 3 AND effect_key = 'key-ophist'
+            AND delivered_at IS NOT NULL AND next_attempt_at IS NULL"
+    ))
+    .unwrap();
+    assert_eq!((payload.as_deref(), channel.as_deref()), (Some(r#"{"t": 1}"#), Some("ophist")));
+    assert_eq!(Spi::get_one::<i64>(&format!("SELECT count(*) FROM outbox.attempts WHERE message_id = {id}")).unwrap(), Some(1), "its attempt rows stay");
+    assert_eq!(Spi::get_one::<String>(&format!("SELECT outbox.status({id})::text")).unwrap().as_deref(), Some("delivered"));
+
+    // The operator's actions find it, delivered.
+    assert_eq!(Spi::get_one::<String>(&format!("SELECT outbox.retry({id}, 'again')::text")).unwrap().as_deref(), Some("delivered"));
+    assert_eq!(sqlstate(&format!("SELECT outbox.cancel({id}, 'why')")), "55000");
+    assert_eq!(sqlstate(&format!("SELECT outbox.resolve({id}, 'failed', 'why')")), "55000");
+    assert_eq!(Spi::get_one::<String>(&format!("SELECT outbox.resolve({id}, 'delivered', 'twice')::text")).unwrap().as_deref(), Some("delivered"));
+    Spi::run(&format!("SELECT outbox.assign({id}, 'carol')")).unwrap();
+    assert_eq!(Spi::get_one::<String>(&format!("SELECT owner FROM outbox.messages WHERE id = {id}")).unwrap().as_deref(), Some("carol"));
+    assert_eq!(Spi::get_one::<String>(&format!("SELECT outbox.reconcile({id}::bigint)")).unwrap().as_deref(), Some("delivered"));
+    assert_eq!(log_rows(id), 4, "resolve, retry, resolve, assign: each logged once");
+
+    // The same effect enqueued again names it and queues nothing; so does another payload
+    // (with a warning).
+    for payload in [r#"{"t": 1}"#, r#"{"t": 2}"#] {
+        let again = Spi::get_one::<i64>(&format!("SELECT outbox.enqueue('ophist', '{payload}', 'key-ophist')")).unwrap();
+        assert_eq!(again, Some(id));
+    }
+    assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox._messages WHERE effect_key = 'key-ophist'").unwrap(), Some(0));
+
+    // The ledger's purge removes the entry with the message's attempts.
+    Spi::run(&format!("UPDATE outbox._ledger SET recorded_at = now() - interval '2 days' WHERE message_id = {id}")).unwrap();
+    let removed = Spi::connect_mut(|client| crate::ledger::purge(client, 86_400.0, 1000)).unwrap();
+    assert_eq!(removed, 1);
+    assert_eq!(Spi::get_one::<i64>(&format!("SELECT count(*) FROM outbox.messages WHERE id = {id}")).unwrap(), Some(0));
+    assert_eq!(Spi::get_one::<i64>(&format!("SELECT count(*) FROM outbox._attempts WHERE message_id = {id}")).unwrap(), Some(0));
+    assert_eq!(Spi::get_one::<String>(&format!("SELECT outbox.status({id})::text")).unwrap(), None);
+}
+
+#[pg_test]
+fn a_confirmed_message_whose_effect_is_recorded_already_stays_in_the_queue_table() {
+    let id = op_setup("opkept");
+    // An entry for the key without its message (as a restore or a move may leave).
+    Spi::run("INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
+              VALUES ('default', 'key-opkept', -7, 'first', 'operator')").unwrap();
+    set_state(id, "uncertain");
+    let after = Spi::get_one::<String>(&format!("SELECT outbox.resolve({id}, 'delivered', 'confirmed', 'second')::text")).unwrap();
+    assert_eq!(after.as_deref(), Some("delivered"));
+    assert_eq!(state(id), "delivered", "the message stays, delivered");
+    let (mid, ext) = Spi::get_two::<i64, String>("SELECT message_id, external_id FROM outbox._ledger WHERE effect_key = 'key-opkept'").unwrap();
+    assert_eq!((mid, ext.as_deref()), (Some(-7), Some("first")), "the entry keeps its first message");
+    assert_eq!(Spi::get_one::<i64>(&format!("SELECT count(*) FROM outbox.messages WHERE id = {id}")).unwrap(), Some(1), "shown once");
+}

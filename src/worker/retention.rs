@@ -1,6 +1,7 @@
-//! Retention: delivered and cancelled messages (with their attempts) older than
-//! `outbox.retention` are removed in small batches that never hold long locks; ledger
-//! entries are purged as the ledger says (`crate::ledger::keep_s`). Nothing that is not finished is ever removed.
+//! Retention: cancelled messages, and delivered ones that stayed in the queue table, older
+//! than `outbox.retention` are removed (with their attempts) in small batches that never
+//! hold long locks; ledger entries, which hold the other delivered messages, are purged as
+//! the ledger says (`crate::ledger::keep_s`), never before `outbox.retention`. Nothing that is not finished is ever removed.
 
 use crate::ledger;
 use pgrx::spi::{SpiClient, SpiResult};
@@ -47,7 +48,9 @@ pub fn purge(
         None,
         &[messages_keep_s(retention_s).into(), PURGE_BATCH.into()],
     )?;
-    let ledger_s = ledger::keep_s(ledger_retention_s, longest_retry_horizon_ms, MAX_KEEP_S);
+    // An entry holds its delivered message: kept as long as either asks.
+    let ledger_s = ledger::keep_s(ledger_retention_s, longest_retry_horizon_ms, MAX_KEEP_S)
+        .max(messages_keep_s(retention_s));
     let ledger = ledger::purge(client, ledger_s, PURGE_BATCH)?;
     client.update(PURGE_MINUTES, None, &[])?;
     Ok((messages.len(), ledger))

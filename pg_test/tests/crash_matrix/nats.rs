@@ -49,7 +49,7 @@ fn seen(c: &mut Client, nats: &NatsServer, stream: &str, id: Option<i64>, key: &
     let (state, external_id) = match id {
         Some(id) => c
             .query_opt(
-                "SELECT state::text, external_id FROM outbox._messages WHERE id = $1",
+                "SELECT state::text, external_id FROM outbox.messages WHERE id = $1",
                 &[&id],
             )
             .unwrap()
@@ -103,7 +103,7 @@ fn nats_channel(
 fn key_of(c: &mut Client, id: i64) -> String {
     one(
         c,
-        "SELECT outbox._provider_key(tenant, effect_key) FROM outbox._messages WHERE id = $1",
+        "SELECT outbox._provider_key(tenant, effect_key) FROM outbox.messages WHERE id = $1",
         &[&id],
     )
 }
@@ -114,7 +114,7 @@ fn wait_settled(cluster: &Cluster, id: i64, states: &[&str]) {
     let _ = poll(cluster, CRASH_SETTLE, |c| {
         let s: Option<String> = c
             .query_opt(
-                "SELECT state::text FROM outbox._messages WHERE id = $1",
+                "SELECT state::text FROM outbox.messages WHERE id = $1",
                 &[&id],
             )?
             .map(|r| r.get(0));

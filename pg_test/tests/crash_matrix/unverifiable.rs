@@ -20,8 +20,8 @@ const PROVIDER_MS: u64 = 25;
 fn in_state(c: &mut Client, channel: &str, state: &str) -> i64 {
     count(
         c,
-        "SELECT count(*) FROM outbox._messages m JOIN outbox._channels ch ON ch.id = m.channel_id
-          WHERE ch.name = $1 AND m.state::text = $2",
+        "SELECT count(*) FROM outbox.messages m
+          WHERE m.channel = $1 AND m.state::text = $2",
         &[&channel, &state],
     )
 }
@@ -31,8 +31,8 @@ fn in_state(c: &mut Client, channel: &str, state: &str) -> i64 {
 fn open_by(c: &mut Client, channel: &str, pids: &[i32]) -> i64 {
     count(
         c,
-        "SELECT count(*) FROM outbox._messages m JOIN outbox._channels ch ON ch.id = m.channel_id
-          WHERE ch.name = $1 AND m.state = 'sending'
+        "SELECT count(*) FROM outbox.messages m
+          WHERE m.channel = $1 AND m.state = 'sending'
             AND EXISTS (SELECT 1 FROM outbox.attempts a
                          WHERE a.message_id = m.id AND a.attempt = m.attempts AND a.kind = 'send'
                            AND a.worker_pid = ANY ($2))",

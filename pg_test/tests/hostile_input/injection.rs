@@ -260,7 +260,7 @@ impl Hostile<'_> {
     pub(super) fn message_text(&mut self, id: i64, expr: &str) -> Option<String> {
         self.su
             .query_opt(
-                &format!("SELECT ({expr})::text FROM outbox._messages WHERE id = $1"),
+                &format!("SELECT ({expr})::text FROM outbox.messages WHERE id = $1"),
                 &[&id],
             )
             .unwrap_or_else(|e| panic!("read back {expr} of message {id}: {}", describe(&e)))

@@ -83,7 +83,7 @@ pub(super) fn effect_keys_and_enqueue(h: &mut Hostile<'_>, ck: &mut Checker, r: 
     ) {
         let same: bool =
             h.su.query_one(
-                "SELECT payload = $2::text::jsonb FROM outbox._messages WHERE id = $1",
+                "SELECT payload = $2::text::jsonb FROM outbox.messages WHERE id = $1",
                 &[&id, &text],
             )
             .map(|r| r.get(0))

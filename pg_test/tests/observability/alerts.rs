@@ -57,8 +57,8 @@ fn queue_age_alert_is_raised_by_a_stuck_channel_and_clears_when_it_drains() {
         let head: Option<f64> = one(
             &mut tx,
             "SELECT extract(epoch FROM now() - min(m.next_attempt_at))::float8
-                   FROM outbox._messages m JOIN outbox._channels c ON c.id = m.channel_id
-                  WHERE c.name = $1 AND m.state = 'queued' AND m.next_attempt_at <= now()",
+                   FROM outbox.messages m
+                  WHERE m.channel = $1 AND m.state = 'queued' AND m.next_attempt_at <= now()",
             &[&ch],
         );
         tx.commit().unwrap();

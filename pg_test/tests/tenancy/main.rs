@@ -245,7 +245,7 @@ impl Session {
 
 /// The tenant a message was written for, read as the superuser.
 fn tenant_of(c: &mut Client, id: i64) -> Option<String> {
-    c.query_opt("SELECT tenant FROM outbox._messages WHERE id = $1", &[&id])
+    c.query_opt("SELECT tenant FROM outbox.messages WHERE id = $1", &[&id])
         .unwrap_or_else(|e| panic!("tenant of message {id}: {}", describe(&e)))
         .map(|r| r.get(0))
 }

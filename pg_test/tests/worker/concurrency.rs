@@ -293,7 +293,7 @@ fn a_message_committed_late_with_an_older_due_time_is_claimed_during_a_backlog()
     assert!(older, "the late message is not due before the backlog");
     let delivered = poll(&cluster, SETTLE, |c| {
         let r = c.query_one(
-            "SELECT (SELECT state::text FROM outbox._messages WHERE id = $1),
+            "SELECT (SELECT state::text FROM outbox.messages WHERE id = $1),
                     (SELECT count(*) FROM outbox.messages WHERE channel = $2 AND state = 'queued')",
             &[&late, &busy],
         )?;

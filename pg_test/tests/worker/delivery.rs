@@ -193,11 +193,11 @@ fn a_send_in_progress_and_the_send_that_delivers_are_shown_from_their_message() 
 }
 
 // ---------------------------------------------------------------------------------------
-// 2. Re-enqueue of a delivered key; the ledger barrier after retention-like deletion
+// 2. Re-enqueue of a delivered key; the ledger barrier against a queue row of a recorded key
 // ---------------------------------------------------------------------------------------
 
 #[test]
-fn reenqueue_returns_same_id_and_ledger_blocks_resend_after_row_deleted() {
+fn reenqueue_returns_same_id_and_ledger_blocks_resend_of_a_recorded_key() {
     let (cluster, mut c, sim) = cluster_and_sim();
     cluster.wait_for_worker();
     let ch = sim_channel(
@@ -209,9 +209,33 @@ fn reenqueue_returns_same_id_and_ledger_blocks_resend_after_row_deleted() {
     let key = effect_key(&mut c, &unique("turn"), "send_reply");
     let payload = r#"{"text": "once"}"#;
     let id = enqueue_payload(&mut c, &ch, payload, &key);
-    wait_message(&cluster, id, "delivered");
+    let delivered = wait_message(&cluster, id, "delivered");
     assert_eq!(sim.send_count(&ch), 1);
     let ext = sim.stored(&ch)[0].external_id.clone();
+    assert_eq!(delivered.external_id.as_deref(), Some(ext.as_str()));
+
+    // The delivered message left the queue table for its ledger entry, whole.
+    let queued_rows = count(
+        &mut c,
+        "SELECT count(*) FROM outbox._messages WHERE id = $1",
+        &[&id],
+    );
+    assert_eq!(queued_rows, 0, "a delivered message leaves the queue table");
+    let entry = c
+        .query_one(
+            "SELECT l.message_id, l.payload::text, c.name, l.attempts
+               FROM outbox._ledger l JOIN outbox._channels c ON c.id = l.channel_id
+              WHERE l.effect_key = $1",
+            &[&key],
+        )
+        .unwrap();
+    assert_eq!(entry.get::<_, i64>(0), id);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&entry.get::<_, String>(1)).unwrap(),
+        serde_json::from_str::<serde_json::Value>(payload).unwrap()
+    );
+    assert_eq!(entry.get::<_, String>(2), ch);
+    assert_eq!(entry.get::<_, i32>(3), 1);
 
     // The same effect again: the same message, nothing new.
     let again = enqueue_payload(&mut c, &ch, payload, &key);
@@ -225,22 +249,25 @@ fn reenqueue_returns_same_id_and_ledger_blocks_resend_after_row_deleted() {
     std::thread::sleep(QUIET);
     assert_eq!(sim.send_count(&ch), 1, "no second request");
     assert_eq!(attempts(&mut c, id).len(), 1, "no second attempt");
-
-    // Simulate retention: the message and its attempts are gone, the ledger stays.
-    c.execute("DELETE FROM outbox._attempts WHERE message_id = $1", &[&id])
-        .unwrap();
-    let deleted = c
-        .execute("DELETE FROM outbox._messages WHERE id = $1", &[&id])
-        .unwrap();
-    assert_eq!(deleted, 1);
     assert_eq!(
         cluster_status(&mut c, id).as_deref(),
         Some("delivered"),
-        "status() of a removed message whose effect is in the ledger"
+        "status() of a message that lives in the ledger"
     );
 
-    let new_id = enqueue_payload(&mut c, &ch, payload, &key);
-    assert_ne!(new_id, id, "the removed message is not found: a new row");
+    // The barrier: a queue row for a recorded key (a database restored or moved without
+    // its queue, an entry whose message retention removed) is never sent; the worker marks
+    // it delivered from the ledger and the entry keeps naming the first message.
+    let new_id: i64 = c
+        .query_one(
+            "INSERT INTO outbox._messages (tenant, channel_id, effect_key, payload, next_attempt_at)
+             SELECT 'default', id, $2, $3::text::jsonb, now() FROM outbox._channels WHERE name = $1
+             RETURNING id",
+            &[&ch, &key, &payload],
+        )
+        .unwrap()
+        .get(0);
+    // No wake at commit for a row written by hand: the worker's poll finds it.
     let m = wait_message(&cluster, new_id, "delivered");
     std::thread::sleep(QUIET);
     assert_eq!(
@@ -263,7 +290,8 @@ fn reenqueue_returns_same_id_and_ledger_blocks_resend_after_row_deleted() {
         outcome.contains("not sent") && outcome.contains("ledger"),
         "the attempt says it was not sent because of the ledger: {outcome:?}"
     );
-    // The ledger still names the first message, once.
+    // The ledger still names the first message, once; the second stays in the queue table,
+    // delivered, until retention removes it.
     let ledger = c
         .query(
             "SELECT message_id, external_id FROM outbox.ledger WHERE effect_key = $1",
@@ -276,6 +304,14 @@ fn reenqueue_returns_same_id_and_ledger_blocks_resend_after_row_deleted() {
         ledger[0].get::<_, Option<String>>(1).as_deref(),
         Some(ext.as_str())
     );
+    let state: String = c
+        .query_one(
+            "SELECT state::text FROM outbox._messages WHERE id = $1",
+            &[&new_id],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(state, "delivered");
 }
 
 pub(super) fn cluster_status(c: &mut Client, id: i64) -> Option<String> {

@@ -234,7 +234,7 @@ fn not_before_holds_a_message_until_its_time() {
     wait_message(&cluster, id, "delivered");
     let on_time: bool = one(
         &mut c,
-        "SELECT a.started_at >= m.not_before FROM outbox._messages m
+        "SELECT a.started_at >= m.not_before FROM outbox.messages m
                JOIN outbox.attempts a ON a.message_id = m.id WHERE m.id = $1",
         &[&id],
     );

@@ -1,4 +1,6 @@
-//! Section 8: retention purges old delivered messages and keeps everything else.
+//! Section 8: retention purges old cancelled messages, and delivered ones that stayed in the
+//! queue table, and keeps everything else; a delivered message lives in its ledger entry,
+//! which the ledger's own retention removes (a `#[pg_test]` of `crate::ledger::purge`).
 
 use super::delivery::cluster_status;
 use super::*;
@@ -8,7 +10,7 @@ use super::*;
 // ---------------------------------------------------------------------------------------
 
 #[test]
-fn retention_purges_old_delivered_and_keeps_everything_else() {
+fn retention_purges_old_finished_queue_rows_and_keeps_everything_else() {
     let cluster = Cluster::from_env();
     cluster.wait_for_worker();
     let sim = Simulator::start();
@@ -42,12 +44,28 @@ fn retention_purges_old_delivered_and_keeps_everything_else() {
     let delivered = enqueue_payload(&mut c, &ok_ch, r#"{"r": 1}"#, &ok_key);
     let failed = enqueue_payload(&mut c, &fail_ch, r#"{"r": 2}"#, &unique("ret_fail"));
     let held = enqueue_payload(&mut c, &held_ch, r#"{"r": 3}"#, &unique("ret_held"));
+    let cancelled = enqueue_payload(&mut c, &held_ch, r#"{"r": 4}"#, &unique("ret_cancel"));
+    c.execute("SELECT outbox.cancel($1, 'retention test')", &[&cancelled])
+        .unwrap();
     let dm = wait_message(&cluster, delivered, "delivered");
     let fm = wait_message(&cluster, failed, "failed");
     assert_eq!(fm.last_http_status, Some(401));
     assert_eq!(fm.last_error_class.as_deref(), Some("permanent"));
     assert_eq!(attempts(&mut c, delivered).len(), 1);
     assert_eq!(attempts(&mut c, failed).len(), 1);
+    // A queue row for the recorded key (a database restored without the ledger's messages):
+    // marked delivered from the ledger, it stays in the queue table.
+    let second: i64 = c
+        .query_one(
+            "INSERT INTO outbox._messages (tenant, channel_id, effect_key, payload, next_attempt_at)
+             SELECT 'default', id, $2, '{\"r\": 1}', now() FROM outbox._channels WHERE name = $1
+             RETURNING id",
+            &[&ok_ch, &ok_key],
+        )
+        .unwrap()
+        .get(0);
+    wait_message(&cluster, second, "delivered");
+    assert_eq!(attempts(&mut c, second).len(), 1);
 
     let _guard = SettingsGuard::new(&cluster, &["outbox.retention"]);
     set_setting(&mut c, "outbox.retention", "1");
@@ -55,20 +73,28 @@ fn retention_purges_old_delivered_and_keeps_everything_else() {
     let gone = wait_for_count(
         &cluster,
         Duration::from_secs(40),
-        "SELECT count(*) FROM outbox._messages WHERE id = $1",
-        &[&delivered],
+        "SELECT count(*) FROM outbox.messages WHERE id IN ($1, $2)",
+        &[&cancelled, &second],
         |n| n == 0,
     );
     assert!(
         gone,
-        "the delivered message was not purged within 40 s with outbox.retention = 1"
+        "the cancelled message and the delivered queue row were not purged within 40 s with outbox.retention = 1"
     );
-
     assert_eq!(
-        attempts(&mut c, delivered).len(),
+        attempts(&mut c, second).len(),
         0,
         "its attempts are purged with it"
     );
+
+    // The delivered message lives in its ledger entry, kept at least as long as the longest
+    // retry horizon: still there, whole, with its attempt.
+    let d = message(&mut c, delivered)
+        .unwrap()
+        .expect("the delivered message is kept with its ledger entry");
+    assert_eq!(d.state, "delivered");
+    assert_eq!(d.external_id, dm.external_id);
+    assert_eq!(attempts(&mut c, delivered).len(), 1, "its attempt kept");
     let ledger = c
         .query(
             "SELECT message_id, external_id FROM outbox.ledger WHERE effect_key = $1",
