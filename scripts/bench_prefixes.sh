@@ -51,7 +51,7 @@ drain() {
                           OR EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'sending')")" != f ]; do sleep 0.1; done
   t1=$(date +%s%N)
   local delivered
-  delivered=$(psql -c "SELECT count(*) FROM outbox._messages WHERE state = 'delivered'")
+  delivered=$(psql -c "SELECT count(*) FROM outbox.messages WHERE state = 'delivered'")
   [ "$delivered" = "$N" ] || echo "warning: $delivered of $N delivered" >&2
   sleep 1  # the workers report their table statistics before they sleep
   echo "deliveries_per_s $(( N * 1000000000 / (t1 - t0) ))"

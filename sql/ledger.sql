@@ -37,13 +37,14 @@ BEGIN
     WITH d AS (
         SELECT * FROM unnest(message_ids, external_ids, http_statuses) AS d(id, external_id, http_status)
     ), moved AS (
-        -- The usual case: the message leaves the queue for its ledger entry.
+        -- The usual case: the message leaves the queue for its ledger entry. The ledger is
+        -- probed through outbox._ledger_entry: one index probe per message, never a hash of
+        -- the whole ledger, which grows with every delivery.
         DELETE FROM outbox._messages m
          USING d
          WHERE m.id = d.id AND m.state <> 'delivered'
            AND NOT (leave_sending AND m.state = 'sending')
-           AND NOT EXISTS (SELECT 1 FROM outbox._ledger x
-                            WHERE x.tenant = m.tenant AND x.effect_key = m.effect_key)
+           AND NOT EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
      RETURNING m.*, d.external_id AS confirmed_external_id, d.http_status AS confirmed_http_status
     ), kept AS (
         -- An effect recorded already (by an earlier message of the key) keeps its first
@@ -59,8 +60,7 @@ BEGIN
           FROM d
          WHERE m.id = d.id AND m.state <> 'delivered'
            AND NOT (leave_sending AND m.state = 'sending')
-           AND EXISTS (SELECT 1 FROM outbox._ledger x
-                        WHERE x.tenant = m.tenant AND x.effect_key = m.effect_key)
+           AND EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
      RETURNING m.id
     ), l AS (
         INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by,
