@@ -48,11 +48,8 @@ CREATE FUNCTION public.claim_batch(ch int, after int8) RETURNS public.claim_batc
     SELECT ch, 1, now() + interval '1 min', clock_timestamp(), array_agg(id) FROM d
     RETURNING *
 $$;
--- Today: the claim moves each message to sending, the record to delivered and writes the ledger.
-CREATE PROCEDURE public.drain_today(batches int) LANGUAGE plpgsql AS $$
-DECLARE ids int8[];
-BEGIN
-  FOR i IN 1..batches LOOP
+-- Today's claim: the next 200 queued messages move to sending; returns their ids.
+CREATE FUNCTION public.claim_sending() RETURNS int8[] LANGUAGE sql AS $$
     WITH d AS (SELECT m.id FROM outbox._messages m
                 WHERE m.channel_id = (SELECT id FROM outbox._channels WHERE name = 'proto')
                   AND m.state = 'queued' ORDER BY m.next_attempt_at, m.id LIMIT 200 FOR UPDATE SKIP LOCKED),
@@ -61,7 +58,14 @@ BEGIN
                       first_attempt_at = coalesce(m.first_attempt_at, now()),
                       attempt_started_at = clock_timestamp(), attempt_pid = 1, updated_at = now()
                  FROM d WHERE m.id = d.id RETURNING m.id)
-    SELECT array_agg(id) INTO ids FROM c;
+    SELECT array_agg(id) FROM c
+$$;
+-- Today: the claim moves each message to sending, the record to delivered and writes the ledger.
+CREATE PROCEDURE public.drain_today(batches int) LANGUAGE plpgsql AS $$
+DECLARE ids int8[];
+BEGIN
+  FOR i IN 1..batches LOOP
+    ids := public.claim_sending();
     COMMIT;
     UPDATE outbox._messages m SET state = 'delivered', lease_until = NULL, lease_owner = NULL,
            last_http_status = 200, external_id = 'msg-' || m.id, delivered_at = now(), updated_at = now()
@@ -117,15 +121,7 @@ CREATE PROCEDURE public.drain_history(batches int) LANGUAGE plpgsql AS $$
 DECLARE ids int8[];
 BEGIN
   FOR i IN 1..batches LOOP
-    WITH d AS (SELECT m.id FROM outbox._messages m
-                WHERE m.channel_id = (SELECT id FROM outbox._channels WHERE name = 'proto')
-                  AND m.state = 'queued' ORDER BY m.next_attempt_at, m.id LIMIT 200 FOR UPDATE SKIP LOCKED),
-         c AS (UPDATE outbox._messages m SET state = 'sending', attempts = m.attempts + 1,
-                      lease_until = now() + interval '1 min', lease_owner = 1,
-                      first_attempt_at = coalesce(m.first_attempt_at, now()),
-                      attempt_started_at = clock_timestamp(), attempt_pid = 1, updated_at = now()
-                 FROM d WHERE m.id = d.id RETURNING m.id)
-    SELECT array_agg(id) INTO ids FROM c;
+    ids := public.claim_sending();
     COMMIT;
     WITH gone AS (DELETE FROM outbox._messages m WHERE m.id = ANY (ids) RETURNING m.*)
     INSERT INTO public.history

@@ -54,6 +54,23 @@ BEGIN ATOMIC
                 ELSE 'max_unverifiable_in_flight: no dedupe, no lookup' END;
 END;
 
+-- Delivered messages leave the queue: the record that confirms an effect moves its message
+-- out of outbox._messages into its ledger entry (sql/schema.sql, sql/ledger.sql). Messages
+-- delivered before the update stay where they are, delivered, until retention removes them.
+ALTER TABLE outbox._ledger ADD COLUMN channel_id integer;
+ALTER TABLE outbox._ledger ADD COLUMN ordering_key text;
+ALTER TABLE outbox._ledger ADD COLUMN payload jsonb;
+ALTER TABLE outbox._ledger ADD COLUMN headers jsonb;
+ALTER TABLE outbox._ledger ADD COLUMN not_before timestamptz;
+ALTER TABLE outbox._ledger ADD COLUMN attempts integer;
+ALTER TABLE outbox._ledger ADD COLUMN last_error_class outbox.error_class;
+ALTER TABLE outbox._ledger ADD COLUMN last_error text;
+ALTER TABLE outbox._ledger ADD COLUMN last_http_status integer;
+ALTER TABLE outbox._ledger ADD COLUMN owner text;
+ALTER TABLE outbox._ledger ADD COLUMN created_at timestamptz;
+ALTER TABLE outbox._ledger ADD COLUMN attempt_started_at timestamptz;
+ALTER TABLE outbox._ledger ADD COLUMN attempt_pid integer;
+
 -- The ledger's one way of recording a confirmed effect, and its check (sql/ledger.sql).
 CREATE FUNCTION outbox._ledger_entry(tenant text, effect_key text)
 RETURNS TABLE (message_id bigint, external_id text)
@@ -85,7 +102,19 @@ BEGIN
     RETURN QUERY
     WITH d AS (
         SELECT * FROM unnest(message_ids, external_ids, http_statuses) AS d(id, external_id, http_status)
-    ), m AS (
+    ), moved AS (
+        -- The usual case: the message leaves the queue for its ledger entry. The ledger is
+        -- probed through outbox._ledger_entry: one index probe per message, never a hash of
+        -- the whole ledger, which grows with every delivery.
+        DELETE FROM outbox._messages m
+         USING d
+         WHERE m.id = d.id AND m.state <> 'delivered'
+           AND NOT (leave_sending AND m.state = 'sending')
+           AND NOT EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
+     RETURNING m.*, d.external_id AS confirmed_external_id, d.http_status AS confirmed_http_status
+    ), kept AS (
+        -- An effect recorded already (by an earlier message of the key) keeps its first
+        -- entry; the message stays, delivered, until retention removes it.
         UPDATE outbox._messages m
            SET state = 'delivered',
                delivered_at = now(),
@@ -97,17 +126,27 @@ BEGIN
           FROM d
          WHERE m.id = d.id AND m.state <> 'delivered'
            AND NOT (leave_sending AND m.state = 'sending')
-     RETURNING m.id, m.tenant, m.effect_key, m.external_id
+           AND EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
+     RETURNING m.id
     ), l AS (
-        INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by)
-        SELECT m.tenant, m.effect_key, m.id, m.external_id, recorder FROM m
-            ON CONFLICT (tenant, effect_key) DO NOTHING
+        INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by,
+                                    channel_id, ordering_key, payload, headers, not_before,
+                                    attempts, last_error_class, last_error, last_http_status,
+                                    owner, created_at, attempt_started_at, attempt_pid)
+        SELECT m.tenant, m.effect_key, m.id, coalesce(m.confirmed_external_id, m.external_id), recorder,
+               m.channel_id, m.ordering_key, m.payload, m.headers, m.not_before,
+               m.attempts, m.last_error_class, m.last_error,
+               coalesce(m.confirmed_http_status, m.last_http_status),
+               m.owner, m.created_at, m.attempt_started_at, m.attempt_pid
+          FROM moved m
     )
-    SELECT m.id FROM m;
+    SELECT moved.id FROM moved
+    UNION ALL
+    SELECT kept.id FROM kept;
 END
 $fn$;
 COMMENT ON FUNCTION outbox._record_delivered(bigint[], text[], integer[], text, boolean) IS
-    'Confirms effects: marks each message delivered (unless it already is, or is being sent and leave_sending is set), clears its lease and writes its ledger entry; an effect already in the ledger keeps its first entry. Returns the messages it marked.';
+    'Confirms effects: moves each message (unless it is delivered already, or is being sent and leave_sending is set) out of the queue into its ledger entry; a message whose effect is in the ledger already stays, marked delivered, and the entry keeps its first message. Returns the messages it confirmed.';
 
 -- resolve(…, 'delivered', …) records through the ledger's function.
 CREATE OR REPLACE FUNCTION outbox.resolve(id bigint, outcome text, reason text, external_id text DEFAULT NULL)
@@ -206,7 +245,35 @@ SELECT m.id,
        m.payload,
        m.headers
   FROM outbox._messages m
-  LEFT JOIN outbox.channels c ON c.id = m.channel_id;
+  LEFT JOIN outbox.channels c ON c.id = m.channel_id
+UNION ALL
+-- Delivered messages: moved into their ledger entries by the record that confirmed them.
+SELECT l.message_id,
+       l.tenant,
+       c.name,
+       'delivered'::outbox.state,
+       l.effect_key,
+       l.ordering_key,
+       l.attempts,
+       outbox._option_int(c.options, '{retry,max_attempts}'),
+       NULL::timestamptz,
+       l.last_error_class,
+       l.last_error,
+       l.last_http_status,
+       l.external_id,
+       l.owner,
+       l.created_at,
+       l.recorded_at,
+       l.recorded_at,
+       l.not_before,
+       NULL::timestamptz,
+       l.payload,
+       l.headers
+  FROM outbox._ledger l
+  LEFT JOIN outbox.channels c ON c.id = l.channel_id
+ WHERE l.channel_id IS NOT NULL;
+COMMENT ON VIEW outbox.messages IS
+    'Every message: state, attempts and budget, next attempt, last classified error, external id, owner; delivered messages are read from their ledger entries.';
 
 CREATE OR REPLACE VIEW outbox.work_queue AS
 SELECT m.id,
@@ -268,7 +335,8 @@ BEGIN
             -- The provider may have it: ask before anything is resent.
             v_lookup := outbox.reconcile(v_msg.id);
             v_detail := jsonb_build_object('reconcile', v_lookup);
-            SELECT m.state INTO v_after FROM outbox._messages m WHERE m.id = v_msg.id;
+            -- Found: the message has moved into its ledger entry, delivered.
+            v_after := coalesce((SELECT m.state FROM outbox._messages m WHERE m.id = v_msg.id), 'delivered');
             IF v_lookup = 'unavailable' THEN
                 RAISE NOTICE 'message %: the provider could not be asked; nothing was resent', v_msg.id
                     USING HINT = 'Try again later, or settle it with outbox.resolve() after checking by hand.';
@@ -294,6 +362,8 @@ BEGIN
     RETURN v_after;
 END
 $fn$;
+COMMENT ON FUNCTION outbox.retry(bigint, text) IS
+    'Operator: requeue with the same effect key (fresh budget for exhausted/failed); an uncertain message is reconciled first where the channel can; sending: 55000; delivered/cancelled: no-op.';
 
 -- Flow control of a channel, shared by every worker of the database: the token bucket of
 -- its rate_limit, a Retry-After that holds the whole channel back, and its circuit
@@ -519,90 +589,34 @@ SELECT m.id,
   FROM outbox._messages m
  WHERE m.state = 'delivered' AND m.attempts > 0 AND m.attempt_started_at IS NOT NULL
    AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
-                    WHERE o.message_id = m.id AND o.attempt = m.attempts);
+                    WHERE o.message_id = m.id AND o.attempt = m.attempts)
+UNION ALL
+-- The same, for a delivered message moved into its ledger entry.
+SELECT l.message_id,
+       l.attempts,
+       'send'::text,
+       l.attempt_started_at,
+       l.recorded_at,
+       'delivered'::text,
+       NULL::outbox.error_class,
+       l.last_http_status,
+       NULL::text,
+       NULL::bigint,
+       l.external_id,
+       outbox._provider_key(l.tenant, l.effect_key),
+       l.attempt_pid,
+       NULL::bigint,
+       l.tenant
+  FROM outbox._ledger l
+ WHERE l.channel_id IS NOT NULL AND l.attempts > 0 AND l.attempt_started_at IS NOT NULL
+   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
+                    WHERE o.message_id = l.message_id AND o.attempt = l.attempts);
 ALTER VIEW outbox.attempts SET (security_invoker = true);
 COMMENT ON VIEW outbox.attempts IS
     'Attempt history: one row per send, reconcile lookup or recovery decision, with its classified outcome; a send in progress has no outcome and no finished_at yet; a send that delivered is shown from its delivered message.';
 GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text) TO outbox_writer, outbox_operator;
 
--- Delivered messages leave the queue: the record that confirms an effect moves its message
--- out of outbox._messages into its ledger entry (sql/schema.sql, sql/ledger.sql). Messages
--- delivered before the update stay where they are, delivered, until retention removes them.
-ALTER TABLE outbox._ledger ADD COLUMN channel_id integer;
-ALTER TABLE outbox._ledger ADD COLUMN ordering_key text;
-ALTER TABLE outbox._ledger ADD COLUMN payload jsonb;
-ALTER TABLE outbox._ledger ADD COLUMN headers jsonb;
-ALTER TABLE outbox._ledger ADD COLUMN not_before timestamptz;
-ALTER TABLE outbox._ledger ADD COLUMN attempts integer;
-ALTER TABLE outbox._ledger ADD COLUMN last_error_class outbox.error_class;
-ALTER TABLE outbox._ledger ADD COLUMN last_error text;
-ALTER TABLE outbox._ledger ADD COLUMN last_http_status integer;
-ALTER TABLE outbox._ledger ADD COLUMN owner text;
-ALTER TABLE outbox._ledger ADD COLUMN created_at timestamptz;
-ALTER TABLE outbox._ledger ADD COLUMN attempt_started_at timestamptz;
-ALTER TABLE outbox._ledger ADD COLUMN attempt_pid integer;
-
-CREATE OR REPLACE FUNCTION outbox._record_delivered(
-    message_ids bigint[], external_ids text[], http_statuses integer[], recorder text,
-    leave_sending boolean)
-RETURNS SETOF bigint
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-BEGIN
-    IF recorder IS NULL OR recorder NOT IN ('worker', 'reconcile', 'operator') THEN
-        RAISE EXCEPTION 'recorder must be worker, reconcile or operator, not %', coalesce(quote_literal(recorder), 'NULL')
-            USING ERRCODE = '22023';
-    END IF;
-    RETURN QUERY
-    WITH d AS (
-        SELECT * FROM unnest(message_ids, external_ids, http_statuses) AS d(id, external_id, http_status)
-    ), moved AS (
-        -- The usual case: the message leaves the queue for its ledger entry. The ledger is
-        -- probed through outbox._ledger_entry: one index probe per message, never a hash of
-        -- the whole ledger, which grows with every delivery.
-        DELETE FROM outbox._messages m
-         USING d
-         WHERE m.id = d.id AND m.state <> 'delivered'
-           AND NOT (leave_sending AND m.state = 'sending')
-           AND NOT EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
-     RETURNING m.*, d.external_id AS confirmed_external_id, d.http_status AS confirmed_http_status
-    ), kept AS (
-        -- An effect recorded already (by an earlier message of the key) keeps its first
-        -- entry; the message stays, delivered, until retention removes it.
-        UPDATE outbox._messages m
-           SET state = 'delivered',
-               delivered_at = now(),
-               updated_at = now(),
-               external_id = coalesce(d.external_id, m.external_id),
-               last_http_status = coalesce(d.http_status, m.last_http_status),
-               lease_until = NULL,
-               lease_owner = NULL
-          FROM d
-         WHERE m.id = d.id AND m.state <> 'delivered'
-           AND NOT (leave_sending AND m.state = 'sending')
-           AND EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
-     RETURNING m.id
-    ), l AS (
-        INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by,
-                                    channel_id, ordering_key, payload, headers, not_before,
-                                    attempts, last_error_class, last_error, last_http_status,
-                                    owner, created_at, attempt_started_at, attempt_pid)
-        SELECT m.tenant, m.effect_key, m.id, coalesce(m.confirmed_external_id, m.external_id), recorder,
-               m.channel_id, m.ordering_key, m.payload, m.headers, m.not_before,
-               m.attempts, m.last_error_class, m.last_error,
-               coalesce(m.confirmed_http_status, m.last_http_status),
-               m.owner, m.created_at, m.attempt_started_at, m.attempt_pid
-          FROM moved m
-    )
-    SELECT moved.id FROM moved
-    UNION ALL
-    SELECT kept.id FROM kept;
-END
-$fn$;
-COMMENT ON FUNCTION outbox._record_delivered(bigint[], text[], integer[], text, boolean) IS
-    'Confirms effects: moves each message (unless it is delivered already, or is being sent and leave_sending is set) out of the queue into its ledger entry; a message whose effect is in the ledger already stays, marked delivered, and the entry keeps its first message. Returns the messages it confirmed.';
-
+-- enqueue and the operator's actions find a delivered message in its ledger entry.
 CREATE OR REPLACE FUNCTION outbox._enqueue_existing(channel_id integer, payload jsonb, effect_key text, tenant text)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
@@ -677,64 +691,6 @@ BEGIN
 END
 $fn$;
 
-CREATE OR REPLACE FUNCTION outbox.retry(id bigint, reason text) RETURNS outbox.state
-LANGUAGE plpgsql VOLATILE
-SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-DECLARE
-    v_msg     outbox._messages;
-    v_options jsonb;
-    v_after   outbox.state;
-    v_lookup  text;
-    v_detail  jsonb := '{}';
-BEGIN
-    PERFORM outbox._require_reason(retry.reason);
-    v_msg := outbox._lock_message(retry.id);
-    SELECT c.options INTO v_options FROM outbox._channels c WHERE c.id = v_msg.channel_id;
-
-    CASE v_msg.state
-    WHEN 'sending' THEN
-        RAISE EXCEPTION 'message % is being sent right now; retry refused', v_msg.id
-            USING ERRCODE = '55000', HINT = 'Wait for the attempt''s outcome (its lease ends by itself), then look again.';
-    WHEN 'delivered', 'cancelled', 'queued' THEN
-        RAISE NOTICE 'message % is %: nothing to retry', v_msg.id, v_msg.state;
-        v_after := v_msg.state;
-        v_detail := jsonb_build_object('result', 'no-op');
-    WHEN 'uncertain' THEN
-        IF outbox._can_look_up(v_options) THEN
-            -- The provider may have it: ask before anything is resent.
-            v_lookup := outbox.reconcile(v_msg.id);
-            v_detail := jsonb_build_object('reconcile', v_lookup);
-            -- Found: the message has moved into its ledger entry, delivered.
-            v_after := coalesce((SELECT m.state FROM outbox._messages m WHERE m.id = v_msg.id), 'delivered');
-            IF v_lookup = 'unavailable' THEN
-                RAISE NOTICE 'message %: the provider could not be asked; nothing was resent', v_msg.id
-                    USING HINT = 'Try again later, or settle it with outbox.resolve() after checking by hand.';
-            ELSIF v_lookup = 'not_found' AND v_after = 'uncertain' THEN
-                RAISE NOTICE 'message %: not found yet, but its last attempt may still be in process at the provider; nothing was resent', v_msg.id
-                    USING HINT = 'Retry again once the channel''s reconcile settle time (twice its timeout by default) has passed.';
-            ELSIF v_lookup = 'not_supported' OR (v_lookup = 'not_found' AND v_after <> 'queued') THEN
-                PERFORM outbox._requeue(v_msg.id);
-                v_after := 'queued';
-            END IF;
-        ELSE
-            PERFORM outbox._requeue(v_msg.id);
-            v_after := 'queued';
-        END IF;
-    ELSE -- exhausted, failed: a fresh budget, the same effect key
-        PERFORM outbox._requeue(v_msg.id);
-        v_after := 'queued';
-    END CASE;
-
-    INSERT INTO outbox._operator_log (action, message_id, tenant, reason, state_before, state_after, detail)
-    VALUES ('retry', v_msg.id, v_msg.tenant, retry.reason, v_msg.state, v_after,
-            v_detail || jsonb_build_object('effect_key', v_msg.effect_key));
-    RETURN v_after;
-END
-$fn$;
-COMMENT ON FUNCTION outbox.retry(bigint, text) IS
-    'Operator: requeue with the same effect key (fresh budget for exhausted/failed); an uncertain message is reconciled first where the channel can; sending: 55000; delivered/cancelled: no-op.';
 
 CREATE OR REPLACE FUNCTION outbox.assign(id bigint, owner text) RETURNS void
 LANGUAGE plpgsql VOLATILE
@@ -764,145 +720,4 @@ $fn$;
 COMMENT ON FUNCTION outbox.assign(bigint, text) IS
     'Names the owner of a job in the work queue (NULL or empty clears it).';
 
-CREATE OR REPLACE VIEW outbox.messages AS
-SELECT m.id,
-       m.tenant,
-       c.name AS channel,
-       m.state,
-       m.effect_key,
-       m.ordering_key,
-       m.attempts,
-       outbox._option_int(c.options, '{retry,max_attempts}') AS max_attempts,
-       -- queued: the next send; uncertain on a channel that can reconcile: the next lookup.
-       CASE WHEN m.state = 'queued'
-              OR (m.state = 'uncertain' AND outbox._can_look_up(c.options))
-            THEN m.next_attempt_at END AS next_attempt_at,
-       m.last_error_class,
-       m.last_error,
-       m.last_http_status,
-       m.external_id,
-       m.owner,
-       m.created_at,
-       m.updated_at,
-       m.delivered_at,
-       m.not_before,
-       m.lease_until,
-       m.payload,
-       m.headers
-  FROM outbox._messages m
-  LEFT JOIN outbox.channels c ON c.id = m.channel_id
-UNION ALL
--- Delivered messages: moved into their ledger entries by the record that confirmed them.
-SELECT l.message_id,
-       l.tenant,
-       c.name,
-       'delivered'::outbox.state,
-       l.effect_key,
-       l.ordering_key,
-       l.attempts,
-       outbox._option_int(c.options, '{retry,max_attempts}'),
-       NULL::timestamptz,
-       l.last_error_class,
-       l.last_error,
-       l.last_http_status,
-       l.external_id,
-       l.owner,
-       l.created_at,
-       l.recorded_at,
-       l.recorded_at,
-       l.not_before,
-       NULL::timestamptz,
-       l.payload,
-       l.headers
-  FROM outbox._ledger l
-  LEFT JOIN outbox.channels c ON c.id = l.channel_id
- WHERE l.channel_id IS NOT NULL;
--- The caller's rights and row-level security apply; channels are read through the masked view.
-ALTER VIEW outbox.messages SET (security_invoker = true);
-COMMENT ON VIEW outbox.messages IS
-    'Every message: state, attempts and budget, next attempt, last classified error, external id, owner; delivered messages are read from their ledger entries.';
 
-CREATE OR REPLACE VIEW outbox.attempts AS
-SELECT a.message_id,
-       a.attempt,
-       a.kind,
-       a.started_at,
-       a.finished_at,
-       a.outcome,
-       a.error_class,
-       a.http_status,
-       a.error,
-       a.retry_after_ms,
-       a.external_id,
-       a.effect_key_sent,
-       a.worker_pid,
-       a.id AS attempt_id,
-       a.tenant
-  FROM outbox._attempts a
-UNION ALL
-SELECT m.id,
-       m.attempts,
-       'send'::text,
-       coalesce(m.attempt_started_at, m.updated_at),
-       NULL::timestamptz,
-       NULL::text,
-       NULL::outbox.error_class,
-       NULL::integer,
-       NULL::text,
-       NULL::bigint,
-       NULL::text,
-       outbox._provider_key(m.tenant, m.effect_key),
-       m.attempt_pid,
-       NULL::bigint,
-       m.tenant
-  FROM outbox._messages m
- WHERE m.state = 'sending'
-   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
-                    WHERE o.message_id = m.id AND o.attempt = m.attempts AND o.kind = 'send')
-UNION ALL
--- A send that delivered its message in the attempt the message still counts, and whose
--- row the record did not write: the delivered message is that row (src/ledger.rs,
--- RECORD_SENT). Any row of that attempt (a recovery's, a late answer's) is the row instead.
-SELECT m.id,
-       m.attempts,
-       'send'::text,
-       m.attempt_started_at,
-       m.delivered_at,
-       'delivered'::text,
-       NULL::outbox.error_class,
-       m.last_http_status,
-       NULL::text,
-       NULL::bigint,
-       m.external_id,
-       outbox._provider_key(m.tenant, m.effect_key),
-       m.attempt_pid,
-       NULL::bigint,
-       m.tenant
-  FROM outbox._messages m
- WHERE m.state = 'delivered' AND m.attempts > 0 AND m.attempt_started_at IS NOT NULL
-   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
-                    WHERE o.message_id = m.id AND o.attempt = m.attempts)
-UNION ALL
--- The same, for a delivered message moved into its ledger entry.
-SELECT l.message_id,
-       l.attempts,
-       'send'::text,
-       l.attempt_started_at,
-       l.recorded_at,
-       'delivered'::text,
-       NULL::outbox.error_class,
-       l.last_http_status,
-       NULL::text,
-       NULL::bigint,
-       l.external_id,
-       outbox._provider_key(l.tenant, l.effect_key),
-       l.attempt_pid,
-       NULL::bigint,
-       l.tenant
-  FROM outbox._ledger l
- WHERE l.channel_id IS NOT NULL AND l.attempts > 0 AND l.attempt_started_at IS NOT NULL
-   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
-                    WHERE o.message_id = l.message_id AND o.attempt = l.attempts);
-ALTER VIEW outbox.attempts SET (security_invoker = true);
-COMMENT ON VIEW outbox.attempts IS
-    'Attempt history: one row per send, reconcile lookup or recovery decision, with its classified outcome; a send in progress has no outcome and no finished_at yet; a send that delivered is shown from its delivered message.';
