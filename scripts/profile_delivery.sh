@@ -11,6 +11,9 @@
 #   STATEMENTS=1 (the workers' statements by total time, from pg_stat_statements),
 #   SETUP_SQL (statements run before the backlog is enqueued, e.g. to try a schema change),
 #   WALDUMP=1 (the drain's WAL by record type, from pg_waldump --stats=record),
+#   SINK_ARGS (more provider-sim arguments, e.g. "--random 503=0.5,seed=7" for failed
+#   attempts and their records), CHANNEL_OPTIONS (more options of the channel, a JSON
+#   object merged into the defaults, e.g. '{"retry": {"base_ms": 20, "max_attempts": 30}}'),
 #   TIMELINE=1 (every 5 s of the drain: its rate, the whole machine's CPU by kind from
 #   /proc/stat, including the kernel's own threads and time taken by the host, and the
 #   page cache's dirty and writeback memory)
@@ -24,11 +27,13 @@ ${STATEMENTS:+shared_preload_libraries = 'outbox_delivery, pg_stat_statements'}
 ${WALDUMP:+wal_keep_size = 4GB}
 ${CONF:-}"
 SINK_PORT=18801
+CHANNEL_OPTIONS=${CHANNEL_OPTIONS:-"{}"}
 
 bash scripts/setup.sh >/dev/null
 bash scripts/cluster.sh install >/dev/null
 cargo build -q --release -p outbox_e2e --bin provider-sim
-target/release/provider-sim --port $SINK_PORT --quiet --no-record-requests --no-record-bodies >/dev/null 2>&1 &
+# shellcheck disable=SC2086  # SINK_ARGS is a list of arguments
+target/release/provider-sim --port $SINK_PORT --quiet --no-record-requests --no-record-bodies ${SINK_ARGS:-} >/dev/null 2>&1 &
 SINK_PID=$!
 trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
@@ -80,7 +85,7 @@ print_timeline() {
 for run in $(seq 1 "${RUNS:-1}"); do
   fresh_cluster >/dev/null
   if [ -n "${SETUP_SQL:-}" ]; then psql -c "$SETUP_SQL" >/dev/null; fi
-  psql -c "SELECT outbox.create_channel('profile', 'http://127.0.0.1:$SINK_PORT/ch/profile', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb)" \
+  psql -c "SELECT outbox.create_channel('profile', 'http://127.0.0.1:$SINK_PORT/ch/profile', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb || '$CHANNEL_OPTIONS'::jsonb)" \
        -c "SELECT outbox.pause_channel('profile', 'loading the backlog')" >/dev/null
   psql -c "SELECT count(outbox.enqueue('profile', jsonb_build_object('n', g, 'text', 'benchmark message'), 'k:' || g)) FROM generate_series(1, $N) g" >/dev/null
   psql -c "VACUUM ANALYZE outbox._messages" >/dev/null

@@ -40,6 +40,25 @@ fn unbounded_message_scans(plan: &serde_json::Value, found: &mut Vec<String>) {
     }
 }
 
+/// Scans of the partial index of in-flight messages in `plan`: a statement that names its
+/// messages by id must reach each by the primary key. From that index the plan would read
+/// every message in flight (up to a few batches of every worker) and compare each with the
+/// whole array of ids, so that a record of a batch costs the product of the two.
+fn in_flight_index_scans(plan: &serde_json::Value, found: &mut Vec<String>) {
+    if let Some(node) = plan.as_object() {
+        if node.get("Index Name").and_then(|i| i.as_str()) == Some("_messages_sending_idx") {
+            found.push(format!("{} {}", node["Node Type"], node.get("Filter").unwrap_or(&serde_json::Value::Null)));
+        }
+        for child in node.values() {
+            in_flight_index_scans(child, found);
+        }
+    } else if let Some(items) = plan.as_array() {
+        for item in items {
+            in_flight_index_scans(item, found);
+        }
+    }
+}
+
 /// EXPLAIN of `statement` as the worker plans it, for the arguments `args` (SQL text, of
 /// the parameter types `types`; both empty for a statement without parameters).
 fn worker_plan(statement: &crate::spi::Statement, types: &str, args: &str) -> serde_json::Value {
@@ -69,9 +88,23 @@ fn the_worker_plans_bounded_scans_of_the_message_table_at_a_backlog() {
     }
     Spi::run("SELECT count(outbox.enqueue('plan_0', '{\"n\": 1}', 'k' || g)) FROM generate_series(1, 60000) g").unwrap();
     Spi::run("SELECT count(outbox.enqueue('plan_1', '{\"n\": 1}', 'o' || g)) FROM generate_series(1, 2000) g").unwrap();
-    Spi::run("UPDATE outbox._messages SET state = 'sending', lease_until = now() + interval '1 minute', attempts = 1 WHERE id % 200 = 0").unwrap();
+    // Statistics taken while nothing was in flight (a backlog analyzed before its drain
+    // starts: they put the messages in flight at one row), then again with 300 in flight.
     Spi::run("ANALYZE outbox._messages").unwrap();
     Spi::run("ANALYZE outbox._channels").unwrap();
+    Spi::run("UPDATE outbox._messages SET state = 'sending', lease_until = now() + interval '1 minute', attempts = 1 WHERE id % 200 = 0").unwrap();
+    for analyzed_in_flight in [false, true] {
+        if analyzed_in_flight {
+            Spi::run("ANALYZE outbox._messages").unwrap();
+        }
+        check_named_statements();
+    }
+}
+
+/// Every statement of the worker that reads the message table, planned as the worker
+/// plans it: no unbounded scan, and a statement that names its messages reaches them by
+/// their primary key.
+fn check_named_statements() {
 
     let statements = [
         (
@@ -103,6 +136,12 @@ fn the_worker_plans_bounded_scans_of_the_message_table_at_a_backlog() {
         unbounded_message_scans(&plan, &mut unbounded);
         let head: String = statement.sql.trim().chars().take(40).collect();
         assert!(unbounded.is_empty(), "{head}…: unbounded scans of the message table {unbounded:?}\n{plan:#}");
+        // Every statement here but the claim and the next due time names its messages.
+        if !std::ptr::eq(statement, &crate::worker::claim::CLAIM_DUE) && !std::ptr::eq(statement, &crate::worker::claim::NEXT_DUE) {
+            let mut in_flight = Vec::new();
+            in_flight_index_scans(&plan, &mut in_flight);
+            assert!(in_flight.is_empty(), "{head}…: messages named by id read from the index of those in flight {in_flight:?}\n{plan:#}");
+        }
     }
 
     // The statement of outbox._record_delivered, as its function plans it inside the
@@ -117,6 +156,9 @@ fn the_worker_plans_bounded_scans_of_the_message_table_at_a_backlog() {
     let mut unbounded = Vec::new();
     unbounded_message_scans(&plan, &mut unbounded);
     assert!(unbounded.is_empty(), "outbox._record_delivered: unbounded scans of the message table {unbounded:?}\n{plan:#}");
+    let mut in_flight = Vec::new();
+    in_flight_index_scans(&plan, &mut in_flight);
+    assert!(in_flight.is_empty(), "outbox._record_delivered: messages named by id read from the index of those in flight {in_flight:?}\n{plan:#}");
 }
 
 /// The query of `outbox._record_delivered` (its `RETURN QUERY`), with its arguments as

@@ -44,6 +44,10 @@ SELECT d.id, m.tenant, d.attempt, 'send',
 /// produced it (`sending`, same attempt number): a late answer never overrides a newer state,
 /// and an attempt taken back by recovery keeps the row recovery wrote. The attempt's row
 /// is written with the message's move, unless `$10` says it is written already.
+/// The outcomes drive the join, one probe of the primary key each: the state is compared
+/// as text so that the plan cannot start from the partial index of messages in flight
+/// (which the statistics, taken while nothing is in flight, put at one row) and compare
+/// each of them with the whole array, as `crate::ledger::RECORD_SENT` does.
 pub(crate) static RECORD_SETTLED: Statement = Statement::planned_once(
     "
 WITH o AS (
@@ -63,7 +67,7 @@ WITH o AS (
            lease_owner = NULL,
            updated_at = now()
       FROM o
-     WHERE m.id = o.message_id AND m.id = ANY ($1::int8[]) AND m.state = 'sending' AND m.attempts = o.attempt
+     WHERE m.id = o.message_id AND m.state::text = 'sending' AND m.attempts = o.attempt
  RETURNING m.id, m.tenant, m.effect_key, m.attempt_started_at, m.attempt_pid
 )
 INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, started_at, finished_at, outcome,
@@ -103,7 +107,7 @@ pub(crate) static LOCK_EFFECT_MESSAGES: Statement = Statement::planned_once(
     "
 SELECT m.id, m.attempts
   FROM outbox._messages m
- WHERE m.id = ANY ($1::int8[]) AND m.state = 'sending'
+ WHERE m.id = ANY ($1::int8[]) AND m.state::text = 'sending'
  ORDER BY m.id
    FOR UPDATE OF m",
 );
