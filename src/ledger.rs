@@ -126,6 +126,9 @@ WITH d AS (
  RETURNING m.*, coalesce(d.external_id, m.external_id) AS confirmed_external_id,
            coalesce(d.http_status, m.last_http_status) AS confirmed_http_status
 ), kept AS (
+    -- Only the messages the deletion did not take (an effect recorded already, or a late
+    -- answer) are looked up again: a moved message costs no second probe of the queue
+    -- table and of the ledger.
     UPDATE outbox._messages m
        SET state = 'delivered',
            delivered_at = now(),
@@ -136,6 +139,7 @@ WITH d AS (
            lease_owner = NULL
       FROM d
      WHERE m.id = d.id AND m.state::text = 'sending' AND m.attempts = d.attempt
+       AND NOT EXISTS (SELECT 1 FROM moved WHERE moved.id = d.id)
        AND EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
  RETURNING m.id, m.tenant, m.effect_key, m.external_id, m.last_http_status, m.attempt_started_at,
            m.attempt_pid

@@ -309,8 +309,11 @@ fn concurrent_enqueue_of_same_key_first_commits_both_get_same_id() {
 fn enqueue_racing_the_move_of_its_key_into_the_ledger_is_never_sent() {
     let (cluster, mut c, sim) = cluster_and_sim();
     let ch = sim_channel(&mut c, &sim, "fnd_race_moved", OPTIONS);
-    c.execute("SELECT outbox.pause_channel($1, 'the move is made by hand')", &[&ch])
-        .unwrap();
+    c.execute(
+        "SELECT outbox.pause_channel($1, 'the move is made by hand')",
+        &[&ch],
+    )
+    .unwrap();
     let key = unique("race_moved");
     let id_a = enqueue(&mut c, &ch, &key);
 
@@ -366,7 +369,8 @@ fn enqueue_racing_the_move_of_its_key_into_the_ledger_is_never_sent() {
         describe_notices(&got.notices)
     );
 
-    c.execute("SELECT outbox.resume_channel($1)", &[&ch]).unwrap();
+    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
+        .unwrap();
     assert!(
         wait_for_state(&cluster, id_b, "delivered", DELIVERY),
         "the second message is not recorded delivered: {:?}",
