@@ -19,7 +19,8 @@
 # Settings (environment): OUTBOX_PGPORT (54815), OUTBOX_PGDATA (/tmp/outbox_delivery/pgdata),
 # OUTBOX_DB (outbox: one database, or a comma-separated list, each created with the
 # extension), OUTBOX_WORKERS (1), OUTBOX_EXTRA_CONF (extra postgresql.conf lines),
-# OUTBOX_PGBIN (the server's binaries: a private copy of PostgreSQL, see scripts/pg_prefix.sh).
+# OUTBOX_PGBIN (the server's binaries: a private copy of PostgreSQL, see scripts/pg_prefix.sh),
+# OUTBOX_LOCALE (the cluster's locale at initdb, C.UTF-8; en_US.UTF-8 needs `locale-gen`).
 set -euo pipefail
 
 PGBIN=${OUTBOX_PGBIN:-/usr/lib/postgresql/15/bin}
@@ -59,7 +60,7 @@ cmd_start() {
   mkdir -p "$BASE" "$SOCKDIR"
   chown postgres "$BASE" "$SOCKDIR"
   if [ ! -f "$PGDATA/PG_VERSION" ]; then
-    as_pg "$PGBIN/initdb" -D "$PGDATA" -U postgres -A trust -E UTF8 --locale=C.UTF-8 >/dev/null
+    as_pg "$PGBIN/initdb" -D "$PGDATA" -U postgres -A trust -E UTF8 --locale="${OUTBOX_LOCALE:-C.UTF-8}" >/dev/null
     cat >>"$PGDATA/postgresql.conf" <<CONF
 # --- outbox_delivery throwaway cluster ---
 port = $PORT

@@ -58,7 +58,7 @@ END;
 -- out of outbox._messages into its ledger entry (sql/schema.sql, sql/ledger.sql). Messages
 -- delivered before the update stay where they are, delivered, until retention removes them.
 ALTER TABLE outbox._ledger ADD COLUMN channel_id integer;
-ALTER TABLE outbox._ledger ADD COLUMN ordering_key text;
+ALTER TABLE outbox._ledger ADD COLUMN ordering_key text COLLATE "C";
 ALTER TABLE outbox._ledger ADD COLUMN payload jsonb;
 ALTER TABLE outbox._ledger ADD COLUMN headers jsonb;
 ALTER TABLE outbox._ledger ADD COLUMN not_before timestamptz;
@@ -215,6 +215,31 @@ GRANT EXECUTE ON FUNCTION
     outbox._ledger_entry(text, text),
     outbox._record_delivered(bigint[], text[], integer[], text, boolean)
     TO outbox_worker;
+
+-- Tenants, effect keys and ordering keys compare byte by byte (COLLATE "C", sql/schema.sql):
+-- their B-tree indexes no longer go through the database's collation at every comparison.
+-- A column's collation cannot change under the views and policies that read it: they are
+-- dropped first and made again, the views in their final form below.
+DROP VIEW outbox.work_queue, outbox.ledger, outbox.attempts, outbox.messages;
+DROP POLICY tenant_rows ON outbox._messages;
+DROP POLICY tenant_rows ON outbox._ledger;
+ALTER TABLE outbox._messages
+    ALTER COLUMN tenant TYPE text COLLATE "C",
+    ALTER COLUMN effect_key TYPE text COLLATE "C",
+    ALTER COLUMN ordering_key TYPE text COLLATE "C";
+ALTER TABLE outbox._ledger
+    ALTER COLUMN tenant TYPE text COLLATE "C",
+    ALTER COLUMN effect_key TYPE text COLLATE "C";
+CREATE POLICY tenant_rows ON outbox._messages FOR SELECT
+    USING (tenant = ANY ((SELECT outbox._visible_tenants())::text[]));
+CREATE POLICY tenant_rows ON outbox._ledger FOR SELECT
+    USING (tenant = ANY ((SELECT outbox._visible_tenants())::text[]));
+CREATE VIEW outbox.ledger AS
+SELECT l.tenant, l.effect_key, l.message_id, l.external_id, l.recorded_at, l.recorded_by
+  FROM outbox._ledger l;
+ALTER VIEW outbox.ledger SET (security_invoker = true);
+COMMENT ON VIEW outbox.ledger IS
+    'Confirmed effects: the barrier the worker checks before every send.';
 
 -- The nats channel kind (NATS JetStream): it dedupes by Nats-Msg-Id inside its stream's
 -- duplicate window, and can be looked up where its subject names {effect_key}. Every place
@@ -614,6 +639,12 @@ SELECT l.message_id,
 ALTER VIEW outbox.attempts SET (security_invoker = true);
 COMMENT ON VIEW outbox.attempts IS
     'Attempt history: one row per send, reconcile lookup or recovery decision, with its classified outcome; a send in progress has no outcome and no finished_at yet; a send that delivered is shown from its delivered message.';
+-- The views made again above, with the comment and the grants a fresh install gives them
+-- (sql/operator.sql, sql/privileges.sql).
+COMMENT ON VIEW outbox.work_queue IS
+    'Every message that waits for a human (uncertain, exhausted, failed): why, who owns it, how old, and what to do.';
+GRANT SELECT ON outbox.messages, outbox.attempts, outbox.ledger TO outbox_writer;
+GRANT SELECT ON outbox.messages, outbox.attempts, outbox.ledger, outbox.work_queue TO outbox_operator;
 GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text) TO outbox_writer, outbox_operator;
 
 -- enqueue and the operator's actions find a delivered message in its ledger entry.

@@ -65,11 +65,14 @@ COMMENT ON TABLE outbox._channel_flow IS 'Rate limit tokens, channel-wide Retry-
 CREATE SEQUENCE outbox._messages_id_seq AS bigint;
 CREATE TABLE outbox._messages (
     id               bigint             NOT NULL DEFAULT nextval('outbox._messages_id_seq') PRIMARY KEY,
-    tenant           text               NOT NULL DEFAULT 'default',
+    -- Keys compare byte by byte (COLLATE "C"): their B-tree indexes, which every enqueue,
+    -- claim and record descends, never go through the database's collation (the ledger's
+    -- keys too). Equality is the same; only their sort order is bytewise.
+    tenant           text COLLATE "C"   NOT NULL DEFAULT 'default',
     channel_id       integer            NOT NULL,
     state            outbox.state       NOT NULL DEFAULT 'queued',
-    effect_key       text               NOT NULL,
-    ordering_key     text,
+    effect_key       text COLLATE "C"   NOT NULL,
+    ordering_key     text COLLATE "C",
     payload          jsonb              NOT NULL,
     headers          jsonb,
     not_before       timestamptz,
@@ -159,14 +162,14 @@ COMMENT ON TABLE outbox._attempts IS 'Attempt history (private; read outbox.atte
 -- stayed in outbox._messages (an effect confirmed while an earlier message of its key
 -- had recorded it already). outbox.messages and outbox.attempts show the moved messages.
 CREATE TABLE outbox._ledger (
-    tenant      text        NOT NULL,
-    effect_key  text        NOT NULL,
+    tenant      text COLLATE "C" NOT NULL,
+    effect_key  text COLLATE "C" NOT NULL,
     message_id  bigint      NOT NULL,
     external_id text,
     recorded_at timestamptz NOT NULL DEFAULT now(),
     recorded_by text        NOT NULL,
     channel_id         integer,
-    ordering_key       text,
+    ordering_key       text COLLATE "C",
     payload            jsonb,
     headers            jsonb,
     not_before         timestamptz,
