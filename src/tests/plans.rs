@@ -97,15 +97,14 @@ fn the_worker_plans_bounded_scans_of_the_message_table_at_a_backlog() {
         if analyzed_in_flight {
             Spi::run("ANALYZE outbox._messages").unwrap();
         }
-        check_named_statements();
+        check_worker_statements();
     }
 }
 
 /// Every statement of the worker that reads the message table, planned as the worker
 /// plans it: no unbounded scan, and a statement that names its messages reaches them by
 /// their primary key.
-fn check_named_statements() {
-
+fn check_worker_statements() {
     let statements = [
         (
             &crate::worker::claim::CLAIM_DUE,
