@@ -114,7 +114,8 @@ BEGIN
      RETURNING m.*, d.external_id AS confirmed_external_id, d.http_status AS confirmed_http_status
     ), kept AS (
         -- An effect recorded already (by an earlier message of the key) keeps its first
-        -- entry; the message stays, delivered, until retention removes it.
+        -- entry; the message stays, delivered, until retention removes it. Only the
+        -- messages the deletion did not take are looked up again.
         UPDATE outbox._messages m
            SET state = 'delivered',
                delivered_at = now(),
@@ -126,6 +127,7 @@ BEGIN
           FROM d
          WHERE m.id = d.id AND m.state <> 'delivered'
            AND NOT (leave_sending AND m.state = 'sending')
+           AND NOT EXISTS (SELECT 1 FROM moved WHERE moved.id = d.id)
            AND EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
      RETURNING m.id
     ), l AS (
