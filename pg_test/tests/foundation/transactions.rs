@@ -192,6 +192,45 @@ fn only_message_with_key(c: &mut Client, key: &str) -> i64 {
     )
 }
 
+/// Session B (`b`, its notices collected in `notices`) enqueues `key` on `ch` in a thread of
+/// its own and commits (rolls back if the enqueue failed); joining it says what B got.
+fn enqueue_in_thread(
+    mut b: Client,
+    notices: Notices,
+    ch: &str,
+    key: &str,
+) -> thread::JoinHandle<SecondSession> {
+    let (ch, key) = (ch.to_string(), key.to_string());
+    thread::spawn(move || {
+        let mut tx = b.transaction().expect("BEGIN in session B");
+        let enqueue = try_enqueue(&mut tx, &ch, &key).map_err(|e| e.to_string());
+        let commit = if enqueue.is_ok() {
+            tx.commit().map_err(|e| e.to_string())
+        } else {
+            let _ = tx.rollback();
+            Err("not committed: enqueue failed".to_string())
+        };
+        SecondSession {
+            enqueue,
+            commit,
+            notices: take_notices(&notices),
+        }
+    })
+}
+
+/// Whether the backend `b_pid` comes to wait for `a_pid` within 20 s.
+fn waits_for(watcher: &mut Client, a_pid: i32, b_pid: i32) -> bool {
+    wait_until(Duration::from_secs(20), || {
+        watcher
+            .query_one(
+                "SELECT $1::int4 = ANY (pg_blocking_pids($2::int4))",
+                &[&a_pid, &b_pid],
+            )
+            .map(|r| r.get::<_, bool>(0))
+            .unwrap_or(false)
+    })
+}
+
 /// Session A enqueues `key` and keeps its transaction open; session B (another thread)
 /// enqueues the same key and must block on the unique index until A ends. `a_commits`
 /// decides how A ends. Returns (A's id, what B got).
@@ -205,33 +244,10 @@ fn race_same_key(cluster: &Cluster, ch: &str, key: &str, a_commits: bool) -> (i6
     let mut tx = a.transaction().unwrap();
     let id_a = enqueue(&mut tx, ch, key);
 
-    let (ch_b, key_b) = (ch.to_string(), key.to_string());
-    let second = thread::spawn(move || {
-        let mut tx = b.transaction().expect("BEGIN in session B");
-        let enqueue = try_enqueue(&mut tx, &ch_b, &key_b).map_err(|e| e.to_string());
-        let commit = if enqueue.is_ok() {
-            tx.commit().map_err(|e| e.to_string())
-        } else {
-            let _ = tx.rollback();
-            Err("not committed: enqueue failed".to_string())
-        };
-        SecondSession {
-            enqueue,
-            commit,
-            notices: take_notices(&b_notices),
-        }
-    });
+    let second = enqueue_in_thread(b, b_notices, ch, key);
 
     // B must be waiting for A's transaction (the unique index), not finished.
-    let blocked = wait_until(Duration::from_secs(20), || {
-        watcher
-            .query_one(
-                "SELECT $1::int4 = ANY (pg_blocking_pids($2::int4))",
-                &[&a_pid, &b_pid],
-            )
-            .map(|r| r.get::<_, bool>(0))
-            .unwrap_or(false)
-    });
+    let blocked = waits_for(&mut watcher, a_pid, b_pid);
     assert!(
         blocked,
         "session B's enqueue of the same key did not block on session A's open transaction (finished: {})",
@@ -334,26 +350,8 @@ fn enqueue_racing_the_move_of_its_key_into_the_ledger_is_never_sent() {
 
     let (mut b, b_notices) = connect_collecting(&cluster.conninfo());
     let b_pid: i32 = b.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
-    let (ch_b, key_b) = (ch.clone(), key.clone());
-    let second = thread::spawn(move || {
-        let mut tx = b.transaction().expect("BEGIN in session B");
-        let enqueue = try_enqueue(&mut tx, &ch_b, &key_b).map_err(|e| e.to_string());
-        let commit = tx.commit().map_err(|e| e.to_string());
-        SecondSession {
-            enqueue,
-            commit,
-            notices: take_notices(&b_notices),
-        }
-    });
-    let blocked = wait_until(Duration::from_secs(20), || {
-        watcher
-            .query_one(
-                "SELECT $1::int4 = ANY (pg_blocking_pids($2::int4))",
-                &[&a_pid, &b_pid],
-            )
-            .map(|r| r.get::<_, bool>(0))
-            .unwrap_or(false)
-    });
+    let second = enqueue_in_thread(b, b_notices, &ch, &key);
+    let blocked = waits_for(&mut watcher, a_pid, b_pid);
     assert!(
         blocked,
         "session B's enqueue did not wait for the move (finished: {})",
