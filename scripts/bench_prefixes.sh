@@ -59,7 +59,7 @@ drain() {
   psql -F ' ' -c "SELECT 'wal_records_per_message', round(wal_records::numeric / $N, 2) FROM pg_stat_wal"
   psql -F ' ' -c "SELECT 'full_page_images_per_message', round(wal_fpi::numeric / $N, 2) FROM pg_stat_wal"
   psql -F ' ' -c "SELECT 'rows' || relname, n_tup_ins || '_ins/' || n_tup_upd || '_upd/' || n_tup_hot_upd || '_hot'
-                    FROM pg_stat_user_tables WHERE schemaname = 'outbox' AND relname IN ('_messages', '_attempts', '_ledger')
+                    FROM pg_stat_user_tables WHERE schemaname = 'outbox' AND relname IN ('_messages', '_attempts', '_ledger', '_ledger_0', '_ledger_1', '_ledger_2')
                    ORDER BY relname"
   echo "load_average_1m $(cut -d' ' -f1 /proc/loadavg)"
   bash scripts/cluster.sh destroy >/dev/null 2>&1 || true

@@ -143,9 +143,11 @@ BEGIN
     -- A ledger entry follows its message; one whose message retention removed gets an id of
     -- this database's sequence, so that status() never reads it for another message, and so
     -- does a delivered message, which lives in its entry (on the channel of the same name).
+    -- An entry goes to this database's current generation of the ledger (the column's
+    -- default), whatever generation held it there.
     SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) INTO v_cols
       FROM pg_attribute WHERE attrelid = 'outbox._ledger'::regclass AND attnum > 0
-       AND NOT attisdropped AND attname NOT IN ('message_id', 'channel_id');
+       AND NOT attisdropped AND attname NOT IN ('message_id', 'channel_id', 'generation');
     EXECUTE format('INSERT INTO outbox._ledger (message_id, channel_id, %s)
                     SELECT CASE WHEN l.channel_id IS NULL THEN coalesce(m.id, nextval(''outbox._messages_id_seq''))
                                 ELSE nextval(''outbox._messages_id_seq'') END,

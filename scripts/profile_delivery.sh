@@ -125,7 +125,7 @@ for run in $(seq 1 "${RUNS:-1}"); do
              2 * ns / 1e9, cpu["workers"], cpu["workers"] / n * 1e6, cpu["autovacuum"], cpu["other"], k / hz
     }' "$OUTBOX_BASE/cpu.samples"
   psql -F ' ' -c "SELECT 'writes ' || relname, 'inserts ' || n_tup_ins, 'updates ' || n_tup_upd, 'hot ' || n_tup_hot_upd
-                    FROM pg_stat_user_tables WHERE schemaname = 'outbox' AND relname IN ('_messages', '_attempts', '_ledger')
+                    FROM pg_stat_user_tables WHERE schemaname = 'outbox' AND relname IN ('_messages', '_attempts', '_ledger', '_ledger_0', '_ledger_1', '_ledger_2')
                    ORDER BY relname"
   psql -F ' ' -c "SELECT 'wal', pg_size_pretty(wal_bytes) || ',', round(wal_bytes / $N) || ' bytes a message,',
                          round(wal_fpi::numeric / $N, 2) || ' full-page images a message,',

@@ -68,12 +68,15 @@ BEGIN
         INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by,
                                     channel_id, ordering_key, payload, headers, not_before,
                                     attempts, last_error_class, last_error, last_http_status,
-                                    owner, created_at, attempt_started_at, attempt_pid)
+                                    owner, created_at, attempt_started_at, attempt_pid, generation)
         SELECT m.tenant, m.effect_key, m.id, coalesce(m.confirmed_external_id, m.external_id), recorder,
                m.channel_id, m.ordering_key, m.payload, m.headers, m.not_before,
                m.attempts, m.last_error_class, m.last_error,
                coalesce(m.confirmed_http_status, m.last_http_status),
-               m.owner, m.created_at, m.attempt_started_at, m.attempt_pid
+               m.owner, m.created_at, m.attempt_started_at, m.attempt_pid,
+               -- The current generation, read once for the whole statement.
+               (SELECT coalesce((SELECT g.generation FROM outbox._ledger_generations g
+                                  WHERE g.closed_at IS NULL), 0::smallint))
           FROM moved m
     )
     SELECT moved.id FROM moved

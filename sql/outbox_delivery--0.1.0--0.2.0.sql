@@ -54,23 +54,6 @@ BEGIN ATOMIC
                 ELSE 'max_unverifiable_in_flight: no dedupe, no lookup' END;
 END;
 
--- Delivered messages leave the queue: the record that confirms an effect moves its message
--- out of outbox._messages into its ledger entry (sql/schema.sql, sql/ledger.sql). Messages
--- delivered before the update stay where they are, delivered, until retention removes them.
-ALTER TABLE outbox._ledger ADD COLUMN channel_id integer;
-ALTER TABLE outbox._ledger ADD COLUMN ordering_key text COLLATE "C";
-ALTER TABLE outbox._ledger ADD COLUMN payload jsonb;
-ALTER TABLE outbox._ledger ADD COLUMN headers jsonb;
-ALTER TABLE outbox._ledger ADD COLUMN not_before timestamptz;
-ALTER TABLE outbox._ledger ADD COLUMN attempts integer;
-ALTER TABLE outbox._ledger ADD COLUMN last_error_class outbox.error_class;
-ALTER TABLE outbox._ledger ADD COLUMN last_error text;
-ALTER TABLE outbox._ledger ADD COLUMN last_http_status integer;
-ALTER TABLE outbox._ledger ADD COLUMN owner text;
-ALTER TABLE outbox._ledger ADD COLUMN created_at timestamptz;
-ALTER TABLE outbox._ledger ADD COLUMN attempt_started_at timestamptz;
-ALTER TABLE outbox._ledger ADD COLUMN attempt_pid integer;
-
 -- The ledger's one way of recording a confirmed effect, and its check (sql/ledger.sql).
 CREATE FUNCTION outbox._ledger_entry(tenant text, effect_key text)
 RETURNS TABLE (message_id bigint, external_id text)
@@ -134,12 +117,15 @@ BEGIN
         INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by,
                                     channel_id, ordering_key, payload, headers, not_before,
                                     attempts, last_error_class, last_error, last_http_status,
-                                    owner, created_at, attempt_started_at, attempt_pid)
+                                    owner, created_at, attempt_started_at, attempt_pid, generation)
         SELECT m.tenant, m.effect_key, m.id, coalesce(m.confirmed_external_id, m.external_id), recorder,
                m.channel_id, m.ordering_key, m.payload, m.headers, m.not_before,
                m.attempts, m.last_error_class, m.last_error,
                coalesce(m.confirmed_http_status, m.last_http_status),
-               m.owner, m.created_at, m.attempt_started_at, m.attempt_pid
+               m.owner, m.created_at, m.attempt_started_at, m.attempt_pid,
+               -- The current generation, read once for the whole statement.
+               (SELECT coalesce((SELECT g.generation FROM outbox._ledger_generations g
+                                  WHERE g.closed_at IS NULL), 0::smallint))
           FROM moved m
     )
     SELECT moved.id FROM moved
@@ -224,18 +210,123 @@ GRANT EXECUTE ON FUNCTION
 -- dropped first and made again, the views in their final form below.
 DROP VIEW outbox.work_queue, outbox.ledger, outbox.attempts, outbox.messages;
 DROP POLICY tenant_rows ON outbox._messages;
-DROP POLICY tenant_rows ON outbox._ledger;
 ALTER TABLE outbox._messages
     ALTER COLUMN tenant TYPE text COLLATE "C",
     ALTER COLUMN effect_key TYPE text COLLATE "C",
     ALTER COLUMN ordering_key TYPE text COLLATE "C";
-ALTER TABLE outbox._ledger
-    ALTER COLUMN tenant TYPE text COLLATE "C",
-    ALTER COLUMN effect_key TYPE text COLLATE "C";
 CREATE POLICY tenant_rows ON outbox._messages FOR SELECT
     USING (tenant = ANY ((SELECT outbox._visible_tenants())::text[]));
+
+-- The ledger is made anew (sql/schema.sql): delivered messages live in their entries, whose
+-- columns it gains, its keys compare byte by byte, and it is kept in three generations that
+-- retention empties whole. The entries of 0.1.0 go to generation 0; the table of 0.1.0
+-- (with its policies) leaves the extension and is dropped. Messages delivered before the
+-- update stay in the queue table, delivered, until retention removes them.
+ALTER EXTENSION outbox_delivery DROP TABLE outbox._ledger;
+ALTER TABLE outbox._ledger RENAME TO _ledger_of_0_1_0;
+ALTER INDEX outbox._ledger_pkey RENAME TO _ledger_of_0_1_0_pkey;
+ALTER INDEX outbox._ledger_recorded_at_idx RENAME TO _ledger_of_0_1_0_recorded_at_idx;
+ALTER INDEX outbox._ledger_message_idx RENAME TO _ledger_of_0_1_0_message_idx;
+
+-- The ledger's generations: the ledger is kept in three tables (outbox._ledger_0, _1 and
+-- _2, the partitions of outbox._ledger), filled one after another, and retention empties
+-- a whole table with TRUNCATE instead of deleting its entries one by one (src/ledger/
+-- generations.rs). A row per generation that holds entries: when it was opened, and when
+-- it stopped taking new entries (NULL: the current one). No row at all: generation 0 is
+-- current (a fresh install).
+CREATE TABLE outbox._ledger_generations (
+    generation smallint    PRIMARY KEY,
+    opened_at  timestamptz NOT NULL,
+    closed_at  timestamptz,
+    CONSTRAINT ledger_generation_known CHECK (generation BETWEEN 0 AND 2)
+);
+CREATE UNIQUE INDEX _ledger_generations_current_idx ON outbox._ledger_generations ((true))
+    WHERE closed_at IS NULL;
+COMMENT ON TABLE outbox._ledger_generations IS 'Which table of the ledger takes new entries, and since when each was closed (private).';
+
+-- The generation new entries go to. The worker's record names it in its statement
+-- (computed once per statement); this default serves every other insertion.
+CREATE FUNCTION outbox._ledger_current_generation() RETURNS smallint
+LANGUAGE sql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT coalesce((SELECT g.generation FROM outbox._ledger_generations g WHERE g.closed_at IS NULL), 0::smallint)
+$fn$;
+COMMENT ON FUNCTION outbox._ledger_current_generation() IS
+    'The generation of the ledger that takes new entries.';
+
+-- The ledger: the barrier. An effect recorded here is never sent again.
+-- It is also where delivered messages live: the record that confirms an effect moves its
+-- message out of outbox._messages (which keeps only what is still to do) into its entry,
+-- in the same transaction, so that a delivery writes the entry and deletes the queue row
+-- instead of writing a new version of the message and an entry besides. The columns
+-- after recorded_by are the moved message's; they are NULL in an entry whose message
+-- stayed in outbox._messages (an effect confirmed while an earlier message of its key
+-- had recorded it already). outbox.messages and outbox.attempts show the moved messages.
+-- Partitioned by generation: every lookup of an effect probes the three tables (one index
+-- probe each), and retention truncates the oldest when all of it is older than the ledger
+-- keeps entries. An effect is entered once across the generations: it is moved in with
+-- the only queue row of its key (unique in outbox._messages), and only when no generation
+-- holds it yet.
+CREATE TABLE outbox._ledger (
+    tenant      text COLLATE "C" NOT NULL,
+    effect_key  text COLLATE "C" NOT NULL,
+    message_id  bigint      NOT NULL,
+    external_id text,
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    recorded_by text        NOT NULL,
+    channel_id         integer,
+    ordering_key       text COLLATE "C",
+    payload            jsonb,
+    headers            jsonb,
+    not_before         timestamptz,
+    attempts           integer,
+    last_error_class   outbox.error_class,
+    last_error         text,
+    last_http_status   integer,
+    owner              text,
+    created_at         timestamptz,
+    attempt_started_at timestamptz,
+    attempt_pid        integer,
+    generation         smallint    NOT NULL DEFAULT outbox._ledger_current_generation(),
+    PRIMARY KEY (tenant, effect_key, generation),
+    CONSTRAINT ledger_recorded_by_known CHECK (recorded_by IN ('worker', 'reconcile', 'operator'))
+) PARTITION BY LIST (generation);
+CREATE INDEX _ledger_message_idx ON outbox._ledger (message_id);
+COMMENT ON TABLE outbox._ledger IS 'Effects confirmed by a provider, reconcile or an operator (private; read outbox.ledger).';
+CREATE TABLE outbox._ledger_0 PARTITION OF outbox._ledger FOR VALUES IN (0)
+    WITH (autovacuum_analyze_scale_factor = 0.05);
+CREATE TABLE outbox._ledger_1 PARTITION OF outbox._ledger FOR VALUES IN (1)
+    WITH (autovacuum_analyze_scale_factor = 0.05);
+CREATE TABLE outbox._ledger_2 PARTITION OF outbox._ledger FOR VALUES IN (2)
+    WITH (autovacuum_analyze_scale_factor = 0.05);
+COMMENT ON TABLE outbox._ledger_0 IS 'Generation 0 of the ledger (private; read outbox.ledger).';
+COMMENT ON TABLE outbox._ledger_1 IS 'Generation 1 of the ledger (private; read outbox.ledger).';
+COMMENT ON TABLE outbox._ledger_2 IS 'Generation 2 of the ledger (private; read outbox.ledger).';
+
+INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_at, recorded_by, generation)
+SELECT tenant, effect_key, message_id, external_id, recorded_at, recorded_by, 0
+  FROM outbox._ledger_of_0_1_0;
+DROP TABLE outbox._ledger_of_0_1_0;
+
+SELECT pg_catalog.pg_extension_config_dump('outbox._ledger_0', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._ledger_1', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._ledger_2', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._ledger_generations', '');
+
+ALTER TABLE outbox._ledger ENABLE ROW LEVEL SECURITY;
 CREATE POLICY tenant_rows ON outbox._ledger FOR SELECT
     USING (tenant = ANY ((SELECT outbox._visible_tenants())::text[]));
+CREATE POLICY worker_rows ON outbox._ledger TO outbox_worker USING (true) WITH CHECK (true);
+
+REVOKE ALL ON FUNCTION outbox._ledger_current_generation() FROM PUBLIC;
+GRANT SELECT ON outbox._ledger TO outbox_writer;
+GRANT SELECT ON outbox._ledger TO outbox_operator;
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox._ledger TO outbox_worker;
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox._ledger_generations TO outbox_worker;
+GRANT TRUNCATE ON outbox._ledger_0, outbox._ledger_1, outbox._ledger_2 TO outbox_worker;
+GRANT EXECUTE ON FUNCTION outbox._ledger_current_generation() TO outbox_worker;
+
 CREATE VIEW outbox.ledger AS
 SELECT l.tenant, l.effect_key, l.message_id, l.external_id, l.recorded_at, l.recorded_by
   FROM outbox._ledger l;

@@ -78,6 +78,11 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON
     outbox._channel_stats, outbox._channel_minutes, outbox._channel_flow
     TO outbox_worker;
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO outbox_worker;
+-- Retention of the ledger: the worker closes and opens generations, and empties the oldest
+-- generation's table whole (src/ledger/generations.rs).
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox._ledger_generations TO outbox_worker;
+GRANT TRUNCATE ON outbox._ledger_0, outbox._ledger_1, outbox._ledger_2 TO outbox_worker;
+GRANT EXECUTE ON FUNCTION outbox._ledger_current_generation() TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text), outbox._epoch_ms(timestamptz) TO outbox_worker;
 -- outbox.attempts (read as its reader) shows the key a send in progress carries.
 GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text) TO outbox_writer, outbox_operator;

@@ -153,6 +153,33 @@ ALTER SEQUENCE outbox._attempts_id_seq OWNED BY outbox._attempts.id;
 CREATE INDEX _attempts_message_idx ON outbox._attempts (message_id, id);
 COMMENT ON TABLE outbox._attempts IS 'Attempt history (private; read outbox.attempts).';
 
+-- The ledger's generations: the ledger is kept in three tables (outbox._ledger_0, _1 and
+-- _2, the partitions of outbox._ledger), filled one after another, and retention empties
+-- a whole table with TRUNCATE instead of deleting its entries one by one (src/ledger/
+-- generations.rs). A row per generation that holds entries: when it was opened, and when
+-- it stopped taking new entries (NULL: the current one). No row at all: generation 0 is
+-- current (a fresh install).
+CREATE TABLE outbox._ledger_generations (
+    generation smallint    PRIMARY KEY,
+    opened_at  timestamptz NOT NULL,
+    closed_at  timestamptz,
+    CONSTRAINT ledger_generation_known CHECK (generation BETWEEN 0 AND 2)
+);
+CREATE UNIQUE INDEX _ledger_generations_current_idx ON outbox._ledger_generations ((true))
+    WHERE closed_at IS NULL;
+COMMENT ON TABLE outbox._ledger_generations IS 'Which table of the ledger takes new entries, and since when each was closed (private).';
+
+-- The generation new entries go to. The worker's record names it in its statement
+-- (computed once per statement); this default serves every other insertion.
+CREATE FUNCTION outbox._ledger_current_generation() RETURNS smallint
+LANGUAGE sql STABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT coalesce((SELECT g.generation FROM outbox._ledger_generations g WHERE g.closed_at IS NULL), 0::smallint)
+$fn$;
+COMMENT ON FUNCTION outbox._ledger_current_generation() IS
+    'The generation of the ledger that takes new entries.';
+
 -- The ledger: the barrier. An effect recorded here is never sent again.
 -- It is also where delivered messages live: the record that confirms an effect moves its
 -- message out of outbox._messages (which keeps only what is still to do) into its entry,
@@ -161,6 +188,11 @@ COMMENT ON TABLE outbox._attempts IS 'Attempt history (private; read outbox.atte
 -- after recorded_by are the moved message's; they are NULL in an entry whose message
 -- stayed in outbox._messages (an effect confirmed while an earlier message of its key
 -- had recorded it already). outbox.messages and outbox.attempts show the moved messages.
+-- Partitioned by generation: every lookup of an effect probes the three tables (one index
+-- probe each), and retention truncates the oldest when all of it is older than the ledger
+-- keeps entries. An effect is entered once across the generations: it is moved in with
+-- the only queue row of its key (unique in outbox._messages), and only when no generation
+-- holds it yet.
 CREATE TABLE outbox._ledger (
     tenant      text COLLATE "C" NOT NULL,
     effect_key  text COLLATE "C" NOT NULL,
@@ -181,12 +213,21 @@ CREATE TABLE outbox._ledger (
     created_at         timestamptz,
     attempt_started_at timestamptz,
     attempt_pid        integer,
-    PRIMARY KEY (tenant, effect_key),
+    generation         smallint    NOT NULL DEFAULT outbox._ledger_current_generation(),
+    PRIMARY KEY (tenant, effect_key, generation),
     CONSTRAINT ledger_recorded_by_known CHECK (recorded_by IN ('worker', 'reconcile', 'operator'))
-) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.05);
-CREATE INDEX _ledger_recorded_at_idx ON outbox._ledger (recorded_at);
+) PARTITION BY LIST (generation);
 CREATE INDEX _ledger_message_idx ON outbox._ledger (message_id);
 COMMENT ON TABLE outbox._ledger IS 'Effects confirmed by a provider, reconcile or an operator (private; read outbox.ledger).';
+CREATE TABLE outbox._ledger_0 PARTITION OF outbox._ledger FOR VALUES IN (0)
+    WITH (autovacuum_analyze_scale_factor = 0.05);
+CREATE TABLE outbox._ledger_1 PARTITION OF outbox._ledger FOR VALUES IN (1)
+    WITH (autovacuum_analyze_scale_factor = 0.05);
+CREATE TABLE outbox._ledger_2 PARTITION OF outbox._ledger FOR VALUES IN (2)
+    WITH (autovacuum_analyze_scale_factor = 0.05);
+COMMENT ON TABLE outbox._ledger_0 IS 'Generation 0 of the ledger (private; read outbox.ledger).';
+COMMENT ON TABLE outbox._ledger_1 IS 'Generation 1 of the ledger (private; read outbox.ledger).';
+COMMENT ON TABLE outbox._ledger_2 IS 'Generation 2 of the ledger (private; read outbox.ledger).';
 
 -- Every operator decision and channel change.
 CREATE SEQUENCE outbox._operator_log_id_seq AS bigint;
@@ -215,7 +256,10 @@ SELECT pg_catalog.pg_extension_config_dump('outbox._messages', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._messages_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._attempts', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._attempts_id_seq', '');
-SELECT pg_catalog.pg_extension_config_dump('outbox._ledger', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._ledger_0', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._ledger_1', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._ledger_2', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._ledger_generations', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._operator_log', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._operator_log_id_seq', '');
 

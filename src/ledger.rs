@@ -13,13 +13,18 @@
 //!   table, marked delivered. The worker's answer for a message still in the attempt that
 //!   sent it is recorded by one statement ([`record_sent`]) that makes the same writes as
 //!   `outbox._record_delivered` (message, ledger entry) and adds the attempt's row.
-//! - **Purge.** Entries live for `outbox.ledger_retention`, never shorter than the longest
-//!   retry horizon of any channel ([`keep_s`]): a message may still be retried that long
-//!   after it was enqueued, and its entry is what stops a second send. An entry that holds
-//!   its delivered message lives at least `outbox.retention` too, and takes the message's
-//!   attempts with it.
+//! - **Retention.** Entries live for `outbox.ledger_retention`, never shorter than the
+//!   longest retry horizon of any channel ([`keep_s`]): a message may still be retried that
+//!   long after it was enqueued, and its entry is what stops a second send. An entry that
+//!   holds its delivered message lives at least `outbox.retention` too, and takes the
+//!   message's attempts with it. The ledger is kept in three generations, and retention
+//!   empties a whole generation at a time ([`retain`], [`generations`]): no entry is
+//!   deleted one by one.
+
+pub mod generations;
 
 use crate::spi::{self, Statement};
+use generations::{Generation, Rotation};
 use pgrx::spi::{SpiClient, SpiResult};
 
 /// Who confirmed an effect (`outbox._ledger.recorded_by`).
@@ -147,11 +152,14 @@ WITH d AS (
     INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by,
                                 channel_id, ordering_key, payload, headers, not_before,
                                 attempts, last_error_class, last_error, last_http_status,
-                                owner, created_at, attempt_started_at, attempt_pid)
+                                owner, created_at, attempt_started_at, attempt_pid, generation)
     SELECT m.tenant, m.effect_key, m.id, m.confirmed_external_id, 'worker',
            m.channel_id, m.ordering_key, m.payload, m.headers, m.not_before,
            m.attempts, m.last_error_class, m.last_error, m.confirmed_http_status,
-           m.owner, m.created_at, m.attempt_started_at, m.attempt_pid
+           m.owner, m.created_at, m.attempt_started_at, m.attempt_pid,
+           -- The current generation, read once for the whole statement.
+           (SELECT coalesce((SELECT g.generation FROM outbox._ledger_generations g
+                              WHERE g.closed_at IS NULL), 0::smallint))
       FROM moved m
 ), m AS (
     SELECT id, tenant, effect_key, confirmed_external_id AS external_id,
@@ -223,29 +231,134 @@ pub fn record_sent(
         .collect()
 }
 
-/// Entries older than `$1` seconds, oldest first, a batch of `$2` at a time, and the
-/// attempts of the delivered messages they held.
-const PURGE: &str = "
-WITH gone AS (
-    DELETE FROM outbox._ledger l
-     WHERE l.ctid = ANY (ARRAY(
-           SELECT x.ctid FROM outbox._ledger x
-            WHERE x.recorded_at < now() - make_interval(secs => $1)
-            ORDER BY x.recorded_at
-            LIMIT $2))
- RETURNING l.message_id, l.channel_id
-), gone_attempts AS (
-    DELETE FROM outbox._attempts a
-     WHERE a.message_id = ANY (ARRAY(SELECT g.message_id FROM gone g WHERE g.channel_id IS NOT NULL))
-)
-SELECT g.message_id FROM gone g";
+/// One round of retention at a time, across workers: a round that empties a generation
+/// must not find it opened meanwhile by another. Records only read the table, and are not
+/// held up.
+const ONE_ROUND_AT_A_TIME: &str =
+    "LOCK TABLE outbox._ledger_generations IN SHARE ROW EXCLUSIVE MODE";
 
-/// Removes one batch of at most `batch` entries older than `keep_s` seconds; returns how
-/// many it removed.
-pub fn purge(client: &mut SpiClient<'_>, keep_s: f64, batch: i64) -> SpiResult<usize> {
-    Ok(client
-        .update(PURGE, None, &[keep_s.into(), batch.into()])?
-        .len())
+/// The generations that hold entries (`outbox._ledger_generations`), and the
+/// transaction's clock, in seconds since the epoch.
+const READ_GENERATIONS: &str = "
+SELECT extract(epoch FROM now())::float8 AS now, g.generation,
+       extract(epoch FROM g.opened_at)::float8, extract(epoch FROM g.closed_at)::float8
+  FROM (SELECT 1) one
+  LEFT JOIN outbox._ledger_generations g ON true";
+
+/// How long emptying a generation waits for the sessions that read the ledger (each
+/// enqueue, claim and record does): its lock queues every new reader behind it, so it
+/// never waits long. A session that holds the ledger open for longer (an idle
+/// transaction) makes it try again at the next round.
+const EMPTYING_LOCK_TIMEOUT: &str = "SELECT set_config('lock_timeout', '500ms', true)";
+
+/// The generation's table, locked for emptying, one statement per generation.
+const LOCK_GENERATION: [&str; generations::GENERATIONS as usize] = [
+    "LOCK TABLE outbox._ledger_0 IN ACCESS EXCLUSIVE MODE",
+    "LOCK TABLE outbox._ledger_1 IN ACCESS EXCLUSIVE MODE",
+    "LOCK TABLE outbox._ledger_2 IN ACCESS EXCLUSIVE MODE",
+];
+
+/// The attempts of the delivered messages generation `$1` holds go with their entries.
+const DELETE_GENERATION_ATTEMPTS: &str = "
+DELETE FROM outbox._attempts a
+ USING outbox._ledger l
+ WHERE l.generation = $1 AND l.channel_id IS NOT NULL AND a.message_id = l.message_id";
+
+/// The generation's table emptied whole, one statement per generation.
+const TRUNCATE_GENERATION: [&str; generations::GENERATIONS as usize] = [
+    "TRUNCATE outbox._ledger_0",
+    "TRUNCATE outbox._ledger_1",
+    "TRUNCATE outbox._ledger_2",
+];
+
+/// An emptied generation holds no entries: its row goes.
+const FORGET_GENERATION: &str = "DELETE FROM outbox._ledger_generations WHERE generation = $1";
+
+/// The current generation stops taking entries. Its close is the clock at the end of the
+/// transaction that closes it, after every entry it will hold was recorded (a record that
+/// read it as current before this commits has an earlier `recorded_at`).
+const CLOSE_GENERATION: &str = "
+UPDATE outbox._ledger_generations SET closed_at = clock_timestamp()
+ WHERE generation = $1 AND closed_at IS NULL";
+
+/// Generation `$1` takes new entries from now on (or, when its row was closed while it
+/// still took them, again).
+const OPEN_GENERATION: &str = "
+INSERT INTO outbox._ledger_generations (generation, opened_at) VALUES ($1, now())
+ON CONFLICT (generation) DO UPDATE SET closed_at = NULL";
+
+fn read_generations(client: &mut SpiClient<'_>) -> SpiResult<(f64, Vec<Generation>)> {
+    let mut now = 0.0;
+    let mut rows = Vec::new();
+    for row in client.select(READ_GENERATIONS, None, &[])? {
+        now = row.get::<f64>(1)?.unwrap_or_default();
+        if let (Some(number), Some(opened_at)) = (row.get::<i16>(2)?, row.get::<f64>(3)?) {
+            rows.push(Generation {
+                number,
+                opened_at,
+                closed_at: row.get::<f64>(4)?,
+            });
+        }
+    }
+    Ok((now, rows))
+}
+
+/// What one round of the ledger's retention did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Retained {
+    /// Generations emptied whole.
+    pub emptied: Vec<i16>,
+    /// Generations due but not emptied this round: their table was held by another
+    /// session for longer than the lock timeout (SQLSTATE and message).
+    pub deferred: Vec<(i16, String, String)>,
+    /// The generation opened, if one was.
+    pub opened: Option<i16>,
+}
+
+/// One round of the ledger's retention (`generations`): empties every closed generation
+/// whose entries are all older than `keep_s`, with the attempts of the delivered messages
+/// it held, then closes the current generation if its period is over and opens the next.
+/// Each emptying runs in a subtransaction under a lock timeout: one that cannot take its
+/// table in time is left for the next round, and the ring does not advance onto it.
+pub fn retain(client: &mut SpiClient<'_>, keep_s: f64) -> SpiResult<Retained> {
+    let mut retained = Retained::default();
+    client.update(ONE_ROUND_AT_A_TIME, None, &[])?;
+    let (now, rows) = read_generations(client)?;
+    for number in generations::due_for_emptying(&rows, now, keep_s) {
+        let i = number as usize;
+        let emptied = crate::spi::subtransaction(|| -> SpiResult<()> {
+            client.update(EMPTYING_LOCK_TIMEOUT, None, &[])?;
+            client.update(LOCK_GENERATION[i], None, &[])?;
+            client.update(DELETE_GENERATION_ATTEMPTS, None, &[number.into()])?;
+            client.update(TRUNCATE_GENERATION[i], None, &[])?;
+            client.update(FORGET_GENERATION, None, &[number.into()])?;
+            Ok(())
+        });
+        match emptied {
+            Ok(Ok(())) => retained.emptied.push(number),
+            Ok(Err(e)) => retained
+                .deferred
+                .push((number, "XX000".into(), e.to_string())),
+            Err((code, message)) => retained.deferred.push((number, code, message)),
+        }
+    }
+    let rows: Vec<Generation> = rows
+        .into_iter()
+        .filter(|g| !retained.emptied.contains(&g.number))
+        .collect();
+    match generations::rotation(&rows, now, keep_s) {
+        Rotation::Stay => {}
+        Rotation::Open(number) => {
+            client.update(OPEN_GENERATION, None, &[number.into()])?;
+            retained.opened = Some(number);
+        }
+        Rotation::Advance { close, open } => {
+            client.update(CLOSE_GENERATION, None, &[close.into()])?;
+            client.update(OPEN_GENERATION, None, &[open.into()])?;
+            retained.opened = Some(open);
+        }
+    }
+    Ok(retained)
 }
 
 /// How long entries are kept, in seconds: `outbox.ledger_retention`, but never shorter than

@@ -21,8 +21,10 @@ use std::ffi::CStr;
 
 pub mod pinned;
 pub mod statement;
+pub mod subtransaction;
 
 pub use statement::{run, Plan, Statement};
+pub use subtransaction::subtransaction;
 
 /// The search path of the worker's own statements. No schema that anyone but the
 /// extension's owner can create in is on it: a function or operator planted under a

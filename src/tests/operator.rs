@@ -153,10 +153,18 @@ fn a_delivered_message_lives_in_its_ledger_entry_and_every_action_still_finds_it
     }
     assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox._messages WHERE effect_key = 'key-ophist'").unwrap(), Some(0));
 
-    // The ledger's purge removes the entry with the message's attempts.
-    Spi::run(&format!("UPDATE outbox._ledger SET recorded_at = now() - interval '2 days' WHERE message_id = {id}")).unwrap();
-    let removed = Spi::connect_mut(|client| crate::ledger::purge(client, 86_400.0, 1000)).unwrap();
-    assert_eq!(removed, 1);
+    // The ledger's retention empties the entry's generation, with the message's attempts,
+    // once that generation closed longer ago than the ledger keeps entries.
+    let generation = Spi::get_one::<i16>(&format!("SELECT generation FROM outbox._ledger WHERE message_id = {id}")).unwrap().unwrap();
+    let next = (generation + 1) % crate::ledger::generations::GENERATIONS;
+    Spi::run(&format!("DELETE FROM outbox._ledger_generations;
+                       INSERT INTO outbox._ledger_generations VALUES
+                           ({generation}, now() - interval '3 days', now() - interval '2 days'),
+                           ({next}, now(), NULL)")).unwrap();
+    let retained = Spi::connect_mut(|client| crate::ledger::retain(client, 86_400.0)).unwrap();
+    assert_eq!(retained.emptied, vec![generation]);
+    assert!(retained.deferred.is_empty());
+    assert_eq!(retained.opened, None, "the current generation opened just now");
     assert_eq!(Spi::get_one::<i64>(&format!("SELECT count(*) FROM outbox.messages WHERE id = {id}")).unwrap(), Some(0));
     assert_eq!(Spi::get_one::<i64>(&format!("SELECT count(*) FROM outbox._attempts WHERE message_id = {id}")).unwrap(), Some(0));
     assert_eq!(Spi::get_one::<String>(&format!("SELECT outbox.status({id})::text")).unwrap(), None);

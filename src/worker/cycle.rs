@@ -600,26 +600,52 @@ impl Worker {
         );
     }
 
-    /// Runs retention in short transactions.
+    /// Runs retention in short transactions: finished queue rows a batch at a time, then
+    /// one round of the ledger's generations in a transaction of its own.
     pub fn retention(&mut self) {
         let retention_s = gucs::retention_s();
         let ledger_retention_s = gucs::ledger_retention_s();
         let horizon = self.longest_retry_horizon_ms;
         for _ in 0..RETENTION_ROUNDS {
-            let (messages, ledger) = identity::transaction(self.role, || {
-                Spi::connect_mut(|client| {
-                    retention::purge(client, retention_s, ledger_retention_s, horizon)
-                })
-                .unwrap_or_else(|e| panic!("outbox_delivery worker: retention failed: {e}"))
+            let messages = identity::transaction(self.role, || {
+                Spi::connect_mut(|client| retention::purge(client, retention_s))
+                    .unwrap_or_else(|e| panic!("outbox_delivery worker: retention failed: {e}"))
             });
-            if messages > 0 || ledger > 0 {
-                debug1!("outbox_delivery worker {}: retention removed {messages} message(s), {ledger} ledger entries", self.index);
+            if messages > 0 {
+                debug1!(
+                    "outbox_delivery worker {}: retention removed {messages} message(s)",
+                    self.index
+                );
             }
-            if (messages as i64) < retention::PURGE_BATCH
-                && (ledger as i64) < retention::PURGE_BATCH
-            {
+            if (messages as i64) < retention::PURGE_BATCH {
                 break;
             }
+        }
+        let retained = identity::transaction(self.role, || {
+            Spi::connect_mut(|client| {
+                retention::retain_ledger(client, retention_s, ledger_retention_s, horizon)
+            })
+            .unwrap_or_else(|e| {
+                panic!("outbox_delivery worker: retention of the ledger failed: {e}")
+            })
+        });
+        for generation in &retained.emptied {
+            debug1!(
+                "outbox_delivery worker {}: retention emptied generation {generation} of the ledger",
+                self.index
+            );
+        }
+        for (generation, code, message) in &retained.deferred {
+            log!(
+                "outbox_delivery worker {}: generation {generation} of the ledger is due for emptying but its table is in use (SQLSTATE {code}: {message}); trying again at the next round",
+                self.index
+            );
+        }
+        if let Some(generation) = retained.opened {
+            debug1!(
+                "outbox_delivery worker {}: generation {generation} of the ledger takes new entries",
+                self.index
+            );
         }
     }
 }

@@ -1,7 +1,9 @@
 //! Retention: cancelled messages, and delivered ones that stayed in the queue table, older
 //! than `outbox.retention` are removed (with their attempts) in small batches that never
-//! hold long locks; ledger entries, which hold the other delivered messages, are purged as
-//! the ledger says (`crate::ledger::keep_s`), never before `outbox.retention`. Nothing that is not finished is ever removed.
+//! hold long locks; ledger entries, which hold the other delivered messages, are kept as
+//! the ledger says (`crate::ledger::keep_s`), never shorter than `outbox.retention`, and
+//! leave a whole generation at a time (`crate::ledger::retain`). Nothing that is not
+//! finished is ever removed.
 
 use crate::ledger;
 use pgrx::spi::{SpiClient, SpiResult};
@@ -36,24 +38,40 @@ pub fn messages_keep_s(retention_s: i64) -> f64 {
     (retention_s as f64).clamp(0.0, MAX_KEEP_S)
 }
 
-/// Removes one batch of each; returns (messages, ledger entries) removed.
-pub fn purge(
-    client: &mut SpiClient<'_>,
-    retention_s: i64,
-    ledger_retention_s: i64,
-    longest_retry_horizon_ms: u64,
-) -> SpiResult<(usize, usize)> {
+/// Removes one batch of finished queue rows, and the per-minute figures older than a day;
+/// returns how many messages it removed.
+pub fn purge(client: &mut SpiClient<'_>, retention_s: i64) -> SpiResult<usize> {
     let messages = client.update(
         PURGE_MESSAGES,
         None,
         &[messages_keep_s(retention_s).into(), PURGE_BATCH.into()],
     )?;
-    // An entry holds its delivered message: kept as long as either asks.
-    let ledger_s = ledger::keep_s(ledger_retention_s, longest_retry_horizon_ms, MAX_KEEP_S)
-        .max(messages_keep_s(retention_s));
-    let ledger = ledger::purge(client, ledger_s, PURGE_BATCH)?;
     client.update(PURGE_MINUTES, None, &[])?;
-    Ok((messages.len(), ledger))
+    Ok(messages.len())
+}
+
+/// How long the ledger keeps its entries, in seconds: as the ledger says, and at least as
+/// long as finished messages are kept, since an entry holds its delivered message.
+pub fn ledger_keep_s(
+    retention_s: i64,
+    ledger_retention_s: i64,
+    longest_retry_horizon_ms: u64,
+) -> f64 {
+    ledger::keep_s(ledger_retention_s, longest_retry_horizon_ms, MAX_KEEP_S)
+        .max(messages_keep_s(retention_s))
+}
+
+/// One round of the ledger's retention (`crate::ledger::retain`).
+pub fn retain_ledger(
+    client: &mut SpiClient<'_>,
+    retention_s: i64,
+    ledger_retention_s: i64,
+    longest_retry_horizon_ms: u64,
+) -> SpiResult<ledger::Retained> {
+    ledger::retain(
+        client,
+        ledger_keep_s(retention_s, ledger_retention_s, longest_retry_horizon_ms),
+    )
 }
 
 #[cfg(test)]
@@ -67,5 +85,13 @@ mod tests {
         assert_eq!(messages_keep_s(-1), 0.0);
         // A century back from now is well inside the range of timestamps (4713 BC).
         const { assert!(MAX_KEEP_S < 2000.0 * 365.25 * 86_400.0) };
+    }
+
+    #[test]
+    fn the_ledger_keeps_its_entries_as_long_as_their_messages_are_kept() {
+        assert_eq!(ledger_keep_s(604_800, 3600, 0), 604_800.0);
+        assert_eq!(ledger_keep_s(60, 3600, 0), 3600.0);
+        assert_eq!(ledger_keep_s(60, 0, 7_200_000), 7200.0);
+        assert_eq!(ledger_keep_s(i64::MAX, i64::MAX, u64::MAX), MAX_KEEP_S);
     }
 }

@@ -389,16 +389,42 @@ fn steady(cluster: &Cluster, sim: &Simulator, seconds: u64) {
         &[&ch, &sim.send_url(&ch)],
     )
     .unwrap();
+    // The ledger is partitioned (its generations): its size is its partitions'.
     let size = |c: &mut Client| -> (i64, i64, i64) {
         let r = c
             .query_one(
                 "SELECT pg_total_relation_size('outbox._messages'), pg_total_relation_size('outbox._attempts'),
-                        pg_total_relation_size('outbox._ledger')",
+                        (SELECT sum(pg_total_relation_size(relid))::int8 FROM pg_partition_tree('outbox._ledger'))",
                 &[],
             )
             .unwrap();
         (r.get(0), r.get(1), r.get(2))
     };
+    // Rows deleted one by one from the ledger (by retention: it should empty whole
+    // generations instead), and the generations emptied (each TRUNCATE gives its table a new
+    // file). Counted from here on.
+    let ledger_deletes = |c: &mut Client| -> i64 {
+        c.query_one(
+            "SELECT coalesce(sum(n_tup_del), 0)::int8 FROM pg_stat_user_tables
+              WHERE schemaname = 'outbox' AND relname IN ('_ledger', '_ledger_0', '_ledger_1', '_ledger_2')",
+            &[],
+        )
+        .unwrap()
+        .get(0)
+    };
+    let filenodes = |c: &mut Client| -> Vec<u32> {
+        c.query(
+            "SELECT pg_relation_filenode(relid) FROM pg_partition_tree('outbox._ledger') WHERE isleaf ORDER BY relid",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+    };
+    let deletes_before = ledger_deletes(&mut c);
+    let mut last_filenodes = filenodes(&mut c);
+    let mut truncations = 0;
     let mb = |b: i64| b as f64 / 1_048_576.0;
     let start = Instant::now();
     let mut next_sample = Duration::ZERO;
@@ -416,6 +442,13 @@ fn steady(cluster: &Cluster, sim: &Simulator, seconds: u64) {
             );
             samples.push(m + a + l);
             next_sample += Duration::from_secs(15);
+            let now = filenodes(&mut c);
+            truncations += now
+                .iter()
+                .zip(&last_filenodes)
+                .filter(|(a, b)| a != b)
+                .count();
+            last_filenodes = now;
         }
         c.execute(
             "SELECT outbox.enqueue($1, '{\"steady\": true}'::jsonb, $2 || ':' || g) FROM generate_series(1, 100) g",
@@ -431,6 +464,10 @@ fn steady(cluster: &Cluster, sim: &Simulator, seconds: u64) {
         mb(m),
         mb(a),
         mb(l)
+    );
+    println!(
+        "steady_ledger_rows_deleted_one_by_one {} (generations emptied whole: {truncations} seen)",
+        ledger_deletes(&mut c) - deletes_before
     );
     alter_system(&mut c, "outbox.retention", None);
     alter_system(&mut c, "outbox.ledger_retention", None);
@@ -807,6 +844,12 @@ fn main() {
         return;
     }
     wait_for_delivery_loop(&cluster);
+    // The steady load alone (the sizes of the tables under it), for as long as asked.
+    let seconds = arg("--steady-only", 0) as u64;
+    if seconds > 0 {
+        steady(&cluster, &sim, seconds);
+        return;
+    }
     let rounds = arg("--price-of-safety", 0);
     if rounds > 0 {
         price_of_safety(&cluster, &sim, backlog, rounds);

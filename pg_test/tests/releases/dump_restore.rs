@@ -7,7 +7,8 @@ use super::population::{
 use super::*;
 
 /// The tables and sequences of the extension that pg_dump would leave out (not registered
-/// with `pg_extension_config_dump`).
+/// with `pg_extension_config_dump`). A partitioned table holds no rows of its own: its
+/// partitions are registered and dumped (the generations of the ledger).
 const NOT_DUMPED: &str = "
     SELECT c.oid::regclass::text
       FROM pg_catalog.pg_depend d
@@ -17,7 +18,7 @@ const NOT_DUMPED: &str = "
        AND d.refclassid = 'pg_catalog.pg_extension'::regclass
        AND d.deptype = 'e'
        AND e.extname = 'outbox_delivery'
-       AND c.relkind IN ('r', 'p', 'S')
+       AND c.relkind IN ('r', 'S')
        AND c.oid <> ALL (coalesce(e.extconfig, '{}'))
      ORDER BY 1";
 
@@ -69,9 +70,12 @@ fn assert_every_table_and_sequence_is_dumped(c: &mut Client) {
     assert_eq!(tables, compared, "the tables whose rows the tests compare");
 }
 
+/// The partitioned tables of the extension: the archive holds their partitions' rows.
+const PARTITIONED: [&str; 1] = ["_ledger"];
+
 /// The archive holds the rows of each table, and the value of each sequence, exactly once.
 fn assert_each_table_data_once(toc: &str, seqs: &[(String, Option<i64>)]) {
-    for table in TABLES {
+    for table in TABLES.iter().filter(|t| !PARTITIONED.contains(t)) {
         let entries = toc
             .lines()
             .filter(|l| l.contains(&format!("TABLE DATA outbox {table} ")))

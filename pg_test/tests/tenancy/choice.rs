@@ -294,13 +294,16 @@ fn one_effect_key_in_two_tenants_makes_two_messages_two_sends_and_two_ledger_ent
         ida, idb,
         "effect key {key} enqueued by tenant {a} and by tenant {b} must be two messages (keys are unique per tenant)"
     );
+    wait_state(&cluster, ida, "delivered");
+    wait_state(&cluster, idb, "delivered");
+    // Once delivered, its ledger entry names it. (Enqueued again while its record is still
+    // being committed, the key would make a second message that the claim settles without a
+    // send: docs/runbook.md, and the foundation race tests.)
     let again = wa.enqueue(&dup_ch, &key);
     assert_eq!(
         again, ida,
         "the same key enqueued again by tenant {a} must return its existing message"
     );
-    wait_state(&cluster, ida, "delivered");
-    wait_state(&cluster, idb, "delivered");
     assert!(
         fx.sim.wait_for_stored(&dup_ch, 2, SETTLE),
         "the provider should have stored both tenants' messages with key {key}; stored: {:?}",
