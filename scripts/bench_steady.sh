@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The steady load alone: about 1,000 messages a second enqueued and delivered for SECONDS
+# (default 3600) with a retention of 15 s (outbox.retention, outbox.ledger_retention, and
+# every channel's retry horizon shortened to 10 s), printing the size of the message,
+# attempt and ledger tables as it goes: they must stay flat. At the end it prints how many
+# ledger rows were deleted one by one (none: retention empties whole generations) and how
+# many generations were emptied. The same load is the last part of scripts/bench.sh
+# (BENCH_STEADY_SECONDS).
+#
+# Usage: scripts/bench_steady.sh [SECONDS]
+#   OUTBOX_BASE (/tmp/outbox_delivery_steady), OUTBOX_PGPORT (54823), OUTBOX_WORKERS (2)
+source "$(dirname "$0")/lib.sh"
+SECONDS_OF_LOAD=${1:-3600}
+export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_steady}
+export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54823}
+export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
+export OUTBOX_EXTRA_CONF=${OUTBOX_EXTRA_CONF:-"outbox.batch_size = 200"}
+
+bash scripts/setup.sh >/dev/null
+bash scripts/cluster.sh install
+cargo build -q --release -p outbox_e2e --bin bench
+fresh_cluster >/dev/null
+trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true' EXIT
+echo "machine: $(nproc) cores; $OUTBOX_WORKERS delivery workers; steady load for $SECONDS_OF_LOAD s"
+"${CARGO_TARGET_DIR:-target}/release/bench" --steady-only "$SECONDS_OF_LOAD"
