@@ -12,7 +12,8 @@
 #
 # Usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog=10000] [rounds=3]
 #   OUTBOX_BASE (/tmp/outbox_delivery_bench_prefixes), OUTBOX_PGPORT (54822), SINK_PORT
-#   (18802), OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200).
+#   (18802), OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200), PREFILL (ledger entries
+#   written before each drain, spread over the generations of a build that has them; 0).
 source "$(dirname "$0")/lib.sh"
 OLD=${1:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
 NEW=${2:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
@@ -41,6 +42,18 @@ drain() {
   psql -c "SELECT outbox.create_channel('drain', 'http://127.0.0.1:$SINK_PORT/ch/drain', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb)" \
        -c "SELECT outbox.pause_channel('drain', 'loading the backlog')" >/dev/null
   psql -c "SELECT count(outbox.enqueue('drain', jsonb_build_object('n', g, 'text', 'benchmark message'), 'k:' || g)) FROM generate_series(1, $N) g" >/dev/null
+  if [ "${PREFILL:-0}" -gt 0 ]; then
+    # A ledger that already holds PREFILL entries, as one kept for weeks does; a build that
+    # keeps it in generations gets them spread over its three generations.
+    if [ "$(psql -c "SELECT count(*) FROM pg_attribute WHERE attrelid = 'outbox._ledger'::regclass AND attname = 'generation'")" = 1 ]; then
+      psql -c "INSERT INTO outbox._ledger (tenant, effect_key, message_id, recorded_by, generation)
+               SELECT 'default', 'prefill:' || md5(g::text), -g, 'operator', g % 3 FROM generate_series(1, $PREFILL) g" >/dev/null
+    else
+      psql -c "INSERT INTO outbox._ledger (tenant, effect_key, message_id, recorded_by)
+               SELECT 'default', 'prefill:' || md5(g::text), -g, 'operator' FROM generate_series(1, $PREFILL) g" >/dev/null
+    fi
+    psql -c "VACUUM ANALYZE outbox._ledger" >/dev/null
+  fi
   psql -c "VACUUM ANALYZE outbox._messages" >/dev/null
   psql -c "CHECKPOINT" >/dev/null
   psql -c "SELECT pg_stat_reset(), pg_stat_reset_shared('wal'), pg_stat_reset_shared('bgwriter')" >/dev/null

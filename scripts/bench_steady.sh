@@ -8,7 +8,9 @@
 # (BENCH_STEADY_SECONDS).
 #
 # Usage: scripts/bench_steady.sh [SECONDS]
-#   OUTBOX_BASE (/tmp/outbox_delivery_steady), OUTBOX_PGPORT (54823), OUTBOX_WORKERS (2)
+#   OUTBOX_BASE (/tmp/outbox_delivery_steady), OUTBOX_PGPORT (54823), OUTBOX_WORKERS (2),
+#   OUTBOX_PGBIN (a private prefix's bin directory with the build installed: scripts/
+#   pg_prefix.sh; by default the tree is installed into the system PostgreSQL).
 source "$(dirname "$0")/lib.sh"
 SECONDS_OF_LOAD=${1:-3600}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_steady}
@@ -17,7 +19,7 @@ export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
 export OUTBOX_EXTRA_CONF=${OUTBOX_EXTRA_CONF:-"outbox.batch_size = 200"}
 
 bash scripts/setup.sh >/dev/null
-bash scripts/cluster.sh install
+[ -n "${OUTBOX_PGBIN:-}" ] || bash scripts/cluster.sh install
 cargo build -q --release -p outbox_e2e --bin bench
 fresh_cluster >/dev/null
 trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true' EXIT

@@ -232,10 +232,12 @@ pub fn record_sent(
 }
 
 /// One round of retention at a time, across workers: a round that empties a generation
-/// must not find it opened meanwhile by another. Records only read the table, and are not
-/// held up.
-const ONE_ROUND_AT_A_TIME: &str =
-    "LOCK TABLE outbox._ledger_generations IN SHARE ROW EXCLUSIVE MODE";
+/// must not find it opened meanwhile by another. A worker that finds another's round under
+/// way skips its own (it never waits for it); records only read the generations, and are
+/// never held up. The key is the generations table's own oid (advisory locks are per
+/// database).
+const TRY_ONE_ROUND: &str =
+    "SELECT pg_try_advisory_xact_lock('outbox._ledger_generations'::regclass::oid::int8)";
 
 /// The generations that hold entries (`outbox._ledger_generations`), and the
 /// transaction's clock, in seconds since the epoch.
@@ -246,10 +248,11 @@ SELECT extract(epoch FROM now())::float8 AS now, g.generation,
   LEFT JOIN outbox._ledger_generations g ON true";
 
 /// How long emptying a generation waits for the sessions that read the ledger (each
-/// enqueue, claim and record does): its lock queues every new reader behind it, so it
-/// never waits long. A session that holds the ledger open for longer (an idle
-/// transaction) makes it try again at the next round.
-const EMPTYING_LOCK_TIMEOUT: &str = "SELECT set_config('lock_timeout', '500ms', true)";
+/// enqueue, claim and record does, until its transaction ends). While it waits, its lock
+/// queues every new reader behind it, so the wait is short; a session that holds the
+/// ledger open for longer (a transaction left idle after an enqueue) makes it try again at
+/// a later round. Under the lock the table is only truncated: readers wait for that alone.
+const EMPTYING_LOCK_TIMEOUT: &str = "SELECT set_config('lock_timeout', '100ms', true)";
 
 /// The generation's table, locked for emptying, one statement per generation.
 const LOCK_GENERATION: [&str; generations::GENERATIONS as usize] = [
@@ -259,10 +262,15 @@ const LOCK_GENERATION: [&str; generations::GENERATIONS as usize] = [
 ];
 
 /// The attempts of the delivered messages generation `$1` holds go with their entries.
+/// Deleted before the generation's table is locked, while every reader goes on. Driven by
+/// the attempt rows, which only unfinished messages and failed sends have, each probing
+/// the generation's message index: never a scan of the whole generation, which may be
+/// tried again at every round while its table is held.
 const DELETE_GENERATION_ATTEMPTS: &str = "
 DELETE FROM outbox._attempts a
- USING outbox._ledger l
- WHERE l.generation = $1 AND l.channel_id IS NOT NULL AND a.message_id = l.message_id";
+ WHERE EXISTS (SELECT 1 FROM outbox._ledger l
+                WHERE l.message_id = a.message_id AND l.generation = $1
+                  AND l.channel_id IS NOT NULL)";
 
 /// The generation's table emptied whole, one statement per generation.
 const TRUNCATE_GENERATION: [&str; generations::GENERATIONS as usize] = [
@@ -274,9 +282,9 @@ const TRUNCATE_GENERATION: [&str; generations::GENERATIONS as usize] = [
 /// An emptied generation holds no entries: its row goes.
 const FORGET_GENERATION: &str = "DELETE FROM outbox._ledger_generations WHERE generation = $1";
 
-/// The current generation stops taking entries. Its close is the clock at the end of the
-/// transaction that closes it, after every entry it will hold was recorded (a record that
-/// read it as current before this commits has an earlier `recorded_at`).
+/// The current generation stops taking entries. A record that read it as current before
+/// this commits may still add an entry a moment later: `generations::CLOSE_MARGIN_S` is
+/// added to its age before it is emptied.
 const CLOSE_GENERATION: &str = "
 UPDATE outbox._ledger_generations SET closed_at = clock_timestamp()
  WHERE generation = $1 AND closed_at IS NULL";
@@ -306,45 +314,53 @@ fn read_generations(client: &mut SpiClient<'_>) -> SpiResult<(f64, Vec<Generatio
 /// What one round of the ledger's retention did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Retained {
-    /// Generations emptied whole.
-    pub emptied: Vec<i16>,
-    /// Generations due but not emptied this round: their table was held by another
-    /// session for longer than the lock timeout (SQLSTATE and message).
-    pub deferred: Vec<(i16, String, String)>,
+    /// Another worker's round was under way: this one did nothing.
+    pub skipped: bool,
+    /// The generation emptied whole, if one was.
+    pub emptied: Option<i16>,
+    /// A generation due but not emptied this round: its table was held by another session
+    /// for longer than the lock timeout (SQLSTATE and message).
+    pub deferred: Option<(i16, String, String)>,
     /// The generation opened, if one was.
     pub opened: Option<i16>,
 }
 
-/// One round of the ledger's retention (`generations`): empties every closed generation
-/// whose entries are all older than `keep_s`, with the attempts of the delivered messages
-/// it held, then closes the current generation if its period is over and opens the next.
-/// Each emptying runs in a subtransaction under a lock timeout: one that cannot take its
-/// table in time is left for the next round, and the ring does not advance onto it.
+/// One round of the ledger's retention (`generations`): empties the oldest closed
+/// generation whose entries are all older than `keep_s`, with the attempts of the
+/// delivered messages it held, then closes the current generation if its period is over
+/// and opens the next. One generation a round: each round's transaction holds at most one
+/// table's lock. The emptying runs in a subtransaction under a lock timeout: one that
+/// cannot take its table in time is left for a later round, and the ring does not advance
+/// onto it meanwhile.
 pub fn retain(client: &mut SpiClient<'_>, keep_s: f64) -> SpiResult<Retained> {
     let mut retained = Retained::default();
-    client.update(ONE_ROUND_AT_A_TIME, None, &[])?;
+    let ours = client
+        .select(TRY_ONE_ROUND, Some(1), &[])?
+        .first()
+        .get_one::<bool>()?;
+    if ours != Some(true) {
+        retained.skipped = true;
+        return Ok(retained);
+    }
     let (now, rows) = read_generations(client)?;
-    for number in generations::due_for_emptying(&rows, now, keep_s) {
+    if let Some(&number) = generations::due_for_emptying(&rows, now, keep_s).first() {
         let i = number as usize;
+        client.update(DELETE_GENERATION_ATTEMPTS, None, &[number.into()])?;
         let emptied = crate::spi::subtransaction(|| -> SpiResult<()> {
             client.update(EMPTYING_LOCK_TIMEOUT, None, &[])?;
             client.update(LOCK_GENERATION[i], None, &[])?;
-            client.update(DELETE_GENERATION_ATTEMPTS, None, &[number.into()])?;
             client.update(TRUNCATE_GENERATION[i], None, &[])?;
             client.update(FORGET_GENERATION, None, &[number.into()])?;
             Ok(())
         });
         match emptied {
-            Ok(Ok(())) => retained.emptied.push(number),
-            Ok(Err(e)) => retained
-                .deferred
-                .push((number, "XX000".into(), e.to_string())),
-            Err((code, message)) => retained.deferred.push((number, code, message)),
+            Ok(()) => retained.emptied = Some(number),
+            Err((code, message)) => retained.deferred = Some((number, code, message)),
         }
     }
     let rows: Vec<Generation> = rows
         .into_iter()
-        .filter(|g| !retained.emptied.contains(&g.number))
+        .filter(|g| retained.emptied != Some(g.number))
         .collect();
     match generations::rotation(&rows, now, keep_s) {
         Rotation::Stay => {}

@@ -1,12 +1,13 @@
 //! The ledger's generations: retention without DELETE.
 //!
 //! The ledger is three tables (`outbox._ledger_0`, `_1`, `_2`, the partitions of
-//! `outbox._ledger`). New entries go to the *current* generation. Every `keep / 2` the
-//! current one is closed and the next one opened, provided it is empty; a closed generation
-//! is emptied whole (`TRUNCATE`) once its close lies `keep` in the past, since every entry
-//! in it was recorded before it closed. An entry therefore lives at least `keep` and at
-//! most about `1.5 × keep`; no entry is ever deleted one by one, and the tables never hold
-//! dead rows for VACUUM to clean.
+//! `outbox._ledger`). New entries go to the *current* generation. Every
+//! `(keep + CLOSE_MARGIN_S) / 2` the current one is closed and the next one opened,
+//! provided it is empty; a closed generation
+//! is emptied whole (`TRUNCATE`) once its close lies `keep` (and [`CLOSE_MARGIN_S`]) in the
+//! past, since every entry in it was recorded before it closed. An entry therefore lives
+//! at least `keep` and at most about `1.5 × (keep + CLOSE_MARGIN_S)`; no entry is ever
+//! deleted one by one, and the tables never hold dead rows for VACUUM to clean.
 //!
 //! `outbox._ledger_generations` has a row for each generation that holds entries: when it
 //! was opened and, once it stopped taking entries, when it closed. With no row for it, a
@@ -18,6 +19,12 @@
 
 /// How many tables the ledger is kept in.
 pub const GENERATIONS: i16 = 3;
+
+/// Added to the age of a closed generation before it is emptied. Its close is stamped
+/// before the closing transaction commits, and a record that read it as current until
+/// then may add an entry a moment after the stamp (by the commit's latency, which a
+/// synchronous standby lengthens).
+pub const CLOSE_MARGIN_S: f64 = 60.0;
 
 /// A generation that holds entries. Times are seconds since the epoch.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -47,20 +54,25 @@ pub fn current(rows: &[Generation]) -> i16 {
         .map_or(0, |g| g.number)
 }
 
-/// How long a generation takes entries before the next one opens: the three tables hold,
-/// between them, entries of the last `keep` and of one such period before it.
+/// How long a generation takes entries before the next one opens: half of how long a
+/// closed generation waits to be emptied (`keep_s` and [`CLOSE_MARGIN_S`]), so that the
+/// next one is empty, in time, whenever the current one's period ends. The three tables
+/// hold, between them, the entries of the last `keep` and of one such period before it.
 pub fn period_s(keep_s: f64) -> f64 {
-    keep_s.max(0.0) / f64::from(GENERATIONS - 1)
+    (keep_s.max(0.0) + CLOSE_MARGIN_S) / f64::from(GENERATIONS - 1)
 }
 
-/// The closed generations whose every entry is older than `keep_s` at `now`, oldest
-/// first. Never the generation that takes new entries.
+/// The closed generations whose every entry is older than `keep_s` at `now` (their close
+/// older than `keep_s` and [`CLOSE_MARGIN_S`]), oldest first. Never the generation that
+/// takes new entries.
 pub fn due_for_emptying(rows: &[Generation], now: f64, keep_s: f64) -> Vec<i16> {
     let current = current(rows);
     let mut due: Vec<&Generation> = rows
         .iter()
         .filter(|g| g.number != current)
-        .filter(|g| matches!(g.closed_at, Some(closed) if closed + keep_s.max(0.0) <= now))
+        .filter(|g| {
+            matches!(g.closed_at, Some(closed) if closed + keep_s.max(0.0) + CLOSE_MARGIN_S <= now)
+        })
         .collect();
     due.sort_by(|a, b| {
         a.closed_at
@@ -116,8 +128,9 @@ mod tests {
         }
     }
 
-    /// Runs retention every `step` seconds from 0 to `until`, recording an entry in the
-    /// current generation at every step; returns the oldest age any entry reached while
+    /// Runs retention every `step` seconds from 0 to `until`, as the worker does (one
+    /// generation emptied a round), recording an entry in the current generation at every
+    /// step; returns the oldest age any entry reached while
     /// still kept, the youngest age at which one was emptied, and the most generations
     /// that held entries at once.
     fn simulate(keep: f64, step: f64, until: f64) -> (f64, f64, usize) {
@@ -127,7 +140,8 @@ mod tests {
         let mut now = 0.0;
         while now <= until {
             entries.push((current(&rows), now));
-            for g in due_for_emptying(&rows, now, keep) {
+            // A round empties the oldest due generation (crate::ledger::retain).
+            for g in due_for_emptying(&rows, now, keep).into_iter().take(1) {
                 for (_, at) in entries.iter().filter(|(n, _)| *n == g) {
                     youngest_emptied = youngest_emptied.min(now - at);
                 }
@@ -162,11 +176,13 @@ mod tests {
     }
 
     #[test]
-    fn the_current_generation_closes_after_half_of_keep_when_the_next_is_empty() {
+    fn the_current_generation_closes_after_its_period_when_the_next_is_empty() {
         let rows = [open(0, 0.0)];
-        assert_eq!(rotation(&rows, HOUR / 2.0 - 1.0, HOUR), Rotation::Stay);
+        let period = (HOUR + CLOSE_MARGIN_S) / 2.0;
+        assert_eq!(period_s(HOUR), period);
+        assert_eq!(rotation(&rows, period - 1.0, HOUR), Rotation::Stay);
         assert_eq!(
-            rotation(&rows, HOUR / 2.0, HOUR),
+            rotation(&rows, period, HOUR),
             Rotation::Advance { close: 0, open: 1 }
         );
         let rows = [
@@ -175,28 +191,29 @@ mod tests {
             open(2, 3600.0),
         ];
         assert_eq!(
-            rotation(&[rows[1], rows[2]], 5400.0, HOUR),
+            rotation(&[rows[1], rows[2]], 6000.0, HOUR),
             Rotation::Advance { close: 2, open: 0 },
             "the ring wraps round"
         );
         assert_eq!(
-            rotation(&rows, 5400.0, HOUR),
+            rotation(&rows, 6000.0, HOUR),
             Rotation::Stay,
             "the next generation still holds entries"
         );
     }
 
     #[test]
-    fn a_closed_generation_is_emptied_once_its_close_is_keep_old() {
+    fn a_closed_generation_is_emptied_once_its_close_is_keep_and_the_margin_old() {
         let rows = [
             closed(0, 0.0, 1800.0),
             closed(1, 1800.0, 3600.0),
             open(2, 3600.0),
         ];
-        assert!(due_for_emptying(&rows, 1800.0 + HOUR - 0.001, HOUR).is_empty());
-        assert_eq!(due_for_emptying(&rows, 1800.0 + HOUR, HOUR), vec![0]);
+        let due = |closed_at: f64| closed_at + HOUR + CLOSE_MARGIN_S;
+        assert!(due_for_emptying(&rows, due(1800.0) - 0.001, HOUR).is_empty());
+        assert_eq!(due_for_emptying(&rows, due(1800.0), HOUR), vec![0]);
         assert_eq!(
-            due_for_emptying(&rows, 3600.0 + HOUR, HOUR),
+            due_for_emptying(&rows, due(3600.0), HOUR),
             vec![0, 1],
             "oldest first"
         );
@@ -222,19 +239,23 @@ mod tests {
             closed(1, 1800.0, 3600.0),
             open(2, 3600.0),
         ];
-        assert!(due_for_emptying(&rows, 1800.0 + HOUR, 10.0 * HOUR).is_empty());
+        assert!(due_for_emptying(&rows, 1800.0 + HOUR + CLOSE_MARGIN_S, 10.0 * HOUR).is_empty());
         assert_eq!(rotation(&rows, 1e6, 10.0 * HOUR), Rotation::Stay);
     }
 
     #[test]
-    fn keep_of_zero_or_less_rotates_and_empties_at_every_round() {
-        assert_eq!(period_s(-5.0), 0.0);
+    fn keep_of_zero_or_less_rotates_and_empties_after_the_margin() {
+        assert_eq!(period_s(-5.0), CLOSE_MARGIN_S / 2.0);
         assert_eq!(
-            rotation(&[open(0, 100.0)], 100.0, 0.0),
+            rotation(&[open(0, 100.0)], 100.0 + CLOSE_MARGIN_S / 2.0, 0.0),
             Rotation::Advance { close: 0, open: 1 }
         );
         assert_eq!(
-            due_for_emptying(&[closed(0, 0.0, 100.0), open(1, 100.0)], 100.0, -1.0),
+            due_for_emptying(
+                &[closed(0, 0.0, 100.0), open(1, 100.0)],
+                100.0 + CLOSE_MARGIN_S,
+                -1.0
+            ),
             vec![0]
         );
     }
@@ -246,7 +267,7 @@ mod tests {
     }
 
     #[test]
-    fn every_entry_lives_at_least_keep_and_at_most_one_and_a_half_keep() {
+    fn every_entry_lives_at_least_keep_and_at_most_one_and_a_half_keep_and_margin() {
         for (keep, step) in [
             (HOUR, 10.0),
             (HOUR, 7.0),
@@ -257,11 +278,11 @@ mod tests {
             let (oldest_kept, youngest_emptied, most_held) =
                 simulate(keep, step, 20.0 * keep.max(100.0));
             assert!(
-                youngest_emptied >= keep,
+                youngest_emptied >= keep + CLOSE_MARGIN_S,
                 "keep {keep}, rounds every {step}: an entry emptied at {youngest_emptied} s"
             );
             assert!(
-                oldest_kept <= 1.5 * keep + 2.0 * step,
+                oldest_kept <= 1.5 * (keep + CLOSE_MARGIN_S) + 2.0 * step,
                 "keep {keep}, rounds every {step}: an entry kept {oldest_kept} s"
             );
             assert!(most_held <= GENERATIONS as usize);
@@ -270,8 +291,8 @@ mod tests {
 
     #[test]
     fn rounds_that_stop_for_a_while_keep_entries_longer_never_shorter() {
-        // Retention runs again after a pause of ten keeps: everything due is emptied at
-        // once, and one generation opens.
+        // Retention runs again after a pause of ten keeps: both closed generations are due,
+        // oldest first (a round empties one), and once they are, the next one opens.
         let rows = [
             closed(0, 0.0, 1800.0),
             closed(1, 1800.0, 3600.0),

@@ -6,12 +6,16 @@
 use crate::error::sqlstate_and_message;
 use pgrx::pg_sys;
 use pgrx::PgTryBuilder;
+use std::fmt::Display;
 use std::panic::AssertUnwindSafe;
 
-/// Runs `step` in a subtransaction: its result once the subtransaction is released, or,
-/// when it raised an error, that error's SQLSTATE and message once the subtransaction is
-/// rolled back (with its locks, settings and writes).
-pub fn subtransaction<R>(step: impl FnOnce() -> R) -> Result<R, (String, String)> {
+/// Runs `step` in a subtransaction. When it returns `Ok`, the subtransaction is released:
+/// its writes, locks and settings (`set_config(…, true)`) stay with the transaction. When
+/// it returns `Err` or raises an error, the subtransaction is rolled back, with its writes,
+/// locks and settings, and the error's SQLSTATE (XX000 for an `Err`) and message returned.
+pub fn subtransaction<R, E: Display>(
+    step: impl FnOnce() -> Result<R, E>,
+) -> Result<R, (String, String)> {
     // SAFETY: the subtransaction begun here is ended here, on either path, and the memory
     // context and resource owner of the caller are restored after it, as PL/pgSQL does
     // around an exception block.
@@ -20,9 +24,11 @@ pub fn subtransaction<R>(step: impl FnOnce() -> R) -> Result<R, (String, String)
         let outer_owner = pg_sys::CurrentResourceOwner;
         pg_sys::BeginInternalSubTransaction(std::ptr::null());
         pg_sys::MemoryContextSwitchTo(outer_context);
-        let result = PgTryBuilder::new(AssertUnwindSafe(|| Ok(step())))
-            .catch_others(|caught| Err(sqlstate_and_message(&caught)))
-            .execute();
+        let result = PgTryBuilder::new(AssertUnwindSafe(|| {
+            step().map_err(|e| ("XX000".to_string(), e.to_string()))
+        }))
+        .catch_others(|caught| Err(sqlstate_and_message(&caught)))
+        .execute();
         match result {
             Ok(_) => {
                 pg_sys::ReleaseCurrentSubTransaction();

@@ -162,8 +162,8 @@ fn a_delivered_message_lives_in_its_ledger_entry_and_every_action_still_finds_it
                            ({generation}, now() - interval '3 days', now() - interval '2 days'),
                            ({next}, now(), NULL)")).unwrap();
     let retained = Spi::connect_mut(|client| crate::ledger::retain(client, 86_400.0)).unwrap();
-    assert_eq!(retained.emptied, vec![generation]);
-    assert!(retained.deferred.is_empty());
+    assert_eq!(retained.emptied, Some(generation));
+    assert_eq!(retained.deferred, None);
     assert_eq!(retained.opened, None, "the current generation opened just now");
     assert_eq!(Spi::get_one::<i64>(&format!("SELECT count(*) FROM outbox.messages WHERE id = {id}")).unwrap(), Some(0));
     assert_eq!(Spi::get_one::<i64>(&format!("SELECT count(*) FROM outbox._attempts WHERE message_id = {id}")).unwrap(), Some(0));

@@ -629,13 +629,13 @@ impl Worker {
                 panic!("outbox_delivery worker: retention of the ledger failed: {e}")
             })
         });
-        for generation in &retained.emptied {
+        if let Some(generation) = retained.emptied {
             debug1!(
                 "outbox_delivery worker {}: retention emptied generation {generation} of the ledger",
                 self.index
             );
         }
-        for (generation, code, message) in &retained.deferred {
+        if let Some((generation, code, message)) = &retained.deferred {
             log!(
                 "outbox_delivery worker {}: generation {generation} of the ledger is due for emptying but its table is in use (SQLSTATE {code}: {message}); trying again at the next round",
                 self.index
