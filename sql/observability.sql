@@ -129,9 +129,17 @@ SELECT 'circuit_open', c.name, 'critical',
   FROM outbox._channel_flow f
   JOIN outbox._channels c ON c.id = f.channel_id
  WHERE f.circuit_state IN ('open', 'half_open')
-   AND jsonb_typeof(c.options -> 'circuit') = 'object';
+   AND jsonb_typeof(c.options -> 'circuit') = 'object'
+UNION ALL
+-- The ledger's retention has put off emptying a due generation for five minutes: a session
+-- holds its table (docs/runbook.md). value = seconds since the first time it was put off.
+SELECT 'ledger_retention_deferred', NULL, 'warning',
+       round(extract(epoch FROM pg_catalog.now() - g.emptying_deferred_since), 3)::numeric,
+       300::numeric, g.emptying_deferred_since
+  FROM outbox._ledger_generations g
+ WHERE g.emptying_deferred_since < pg_catalog.now() - interval '5 minutes';
 COMMENT ON VIEW outbox.alerts IS
-    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can), a channel whose circuit is open. since = when it began.';
+    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can), a channel whose circuit is open, a generation of the ledger whose emptying has been put off for five minutes. since = when it began.';
 
 CREATE FUNCTION outbox._prom_label(v text) RETURNS text
 LANGUAGE sql IMMUTABLE

@@ -232,12 +232,15 @@ ALTER INDEX outbox._ledger_message_idx RENAME TO _ledger_of_0_1_0_message_idx;
 -- _2, the partitions of outbox._ledger), filled one after another, and retention empties
 -- a whole table with TRUNCATE instead of deleting its entries one by one (src/ledger/
 -- generations.rs). A row per generation that holds entries: when it was opened, and when
--- it stopped taking new entries (NULL: the current one). No row at all: generation 0 is
--- current (a fresh install).
+-- it stopped taking new entries (NULL: the current one), and since when its emptying,
+-- due, has been put off because another session held its table (outbox.alerts raises
+-- ledger_retention_deferred after five minutes). No row at all: generation 0 is current
+-- (a fresh install).
 CREATE TABLE outbox._ledger_generations (
     generation smallint    PRIMARY KEY,
     opened_at  timestamptz NOT NULL,
     closed_at  timestamptz,
+    emptying_deferred_since timestamptz,
     CONSTRAINT ledger_generation_known CHECK (generation BETWEEN 0 AND 2)
 );
 CREATE UNIQUE INDEX _ledger_generations_current_idx ON outbox._ledger_generations ((true))
@@ -573,9 +576,17 @@ SELECT 'circuit_open', c.name, 'critical',
   FROM outbox._channel_flow f
   JOIN outbox._channels c ON c.id = f.channel_id
  WHERE f.circuit_state IN ('open', 'half_open')
-   AND jsonb_typeof(c.options -> 'circuit') = 'object';
+   AND jsonb_typeof(c.options -> 'circuit') = 'object'
+UNION ALL
+-- The ledger's retention has put off emptying a due generation for five minutes: a session
+-- holds its table (docs/runbook.md). value = seconds since the first time it was put off.
+SELECT 'ledger_retention_deferred', NULL, 'warning',
+       round(extract(epoch FROM pg_catalog.now() - g.emptying_deferred_since), 3)::numeric,
+       300::numeric, g.emptying_deferred_since
+  FROM outbox._ledger_generations g
+ WHERE g.emptying_deferred_since < pg_catalog.now() - interval '5 minutes';
 COMMENT ON VIEW outbox.alerts IS
-    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can), a channel whose circuit is open. since = when it began.';
+    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can), a channel whose circuit is open, a generation of the ledger whose emptying has been put off for five minutes. since = when it began.';
 
 -- worker_status() answers for the database it is called in (outbox.database lists several).
 COMMENT ON FUNCTION outbox.worker_status() IS

@@ -157,12 +157,15 @@ COMMENT ON TABLE outbox._attempts IS 'Attempt history (private; read outbox.atte
 -- _2, the partitions of outbox._ledger), filled one after another, and retention empties
 -- a whole table with TRUNCATE instead of deleting its entries one by one (src/ledger/
 -- generations.rs). A row per generation that holds entries: when it was opened, and when
--- it stopped taking new entries (NULL: the current one). No row at all: generation 0 is
--- current (a fresh install).
+-- it stopped taking new entries (NULL: the current one), and since when its emptying,
+-- due, has been put off because another session held its table (outbox.alerts raises
+-- ledger_retention_deferred after five minutes). No row at all: generation 0 is current
+-- (a fresh install).
 CREATE TABLE outbox._ledger_generations (
     generation smallint    PRIMARY KEY,
     opened_at  timestamptz NOT NULL,
     closed_at  timestamptz,
+    emptying_deferred_since timestamptz,
     CONSTRAINT ledger_generation_known CHECK (generation BETWEEN 0 AND 2)
 );
 CREATE UNIQUE INDEX _ledger_generations_current_idx ON outbox._ledger_generations ((true))

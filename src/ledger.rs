@@ -279,6 +279,17 @@ const TRUNCATE_GENERATION: [&str; generations::GENERATIONS as usize] = [
     "TRUNCATE outbox._ledger_2",
 ];
 
+/// A due generation whose table was held: since when its emptying has been put off
+/// (outbox.alerts raises `ledger_retention_deferred` after five minutes); whether this is
+/// the first time. An emptied generation's row goes, and the stamp with it.
+const STAMP_DEFERRAL: &str = "
+UPDATE outbox._ledger_generations g
+   SET emptying_deferred_since = coalesce(g.emptying_deferred_since, now())
+  FROM (SELECT emptying_deferred_since IS NULL AS first
+          FROM outbox._ledger_generations WHERE generation = $1) before
+ WHERE g.generation = $1
+RETURNING before.first";
+
 /// An emptied generation holds no entries: its row goes.
 const FORGET_GENERATION: &str = "DELETE FROM outbox._ledger_generations WHERE generation = $1";
 
@@ -311,6 +322,17 @@ fn read_generations(client: &mut SpiClient<'_>) -> SpiResult<(f64, Vec<Generatio
     Ok((now, rows))
 }
 
+/// A generation whose emptying was put off.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Deferral {
+    pub generation: i16,
+    /// The first time since it became due (the rounds after it say nothing new).
+    pub first: bool,
+    /// The SQLSTATE and message of the lock that was not granted in time.
+    pub sqlstate: String,
+    pub message: String,
+}
+
 /// What one round of the ledger's retention did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Retained {
@@ -319,8 +341,8 @@ pub struct Retained {
     /// The generation emptied whole, if one was.
     pub emptied: Option<i16>,
     /// A generation due but not emptied this round: its table was held by another session
-    /// for longer than the lock timeout (SQLSTATE and message).
-    pub deferred: Option<(i16, String, String)>,
+    /// for longer than the lock timeout.
+    pub deferred: Option<Deferral>,
     /// The generation opened, if one was.
     pub opened: Option<i16>,
 }
@@ -355,7 +377,19 @@ pub fn retain(client: &mut SpiClient<'_>, keep_s: f64) -> SpiResult<Retained> {
         });
         match emptied {
             Ok(()) => retained.emptied = Some(number),
-            Err((code, message)) => retained.deferred = Some((number, code, message)),
+            Err((sqlstate, message)) => {
+                let first = client
+                    .update(STAMP_DEFERRAL, None, &[number.into()])?
+                    .first()
+                    .get_one::<bool>()?
+                    .unwrap_or(true);
+                retained.deferred = Some(Deferral {
+                    generation: number,
+                    first,
+                    sqlstate,
+                    message,
+                });
+            }
         }
     }
     let rows: Vec<Generation> = rows

@@ -34,6 +34,25 @@ fn metrics_count_states_per_channel_and_in_total() {
 }
 
 #[pg_test]
+fn a_generation_of_the_ledger_whose_emptying_is_put_off_five_minutes_raises_an_alert() {
+    let raised = || {
+        Spi::get_one::<i64>("SELECT count(*) FROM outbox.alerts WHERE alert = 'ledger_retention_deferred' AND channel IS NULL")
+            .unwrap()
+            .unwrap()
+    };
+    Spi::run("INSERT INTO outbox._ledger_generations (generation, opened_at, closed_at, emptying_deferred_since)
+              VALUES (1, now() - interval '3 days', now() - interval '2 days', now() - interval '4 minutes')").unwrap();
+    assert_eq!(raised(), 0, "not before five minutes");
+    Spi::run("UPDATE outbox._ledger_generations SET emptying_deferred_since = now() - interval '6 minutes' WHERE generation = 1").unwrap();
+    assert_eq!(raised(), 1);
+    let text = Spi::get_one::<String>("SELECT outbox.prometheus()").unwrap().unwrap();
+    assert!(text.contains(r#"outbox_alert{alert="ledger_retention_deferred",channel="",severity="warning"} 1"#), "{text}");
+    // Emptied at last: its row goes, and the alert with it.
+    Spi::run("DELETE FROM outbox._ledger_generations WHERE generation = 1").unwrap();
+    assert_eq!(raised(), 0);
+}
+
+#[pg_test]
 fn each_alert_is_raised_and_cleared() {
     obs_channel("al", "{}");
     obs_channel("al_rc", r#"{"reconcile": {"url": "http://127.0.0.1:9/m/{effect_key}"}}"#);

@@ -635,11 +635,18 @@ impl Worker {
                 self.index
             );
         }
-        if let Some((generation, code, message)) = &retained.deferred {
-            log!(
-                "outbox_delivery worker {}: generation {generation} of the ledger is due for emptying but its table is in use (SQLSTATE {code}: {message}); trying again at the next round",
-                self.index
+        if let Some(d) = &retained.deferred {
+            // Said once, when the generation is first put off; then every round at DEBUG1
+            // (outbox.alerts raises ledger_retention_deferred after five minutes).
+            let text = format!(
+                "outbox_delivery worker {}: generation {} of the ledger is due for emptying but its table is in use (SQLSTATE {}: {}); trying again at the next round",
+                self.index, d.generation, d.sqlstate, d.message
             );
+            if d.first {
+                log!("{text}");
+            } else {
+                debug1!("{text}");
+            }
         }
         if let Some(generation) = retained.opened {
             debug1!(

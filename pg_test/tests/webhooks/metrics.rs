@@ -144,7 +144,7 @@ fn the_alert_rules_pass_promtool() {
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "promtool check rules: {text}");
-    assert!(text.contains("SUCCESS: 7 rules found"), "{text}");
+    assert!(text.contains("SUCCESS: 8 rules found"), "{text}");
 }
 
 #[test]

@@ -232,6 +232,17 @@ fn the_ledger_empties_a_whole_generation_once_it_closed_a_keep_ago_and_waits_for
         old,
         "the entry is kept while the table is held"
     );
+    let deferred_since: Option<std::time::SystemTime> = c
+        .query_one(
+            "SELECT emptying_deferred_since FROM outbox._ledger_generations WHERE generation = $1",
+            &[&old],
+        )
+        .unwrap()
+        .get(0);
+    assert!(
+        deferred_since.is_some(),
+        "the deferral is stamped on the generation"
+    );
     // Meanwhile deliveries go on: the worker's records are not held up by the emptying.
     let third = enqueue_payload(&mut c, &ch, r#"{"g": 3}"#, &unique("gen_third"));
     wait_message(&cluster, third, "delivered");
