@@ -120,6 +120,16 @@ mod tests {
         }
     }
 
+    /// The ring as a keep of an hour leaves it: generation 0 closed at 1800 s, 1 at 3600 s,
+    /// 2 current since then.
+    fn ring() -> [Generation; 3] {
+        [
+            closed(0, 0.0, 1800.0),
+            closed(1, 1800.0, 3600.0),
+            open(2, 3600.0),
+        ]
+    }
+
     fn closed(number: i16, opened_at: f64, closed_at: f64) -> Generation {
         Generation {
             number,
@@ -185,11 +195,7 @@ mod tests {
             rotation(&rows, period, HOUR),
             Rotation::Advance { close: 0, open: 1 }
         );
-        let rows = [
-            closed(0, 0.0, 1800.0),
-            closed(1, 1800.0, 3600.0),
-            open(2, 3600.0),
-        ];
+        let rows = ring();
         assert_eq!(
             rotation(&[rows[1], rows[2]], 6000.0, HOUR),
             Rotation::Advance { close: 2, open: 0 },
@@ -204,11 +210,7 @@ mod tests {
 
     #[test]
     fn a_closed_generation_is_emptied_once_its_close_is_keep_and_the_margin_old() {
-        let rows = [
-            closed(0, 0.0, 1800.0),
-            closed(1, 1800.0, 3600.0),
-            open(2, 3600.0),
-        ];
+        let rows = ring();
         let due = |closed_at: f64| closed_at + HOUR + CLOSE_MARGIN_S;
         assert!(due_for_emptying(&rows, due(1800.0) - 0.001, HOUR).is_empty());
         assert_eq!(due_for_emptying(&rows, due(1800.0), HOUR), vec![0]);
@@ -234,11 +236,7 @@ mod tests {
 
     #[test]
     fn a_keep_raised_later_holds_entries_longer_and_never_empties_early() {
-        let rows = [
-            closed(0, 0.0, 1800.0),
-            closed(1, 1800.0, 3600.0),
-            open(2, 3600.0),
-        ];
+        let rows = ring();
         assert!(due_for_emptying(&rows, 1800.0 + HOUR + CLOSE_MARGIN_S, 10.0 * HOUR).is_empty());
         assert_eq!(rotation(&rows, 1e6, 10.0 * HOUR), Rotation::Stay);
     }
@@ -293,11 +291,7 @@ mod tests {
     fn rounds_that_stop_for_a_while_keep_entries_longer_never_shorter() {
         // Retention runs again after a pause of ten keeps: both closed generations are due,
         // oldest first (a round empties one), and once they are, the next one opens.
-        let rows = [
-            closed(0, 0.0, 1800.0),
-            closed(1, 1800.0, 3600.0),
-            open(2, 3600.0),
-        ];
+        let rows = ring();
         let now = 3600.0 + 10.0 * HOUR;
         assert_eq!(due_for_emptying(&rows, now, HOUR), vec![0, 1]);
         assert_eq!(
