@@ -7,13 +7,16 @@
 # VACUUM ANALYZE, CHECKPOINT, statistics reset, then the channel resumed and drained by the
 # workers. Per drain: deliveries/s, WAL bytes and full-page images per message (the drain
 # starts right after a CHECKPOINT: every page's first change writes a full-page image),
-# the rows each table took (inserts, updates, HOT updates) and the load average of the
-# machine at its end. Figures only; nothing is asserted.
+# the rows each table took (inserts, updates, HOT updates) and the autovacuums it had, and
+# the load average of the machine at its end. Figures only; nothing is asserted.
 #
 # Usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog=10000] [rounds=3]
 #   OUTBOX_BASE (/tmp/outbox_delivery_bench_prefixes), OUTBOX_PGPORT (54822), SINK_PORT
 #   (18802), OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200), PREFILL (ledger entries
-#   written before each drain, spread over the generations of a build that has them; 0).
+#   written before each drain, spread over the generations of a build that has them; 0),
+#   OLD_SQL / NEW_SQL (statements run in each drain's fresh cluster of that side before its
+#   backlog is enqueued, e.g. to try a storage setting on one side: give the same prefix
+#   twice), EVERY (seconds between the drain's rate samples, printed as rate_each; 5).
 source "$(dirname "$0")/lib.sh"
 OLD=${1:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
 NEW=${2:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
@@ -35,10 +38,12 @@ SINK_PID=$!
 trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
 
-# One drain on the build installed in prefix $1; prints "figure value" lines.
+# One drain on the build installed in prefix $1, with the statements $2 run first; prints
+# "figure value" lines.
 drain() {
   export OUTBOX_PGBIN=$1/lib/postgresql/15/bin
   fresh_cluster >/dev/null
+  if [ -n "${2:-}" ]; then psql -c "$2" >/dev/null; fi
   psql -c "SELECT outbox.create_channel('drain', 'http://127.0.0.1:$SINK_PORT/ch/drain', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb)" \
        -c "SELECT outbox.pause_channel('drain', 'loading the backlog')" >/dev/null
   psql -c "SELECT count(outbox.enqueue('drain', jsonb_build_object('n', g, 'text', 'benchmark message'), 'k:' || g)) FROM generate_series(1, $N) g" >/dev/null
@@ -60,9 +65,18 @@ drain() {
   local t0 t1
   t0=$(date +%s%N)
   psql -c "SELECT outbox.resume_channel('drain')" >/dev/null
+  local every=${EVERY:-5} next=$((SECONDS + ${EVERY:-5})) done0=0 done1 rates=""
   while [ "$(psql -c "SELECT EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'queued')
-                          OR EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'sending')")" != f ]; do sleep 0.1; done
+                          OR EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'sending')")" != f ]; do
+    sleep 0.1
+    if [ $SECONDS -ge $next ]; then
+      done1=$(psql -c "SELECT coalesce(sum(delivered_total), 0) FROM outbox._channel_stats")
+      rates="$rates${rates:+/}$(( (done1 - done0) / every ))"
+      done0=$done1; next=$((next + every))
+    fi
+  done
   t1=$(date +%s%N)
+  [ -z "$rates" ] || echo "rate_each_${every}s $rates"
   local delivered
   delivered=$(psql -c "SELECT count(*) FROM outbox.messages WHERE state = 'delivered'")
   [ "$delivered" = "$N" ] || echo "warning: $delivered of $N delivered" >&2
@@ -71,7 +85,7 @@ drain() {
   psql -F ' ' -c "SELECT 'wal_bytes_per_message', round(wal_bytes / $N) FROM pg_stat_wal"
   psql -F ' ' -c "SELECT 'wal_records_per_message', round(wal_records::numeric / $N, 2) FROM pg_stat_wal"
   psql -F ' ' -c "SELECT 'full_page_images_per_message', round(wal_fpi::numeric / $N, 2) FROM pg_stat_wal"
-  psql -F ' ' -c "SELECT 'rows' || relname, n_tup_ins || '_ins/' || n_tup_upd || '_upd/' || n_tup_hot_upd || '_hot'
+  psql -F ' ' -c "SELECT 'rows' || relname, n_tup_ins || '_ins/' || n_tup_upd || '_upd/' || n_tup_hot_upd || '_hot/' || autovacuum_count || '_autovacuums'
                     FROM pg_stat_user_tables WHERE schemaname = 'outbox' AND relname IN ('_messages', '_attempts', '_ledger', '_ledger_0', '_ledger_1', '_ledger_2')
                    ORDER BY relname"
   echo "load_average_1m $(cut -d' ' -f1 /proc/loadavg)"
@@ -81,11 +95,13 @@ drain() {
 echo "machine: $(nproc) cores; $OUTBOX_WORKERS delivery workers, batch ${BATCH:-200}; backlog $N; $ROUNDS rounds, builds alternating"
 echo "old: $OLD"
 echo "new: $NEW"
+[ -z "${OLD_SQL:-}" ] || echo "old runs first: $OLD_SQL"
+[ -z "${NEW_SQL:-}" ] || echo "new runs first: $NEW_SQL"
 declare -A lines
 for round in $(seq "$ROUNDS"); do
   for side in old new; do
-    if [ "$side" = old ]; then prefix=$OLD; else prefix=$NEW; fi
-    out=$(drain "$prefix")
+    if [ "$side" = old ]; then prefix=$OLD sql=${OLD_SQL:-}; else prefix=$NEW sql=${NEW_SQL:-}; fi
+    out=$(drain "$prefix" "$sql")
     while read -r name value; do
       [ -n "$name" ] || continue
       lines["$name $side"]="${lines["$name $side"]:-}${lines["$name $side"]:+, }$value"

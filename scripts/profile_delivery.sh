@@ -16,7 +16,9 @@
 #   object merged into the defaults, e.g. '{"retry": {"base_ms": 20, "max_attempts": 30}}'),
 #   TIMELINE=1 (every 5 s of the drain: its rate, the whole machine's CPU by kind from
 #   /proc/stat, including the kernel's own threads and time taken by the host, and the
-#   page cache's dirty and writeback memory)
+#   page cache's dirty and writeback memory), WAITS=1 (what the workers' backends were
+#   doing, sampled from pg_stat_activity every 2 ms of the drain: on the CPU, or waiting and
+#   for what: a lock, the WAL's flush at a commit, a read)
 source "$(dirname "$0")/lib.sh"
 N=${1:-60000}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_profile}
@@ -97,6 +99,22 @@ for run in $(seq 1 "${RUNS:-1}"); do
   sample_server_cpu >"$OUTBOX_BASE/cpu.samples" &
   SAMPLER=$!
   if [ -n "${TIMELINE:-}" ]; then sample_machine >"$OUTBOX_BASE/machine.samples" & MACHINE=$!; fi
+  if [ -n "${WAITS:-}" ]; then
+    # One session samples until the backlog is gone; pg_stat_activity is read afresh at
+    # each sample (pg_stat_clear_snapshot), into a temporary table that writes no WAL.
+    psql -F ' ' -c "CREATE TEMP TABLE s (what text)" -c "
+      DO \$\$ BEGIN
+        FOR i IN 1..300000 LOOP
+          PERFORM pg_stat_clear_snapshot();
+          INSERT INTO s SELECT coalesce(wait_event_type || ':' || wait_event, 'on the CPU')
+                          FROM pg_stat_activity WHERE backend_type LIKE 'outbox_delivery worker%';
+          EXIT WHEN i % 50 = 0 AND NOT EXISTS (SELECT 1 FROM outbox._messages WHERE state IN ('queued', 'sending'));
+          PERFORM pg_sleep(0.002);
+        END LOOP;
+      END \$\$" -c "SELECT '  ' || what, count(*), round(100.0 * count(*) / sum(count(*)) OVER (), 1) || ' %'
+                        FROM s GROUP BY what ORDER BY count(*) DESC LIMIT 12" >"$OUTBOX_BASE/waits.txt" 2>&1 &
+    WAITER=$!
+  fi
   k0=$(process_ticks $SINK_PID)
   lsn0=$(psql -c "SELECT pg_current_wal_lsn()")
   t0=$(date +%s%N)
@@ -141,6 +159,11 @@ for run in $(seq 1 "${RUNS:-1}"); do
         line = $0; gsub(/[[(][ 0-9.%]*[])]/, "", line); split(line, f, " ")
         if (f[5] > 0) printf "  %-36s %8.1f B (%6.1f) %6.2f\n", f[1], f[5] / n, f[4] / n, f[2] / n }' |
       sort -k2 -g -r | head -18
+  fi
+  if [ -n "${WAITS:-}" ]; then
+    wait $WAITER || true
+    echo "the workers' backends during the drain, sampled every 2 ms (samples, share):"
+    cat "$OUTBOX_BASE/waits.txt"
   fi
   if [ -n "${TIMELINE:-}" ]; then print_timeline "$OUTBOX_BASE/machine.samples"; fi
   if [ -n "${STATEMENTS:-}" ]; then

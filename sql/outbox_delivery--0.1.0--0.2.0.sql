@@ -297,12 +297,18 @@ CREATE TABLE outbox._ledger (
 ) PARTITION BY LIST (generation);
 CREATE INDEX _ledger_message_idx ON outbox._ledger (message_id);
 COMMENT ON TABLE outbox._ledger IS 'Effects confirmed by a provider, reconcile or an operator (private; read outbox.ledger).';
+-- A generation only takes insertions until it is emptied whole: no vacuum is started by
+-- its insertions alone (autovacuum_vacuum_insert_threshold = -1). Such a vacuum would only
+-- mark its pages all-visible, which no reader of the ledger uses (an effect is looked up by
+-- key and its entry read from the table), and it read the generation's new pages while the
+-- workers were filling it. Dead rows (an insertion rolled back) and the age of its
+-- transaction ids still start one as for any table.
 CREATE TABLE outbox._ledger_0 PARTITION OF outbox._ledger FOR VALUES IN (0)
-    WITH (autovacuum_analyze_scale_factor = 0.05);
+    WITH (autovacuum_analyze_scale_factor = 0.05, autovacuum_vacuum_insert_threshold = -1);
 CREATE TABLE outbox._ledger_1 PARTITION OF outbox._ledger FOR VALUES IN (1)
-    WITH (autovacuum_analyze_scale_factor = 0.05);
+    WITH (autovacuum_analyze_scale_factor = 0.05, autovacuum_vacuum_insert_threshold = -1);
 CREATE TABLE outbox._ledger_2 PARTITION OF outbox._ledger FOR VALUES IN (2)
-    WITH (autovacuum_analyze_scale_factor = 0.05);
+    WITH (autovacuum_analyze_scale_factor = 0.05, autovacuum_vacuum_insert_threshold = -1);
 COMMENT ON TABLE outbox._ledger_0 IS 'Generation 0 of the ledger (private; read outbox.ledger).';
 COMMENT ON TABLE outbox._ledger_1 IS 'Generation 1 of the ledger (private; read outbox.ledger).';
 COMMENT ON TABLE outbox._ledger_2 IS 'Generation 2 of the ledger (private; read outbox.ledger).';
