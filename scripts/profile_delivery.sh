@@ -17,7 +17,7 @@
 #   TIMELINE=1 (every 5 s of the drain: its rate, the whole machine's CPU by kind from
 #   /proc/stat, including the kernel's own threads and time taken by the host, and the
 #   page cache's dirty and writeback memory), WAITS=1 (what the workers' backends were
-#   doing, sampled from pg_stat_activity every 2 ms of the drain: on the CPU, or waiting and
+#   doing, sampled from pg_stat_activity every 10 ms of the drain: on the CPU, or waiting and
 #   for what: a lock, the WAL's flush at a commit, a read)
 source "$(dirname "$0")/lib.sh"
 N=${1:-60000}
@@ -108,8 +108,8 @@ for run in $(seq 1 "${RUNS:-1}"); do
           PERFORM pg_stat_clear_snapshot();
           INSERT INTO s SELECT coalesce(wait_event_type || ':' || wait_event, 'on the CPU')
                           FROM pg_stat_activity WHERE backend_type LIKE 'outbox_delivery worker%';
-          EXIT WHEN i % 50 = 0 AND NOT EXISTS (SELECT 1 FROM outbox._messages WHERE state IN ('queued', 'sending'));
-          PERFORM pg_sleep(0.002);
+          EXIT WHEN i % 10 = 0 AND NOT EXISTS (SELECT 1 FROM outbox._messages WHERE state IN ('queued', 'sending'));
+          PERFORM pg_sleep(0.01);
         END LOOP;
       END \$\$" -c "SELECT '  ' || what, count(*), round(100.0 * count(*) / sum(count(*)) OVER (), 1) || ' %'
                         FROM s GROUP BY what ORDER BY count(*) DESC LIMIT 12" >"$OUTBOX_BASE/waits.txt" 2>&1 &
@@ -162,7 +162,7 @@ for run in $(seq 1 "${RUNS:-1}"); do
   fi
   if [ -n "${WAITS:-}" ]; then
     wait $WAITER || true
-    echo "the workers' backends during the drain, sampled every 2 ms (samples, share):"
+    echo "the workers' backends during the drain, sampled every 10 ms (samples, share):"
     cat "$OUTBOX_BASE/waits.txt"
   fi
   if [ -n "${TIMELINE:-}" ]; then print_timeline "$OUTBOX_BASE/machine.samples"; fi
