@@ -65,7 +65,8 @@ drain() {
   local t0 t1
   t0=$(date +%s%N)
   psql -c "SELECT outbox.resume_channel('drain')" >/dev/null
-  local every=${EVERY:-5} next=$((SECONDS + ${EVERY:-5})) done0=0 done1 rates=""
+  local every=${EVERY:-5} done0=0 done1 rates=""
+  local next=$((SECONDS + every))
   while [ "$(psql -c "SELECT EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'queued')
                           OR EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'sending')")" != f ]; do
     sleep 0.1

@@ -40,6 +40,11 @@ SINK_PID=$!
 trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
 LOG=$OUTBOX_BASE/postgres.log
+# Whether messages are still queued or in flight: two probes of the heads of partial
+# indexes; a count of the table would cost the drain a fifth of the machine at a backlog of
+# a million.
+DRAINING="EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'queued')
+          OR EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'sending')"
 TICK=$(getconf CLK_TCK)
 # Every second, the CPU ticks so far of each server process: "pid kind ticks" lines.
 sample_server_cpu() {
@@ -108,7 +113,7 @@ for run in $(seq 1 "${RUNS:-1}"); do
           PERFORM pg_stat_clear_snapshot();
           INSERT INTO s SELECT coalesce(wait_event_type || ':' || wait_event, 'on the CPU')
                           FROM pg_stat_activity WHERE backend_type LIKE 'outbox_delivery worker%';
-          EXIT WHEN i % 10 = 0 AND NOT EXISTS (SELECT 1 FROM outbox._messages WHERE state IN ('queued', 'sending'));
+          EXIT WHEN i % 10 = 0 AND NOT ($DRAINING);
           PERFORM pg_sleep(0.01);
         END LOOP;
       END \$\$" -c "SELECT '  ' || what, count(*), round(100.0 * count(*) / sum(count(*)) OVER (), 1) || ' %'
@@ -123,10 +128,7 @@ for run in $(seq 1 "${RUNS:-1}"); do
     sleep "${PROFILE_AT:-1}"
     perf record -a -g -o "$OUTBOX_BASE/perf.data" -- sleep 4 >/dev/null 2>&1
   fi
-  # Two probes of the heads of partial indexes: a count of the table would cost the
-  # drain a fifth of the machine at a backlog of a million.
-  while [ "$(psql -c "SELECT EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'queued')
-                          OR EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'sending')")" != f ]; do sleep 0.2; done
+  while [ "$(psql -c "SELECT $DRAINING")" != f ]; do sleep 0.2; done
   t1=$(date +%s%N)
   k1=$(process_ticks $SINK_PID)
   kill $SAMPLER; wait $SAMPLER 2>/dev/null || true
