@@ -108,6 +108,29 @@ for mode in simple prepared; do
   awk -v l="$label" -v w="$w" -v wp="$wp" -v p="${insert_tps[$label]}" -v ws="$ws" -v wps="$wps" 'BEGIN { printf "enqueue_%s_as_writer %d tps (rounds:%s) | plain_insert_on_conflict_%s_as_writer %d tps (rounds:%s) | plain/enqueue %.2fx (%.2fx to the superuser'"'"'s INSERT above)\n", l, w, ws, l, wp, wps, wp / w, p / w }'
 done
 
+# The same two statements in one pgbench run, three rounds: every client picks one of them
+# at random for each transaction, so both meet the same commit flushes, checkpoints and
+# table sizes, which move separate runs by a third from one to the next here; pgbench
+# reports each script's mean latency. plain/enqueue is the enqueue's mean latency over the
+# plain INSERT's (8 clients, prepared: as the separate runs above, whose tps ratio is the
+# inverse ratio of their latencies), the median of the rounds' ratios.
+interleaved_latencies() {
+  pgb "$@" -T "$DURATION" -f "$WORK/enqueue.sql@1" -f "$WORK/insert.sql@1" |
+    awk '/^SQL script/ { s++ } /- latency average/ { lat[s] = $5 } END { printf "%.3f %.3f\n", lat[1], lat[2] }'
+}
+for who in superuser bench_writer; do
+  ratios=""; rounds=""
+  for round in 1 2 3; do
+    psql -c "CHECKPOINT" >/dev/null
+    # shellcheck disable=SC2046  # -U only for the writer
+    read -r ours plain < <(interleaved_latencies -M prepared -c 8 -j 8 $([ "$who" = bench_writer ] && echo -U bench_writer))
+    rounds="$rounds $ours/$plain"
+    ratios="$ratios $(awk -v o="$ours" -v p="$plain" 'BEGIN { printf "%.3f", o / p }')"
+  done
+  label=8c_prepared; [ "$who" = bench_writer ] && label=8c_prepared_as_writer
+  echo "enqueue_interleaved_$label mean latency enqueue/plain ms (rounds:$rounds) | plain/enqueue $(echo $ratios | median | awk '{ printf "%.2f", $1 }')x"
+done
+
 # The enqueue rounds leave their messages queued on the paused channel, as many as the
 # rounds' length allows (millions with BENCH_SECONDS=20): they are removed, so that the
 # delivery figures below do not depend on how long the enqueue rounds ran.

@@ -39,12 +39,15 @@ impl FaultPoint {
 
 /// Upper bound of `outbox.workers` (workers of each database served).
 pub const MAX_WORKERS: usize = 16;
+/// Upper bound of `outbox.http_threads` (threads of one worker's runtime).
+pub const MAX_HTTP_THREADS: usize = 16;
 /// Worker slots in shared memory: every database served times `outbox.workers`, at most.
 pub const MAX_SLOTS: usize = 64;
 
 static DATABASE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"postgres"));
 static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);
+static HTTP_THREADS: GucSetting<i32> = GucSetting::<i32>::new(1);
 static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(200);
 static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(1000);
 static LEASE_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
@@ -95,6 +98,16 @@ fn define_postmaster_settings() {
         &WORKERS,
         0,
         MAX_WORKERS as i32,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.http_threads",
+        c"Threads each delivery worker runs its HTTP and NATS sends on.",
+        c"One thread carries a worker's batches on its own; more help when the worker's TLS handshakes or signatures take more than a core.",
+        &HTTP_THREADS,
+        1,
+        MAX_HTTP_THREADS as i32,
         GucContext::Postmaster,
         GucFlags::default(),
     );
@@ -295,6 +308,11 @@ pub fn tenant() -> Option<String> {
 
 pub fn max_payload_bytes() -> i32 {
     MAX_PAYLOAD_BYTES.get()
+}
+
+/// Threads of a worker's runtime for its sends (`outbox.http_threads`).
+pub fn http_threads() -> usize {
+    (HTTP_THREADS.get().max(1) as usize).min(MAX_HTTP_THREADS)
 }
 
 pub fn batch_size() -> usize {

@@ -158,6 +158,67 @@ fn three_databases_deliver_at_once_each_message_in_its_own() {
             WORKERS as usize,
             "{db}: workers connected to it"
         );
+        for pid in connected {
+            // One thread by default (`outbox.http_threads`), and at most the runtime's two
+            // threads for blocking calls beside it.
+            let threads = http_threads_of(pid);
+            assert!(
+                (1..=3).contains(&threads),
+                "{db}: worker {pid} runs its sends on one thread, not {threads}"
+            );
+        }
+    }
+    sim.shutdown();
+}
+
+/// Threads of process `pid` named as a worker's runtime names them (`outbox-http`).
+fn http_threads_of(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|name| name.trim() == "outbox-http")
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_worker_sends_on_as_many_threads_as_outbox_http_threads_says() {
+    const N: usize = 100;
+    let cluster = own_cluster("http_threads", 2, "threads", "outbox.http_threads = 4");
+    let sim = Simulator::start();
+    wait_for_workers_of(&cluster, "threads");
+    let mut c = cluster.connect_to("threads");
+    let shown: String = c
+        .query_one("SHOW outbox.http_threads", &[])
+        .expect("SHOW outbox.http_threads")
+        .get(0);
+    assert_eq!(shown, "4");
+    channel_to(&mut c, &sim, "mail", "threads_mail");
+    let keys: Vec<String> = (0..N).map(|i| format!("order-{i}")).collect();
+    for key in &keys {
+        enqueue(&mut c, "mail", key);
+    }
+    let ok = wait_until(Duration::from_secs(60), || {
+        delivered(&mut c, "mail") == N as i64
+    });
+    assert!(ok, "{} of {N} delivered", delivered(&mut c, "mail"));
+    let mut expected = keys.clone();
+    expected.sort();
+    assert_eq!(
+        keys_received(&sim, "threads_mail"),
+        expected,
+        "each message is sent once"
+    );
+    let workers = workers_in(&mut c, "threads");
+    assert_eq!(workers.len(), WORKERS as usize);
+    for pid in workers {
+        let threads = http_threads_of(pid);
+        assert!(
+            (4..=6).contains(&threads),
+            "worker {pid} runs its sends on the 4 threads of outbox.http_threads, not {threads}"
+        );
     }
     sim.shutdown();
 }

@@ -199,3 +199,35 @@ fn replace_word(text: &str, name: &str, with: &str) -> String {
     out.push_str(rest);
     out
 }
+
+/// The next due time the worker reads after a claim that came back empty
+/// (`claim::NEXT_DUE`), in ms since the epoch.
+fn next_due_ms() -> i64 {
+    Spi::get_one::<i64>(crate::worker::claim::NEXT_DUE.sql)
+        .unwrap()
+        .expect("a next due time")
+}
+
+/// Milliseconds since the epoch of `expression`, read in this transaction.
+fn epoch_ms(expression: &str) -> i64 {
+    Spi::get_one::<i64>(&format!("SELECT (extract(epoch FROM {expression}) * 1000)::int8"))
+        .unwrap()
+        .expect("a time")
+}
+
+#[pg_test]
+fn a_channel_at_its_bound_is_due_now_and_one_with_room_when_its_first_message_is() {
+    Spi::run("SELECT outbox.create_channel('due_bound', 'http://127.0.0.1:9/x', '{\"idempotency_header\": \"Idempotency-Key\", \"max_in_flight\": 2}')").unwrap();
+    Spi::run(
+        "SELECT count(outbox.enqueue('due_bound', '{\"n\": 1}', 'b' || g, NULL, now() + interval '1 hour'))
+           FROM generate_series(1, 3) g",
+    )
+    .unwrap();
+    assert_eq!(next_due_ms(), epoch_ms("now() + interval '1 hour'"), "room: its earliest message");
+    Spi::run("UPDATE outbox._messages SET state = 'sending', lease_until = now() + interval '1 minute', attempts = 1 WHERE effect_key = 'b1'").unwrap();
+    assert_eq!(next_due_ms(), epoch_ms("now() + interval '1 hour'"), "one of two in flight: still room");
+    Spi::run("UPDATE outbox._messages SET state = 'sending', lease_until = now() + interval '1 minute', attempts = 1 WHERE effect_key = 'b2'").unwrap();
+    assert_eq!(next_due_ms(), epoch_ms("now()"), "at its bound: due now, until a record makes room");
+    Spi::run("SELECT outbox.pause_channel('due_bound', 'paused channels wait')").unwrap();
+    assert_eq!(next_due_ms(), epoch_ms("now() + interval '1 day'"), "a paused channel is not due");
+}

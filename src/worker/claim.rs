@@ -112,6 +112,12 @@ SELECT c.id, (extract(epoch FROM c.attempt_started_at) * 1000000)::int8, c.attem
 /// When the earliest queued message of an unpaused channel is due (unix ms): a day ahead
 /// when none is queued or the earliest waits longer (until 'infinity', say); now when it
 /// is already due, also at '-infinity', a time with no number.
+/// A channel whose attempts open at once are at its bound counts as due now, without a
+/// look at its queue: a claim came back empty, so the worker waits as one that could not
+/// take what is due (`idle_wait`), until a record makes room and wakes it. Reading the head
+/// of such a channel's due index would step over the entry of every message claimed since
+/// the last VACUUM, which a deep backlog drained at the bound leaves by the hundred
+/// thousand (2.9 ms and 1,600 buffers a call in a drain of 1,000,000, BENCHMARKS.md).
 pub(crate) static NEXT_DUE: Statement = Statement::planned_once(
     "
 SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infinity'), now()),
@@ -119,9 +125,14 @@ SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infi
   FROM outbox._channels c
   LEFT JOIN outbox._channel_flow f ON f.channel_id = c.id
   CROSS JOIN LATERAL (
+       SELECT now() AS next_attempt_at
+        WHERE outbox._in_flight_bound(c.options)
+              <= (SELECT count(*) FROM outbox._messages s
+                   WHERE s.channel_id = c.id AND s.state = 'sending')
+       UNION ALL
        -- Not before the channel's flow control lets it send (src/worker/flow.rs): the end
        -- of a Retry-After hold, of an open circuit, of a probe out, the next token.
-       SELECT greatest(m.next_attempt_at, f.hold_until,
+       (SELECT greatest(m.next_attempt_at, f.hold_until,
                        CASE WHEN f.circuit_state = 'open'
                             THEN f.circuit_since + outbox._option_int(c.options, '{circuit,open_ms}')
                                                    * interval '1 millisecond' END,
@@ -132,7 +143,8 @@ SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infi
                                  * interval '1 millisecond' END) AS next_attempt_at
          FROM outbox._messages m
         WHERE m.channel_id = c.id AND m.state = 'queued'
-        ORDER BY m.next_attempt_at LIMIT 1) n
+        ORDER BY m.next_attempt_at LIMIT 1)
+        LIMIT 1) n
  WHERE NOT c.paused",
 );
 
