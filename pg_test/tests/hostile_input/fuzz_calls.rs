@@ -241,7 +241,7 @@ impl Pools {
             0 => Value::Null,
             1 => Value::Bool(rng.chance(50)),
             2 => json!(*rng.pick(&[0i64, -1, 1, i64::MIN, i64::MAX, 1 << 53, -(1 << 53) - 1])),
-            3 => json!(*rng.pick(&[0.5f64, -0.0, 1e308, -1e308, 5e-324, 3.141_592_653_589_793])),
+            3 => json!(*rng.pick(&[0.5f64, -0.0, 1e308, -1e308, 5e-324, std::f64::consts::PI])),
             4 | 5 => Value::String(
                 self.text(rng)
                     .unwrap_or_default()
