@@ -67,8 +67,7 @@ drain() {
   psql -c "SELECT outbox.resume_channel('drain')" >/dev/null
   local every=${EVERY:-5} done0=0 done1 rates=""
   local next=$((SECONDS + every))
-  while [ "$(psql -c "SELECT EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'queued')
-                          OR EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'sending')")" != f ]; do
+  while [ "$(psql -c "SELECT $DRAINING")" != f ]; do
     sleep 0.1
     if [ $SECONDS -ge $next ]; then
       done1=$(psql -c "SELECT coalesce(sum(delivered_total), 0) FROM outbox._channel_stats")

@@ -40,11 +40,6 @@ SINK_PID=$!
 trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
 LOG=$OUTBOX_BASE/postgres.log
-# Whether messages are still queued or in flight: two probes of the heads of partial
-# indexes; a count of the table would cost the drain a fifth of the machine at a backlog of
-# a million.
-DRAINING="EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'queued')
-          OR EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'sending')"
 TICK=$(getconf CLK_TCK)
 # Every second, the CPU ticks so far of each server process: "pid kind ticks" lines.
 sample_server_cpu() {

@@ -19,14 +19,6 @@ pub fn restore_signals(previous: &libc::sigset_t) {
     }
 }
 
-/// Builds a delivery worker's runtime (see [`build_with_threads`]) of `threads` threads
-/// (`outbox.http_threads`, 1 by default). One thread carries a worker's batches: its sends
-/// wait on the network, not on a core, and a second thread costs the worker 6–8 % more CPU a
-/// delivery in hand-overs and wake-ups between the two (BENCHMARKS.md).
-pub fn build(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
-    build_with_threads(threads.max(1))
-}
-
 /// Builds a runtime of `threads` I/O threads while all signals are blocked, so that every
 /// thread it spawns, now or later, inherits a full signal mask; the calling thread's mask is
 /// restored.

@@ -329,7 +329,7 @@ fn prepare_session(
         index,
         (flight::FLIGHTS as u64 + 1) * gucs::batch_size() as u64,
     );
-    let runtime = match runtime::build(gucs::http_threads()) {
+    let runtime = match runtime::build_with_threads(gucs::http_threads()) {
         Ok(r) => r,
         Err(e) => {
             log!("outbox_delivery worker {index}: could not start its HTTP runtime: {e}");
