@@ -16,6 +16,14 @@
 #   batch_row_history  batch rows, and the record moves each delivered message out of the
 #                      queue into an append-only history keyed by (tenant, effect_key), which
 #                      is also the ledger
+#   batch_row_locked_history
+#                      batch_row_history, with the claim locking each message it takes
+#                      (FOR UPDATE SKIP LOCKED), as it must to pass over a message that an
+#                      operator's open transaction is cancelling, and to keep that
+#                      transaction from cancelling a message in flight
+#   in_flight_history  the claim locks each message it takes and inserts a narrow row for it
+#                      into a table of attempts under way (message id, attempt, lease); the
+#                      record deletes that row and moves the message into the history
 # Usage: scripts/bench_write_paths.sh [rounds = 3]   (DESIGNS="today history" picks designs)
 source "$(dirname "$0")/lib.sh"
 ROUNDS=${1:-3}
@@ -116,6 +124,68 @@ BEGIN
     COMMIT;
   END LOOP;
 END $$;
+-- Batch-row claims that lock the messages they take.
+CREATE FUNCTION public.claim_batch_locked(ch int, after int8) RETURNS public.claim_batches LANGUAGE sql AS $$
+    WITH d AS (SELECT m.id FROM outbox._messages m
+                WHERE m.channel_id = ch AND m.state = 'queued' AND m.id > after
+                ORDER BY m.next_attempt_at, m.id LIMIT 200 FOR UPDATE SKIP LOCKED)
+    INSERT INTO public.claim_batches (channel_id, worker, lease_until, started_at, ids)
+    SELECT ch, 1, now() + interval '1 min', clock_timestamp(), array_agg(id) FROM d
+    RETURNING *
+$$;
+CREATE PROCEDURE public.drain_batch_row_locked_history(batches int) LANGUAGE plpgsql AS $$
+DECLARE ids int8[]; b int8; ch int; pos int8 := 0;
+BEGIN
+  SELECT id INTO ch FROM outbox._channels WHERE name = 'proto';
+  FOR i IN 1..batches LOOP
+    SELECT c.id, c.ids INTO b, ids FROM public.claim_batch_locked(ch, pos) c;
+    pos := ids[array_length(ids, 1)];
+    COMMIT;
+    WITH gone AS (DELETE FROM outbox._messages m WHERE m.id = ANY (ids) RETURNING m.*)
+    INSERT INTO public.history
+    SELECT g.id, g.tenant, g.channel_id, 'delivered', g.effect_key, g.ordering_key, g.payload, g.headers,
+           g.not_before, g.next_attempt_at, g.attempts + 1, g.budget_base, g.budget_started_at,
+           g.reconcile_attempts, NULL, NULL, coalesce(g.first_attempt_at, now()), NULL, NULL, 200,
+           'msg-' || g.id, g.owner, g.created_at, now(), now(), clock_timestamp(), 1
+      FROM gone g;
+    DELETE FROM public.claim_batches WHERE id = b;
+    COMMIT;
+  END LOOP;
+END $$;
+-- Attempts under way as narrow rows of their own: a message in flight keeps its queue row
+-- unchanged, and the claim passes over it by its row here.
+CREATE TABLE public.in_flight (message_id int8 PRIMARY KEY, channel_id int NOT NULL, attempt int NOT NULL,
+  lease_owner int NOT NULL, lease_until timestamptz NOT NULL, started_at timestamptz NOT NULL, pid int NOT NULL);
+CREATE FUNCTION public.claim_in_flight(ch int, after int8) RETURNS int8[] LANGUAGE sql AS $$
+    WITH d AS (SELECT m.id, m.attempts FROM outbox._messages m
+                WHERE m.channel_id = ch AND m.state = 'queued' AND m.id > after
+                  AND NOT EXISTS (SELECT 1 FROM public.in_flight f WHERE f.message_id = m.id)
+                ORDER BY m.next_attempt_at, m.id LIMIT 200 FOR UPDATE OF m SKIP LOCKED),
+         c AS (INSERT INTO public.in_flight
+               SELECT d.id, ch, d.attempts + 1, 1, now() + interval '1 min', clock_timestamp(), 1 FROM d
+               RETURNING message_id)
+    SELECT array_agg(message_id) FROM c
+$$;
+CREATE PROCEDURE public.drain_in_flight_history(batches int) LANGUAGE plpgsql AS $$
+DECLARE ids int8[]; ch int; pos int8 := 0;
+BEGIN
+  SELECT id INTO ch FROM outbox._channels WHERE name = 'proto';
+  FOR i IN 1..batches LOOP
+    ids := public.claim_in_flight(ch, pos);
+    pos := ids[array_length(ids, 1)];
+    COMMIT;
+    WITH f AS (DELETE FROM public.in_flight f WHERE f.message_id = ANY (ids) RETURNING f.*),
+         gone AS (DELETE FROM outbox._messages m USING f WHERE m.id = f.message_id
+                  RETURNING m.*, f.attempt AS attempt_sent, f.started_at AS sent_at, f.pid AS sent_by)
+    INSERT INTO public.history
+    SELECT g.id, g.tenant, g.channel_id, 'delivered', g.effect_key, g.ordering_key, g.payload, g.headers,
+           g.not_before, g.next_attempt_at, g.attempt_sent, g.budget_base, g.budget_started_at,
+           g.reconcile_attempts, NULL, NULL, coalesce(g.first_attempt_at, g.sent_at), NULL, NULL, 200,
+           'msg-' || g.id, g.owner, g.created_at, now(), now(), g.sent_at, g.sent_by
+      FROM gone g;
+    COMMIT;
+  END LOOP;
+END $$;
 -- Today's claim; the record moves each delivered message into the history.
 CREATE PROCEDURE public.drain_history(batches int) LANGUAGE plpgsql AS $$
 DECLARE ids int8[];
@@ -135,7 +205,7 @@ BEGIN
 END $$;
 SQL
 for round in $(seq 1 "$ROUNDS"); do
-for design in ${DESIGNS:-today batch_row history batch_row_history}; do
+for design in ${DESIGNS:-today batch_row history batch_row_history batch_row_locked_history in_flight_history}; do
   P -c "SELECT count(outbox.enqueue('proto', jsonb_build_object('n', g, 'text', 'benchmark message'), 'p$round$design:' || g)) FROM generate_series(1, 20000) g" >/dev/null
   P -c "VACUUM ANALYZE outbox._messages" -c "VACUUM ANALYZE outbox._ledger" -c "CHECKPOINT" >/dev/null
   start=$(P -c "SELECT pg_current_wal_lsn()")
