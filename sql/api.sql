@@ -91,7 +91,9 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
     SELECT coalesce(
-        (SELECT m.state FROM outbox._messages m
+        (SELECT CASE WHEN m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w)
+                     THEN 'sending'::outbox.state ELSE m.state END
+           FROM outbox._messages m
           WHERE m.id = status.id AND outbox._tenant_visible(m.tenant)),
         (SELECT 'delivered'::outbox.state FROM outbox._ledger l
           WHERE l.message_id = status.id AND outbox._tenant_visible(l.tenant) LIMIT 1))

@@ -19,10 +19,11 @@ SET enable_seqscan = off
 SET jit = off
 AS $fn$
 BEGIN
-    SELECT count(*) INTO queued FROM outbox._messages m
+    -- A message in flight is a queued row in a claim (sql/schema.sql, outbox._claims).
+    SELECT coalesce(sum(pg_catalog.cardinality(w.message_ids)), 0) INTO sending FROM outbox._claims w
+     WHERE w.channel_id = _state_counts.channel_id;
+    SELECT count(*) - sending INTO queued FROM outbox._messages m
      WHERE m.channel_id = _state_counts.channel_id AND m.state = 'queued';
-    SELECT count(*) INTO sending FROM outbox._messages m
-     WHERE m.channel_id = _state_counts.channel_id AND m.state = 'sending';
     SELECT count(*) INTO uncertain FROM outbox._messages m
      WHERE m.state = 'uncertain' AND m.channel_id = _state_counts.channel_id;
     SELECT count(*) INTO exhausted FROM outbox._messages m
@@ -40,6 +41,7 @@ WITH per_channel AS (
            (SELECT greatest(0, extract(epoch FROM pg_catalog.now() - h.next_attempt_at))::numeric(12, 3)
               FROM (SELECT m.next_attempt_at FROM outbox._messages m
                      WHERE m.channel_id = c.id AND m.state = 'queued'
+                       AND m.id NOT IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w)
                      ORDER BY m.next_attempt_at LIMIT 1) h) AS oldest_queued_age_s,
            coalesce((SELECT sum(b.delivered) FROM outbox._channel_minutes b
                       WHERE b.channel_id = c.id AND b.minute >= date_trunc('minute', pg_catalog.now()) - interval '4 minutes'), 0)::bigint AS delivered_5m,

@@ -53,7 +53,8 @@ END
 $fn$;
 
 -- Locks one message for an operator action; unknown id, or another tenant's message: 02000.
--- A delivered message moved into its ledger entry is returned as it was, delivered.
+-- A delivered message moved into its ledger entry is returned as it was, delivered; a
+-- message in flight as `sending`.
 CREATE FUNCTION outbox._lock_message(id bigint) RETURNS outbox._messages
 LANGUAGE plpgsql VOLATILE
 AS $fn$
@@ -66,6 +67,12 @@ BEGIN
     SELECT * INTO v FROM outbox._messages m
      WHERE m.id = _lock_message.id AND outbox._tenant_visible(m.tenant)
        FOR UPDATE;
+    -- A message in a claim is being sent, in the attempt after those its row counts. The
+    -- lock above waited for a claim that held it; this statement sees that claim.
+    IF FOUND AND v.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w) THEN
+        v.state := 'sending';
+        v.attempts := v.attempts + 1;
+    END IF;
     IF NOT FOUND THEN
         SELECT l.message_id, l.tenant, l.channel_id, 'delivered', l.effect_key, l.ordering_key,
                l.payload, l.headers, l.not_before, l.recorded_at, l.attempts, 0, NULL, 0, NULL,

@@ -862,3 +862,391 @@ COMMENT ON FUNCTION outbox.assign(bigint, text) IS
     'Names the owner of a job in the work queue (NULL or empty clears it).';
 
 
+
+-- Attempts under way as claims (sql/schema.sql, outbox._claims): a claim writes one row per
+-- channel and no message row. A message in flight at the update, `sending` in 0.1.0, is
+-- queued again, in a claim of its own worker whose lease is kept, its row counting the
+-- attempts before the one under way; recovery takes it back as before.
+-- Attempts under way. A claim writes one row for each channel it took messages of: their
+-- ids, their lease and the worker that sends them. It locks the messages but does not write
+-- them: a message row is written once its outcome is known, so that a delivery writes its
+-- queue row twice (the enqueue, the record's deletion) and not a second version besides.
+-- A message is `sending` while its id is in a row here, in the attempt after the ones its
+-- row counts (attempts + 1). The record of an outcome takes the message's id out of its
+-- row (and deletes a row left empty); recovery takes back the ids of a row whose lease ran
+-- out. A handful of rows (at most a few batches per worker): every reader scans it whole.
+CREATE SEQUENCE outbox._claims_id_seq AS bigint;
+CREATE TABLE outbox._claims (
+    id          bigint      NOT NULL DEFAULT nextval('outbox._claims_id_seq') PRIMARY KEY,
+    channel_id  integer     NOT NULL,
+    -- The index of the worker's slot (outbox.worker_status), and its process.
+    lease_owner integer     NOT NULL,
+    worker_pid  integer     NOT NULL,
+    lease_until timestamptz NOT NULL,
+    started_at  timestamptz NOT NULL,
+    message_ids bigint[]    NOT NULL
+) WITH (fillfactor = 50, autovacuum_vacuum_threshold = 500, autovacuum_vacuum_scale_factor = 0);
+ALTER SEQUENCE outbox._claims_id_seq OWNED BY outbox._claims.id;
+COMMENT ON TABLE outbox._claims IS 'Attempts under way, one row per claim and channel (private; read outbox.messages and outbox.attempts).';
+
+SELECT pg_catalog.pg_extension_config_dump('outbox._claims', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._claims_id_seq', '');
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox._claims TO outbox_worker;
+GRANT USAGE ON SEQUENCE outbox._claims_id_seq TO outbox_worker;
+INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
+SELECT m.channel_id, coalesce(m.lease_owner, -1), coalesce(m.attempt_pid, 0),
+       coalesce(m.lease_until, '-infinity'), min(coalesce(m.attempt_started_at, m.updated_at)),
+       array_agg(m.id ORDER BY m.id)
+  FROM outbox._messages m
+ WHERE m.state = 'sending'
+ GROUP BY m.channel_id, m.lease_owner, m.attempt_pid, m.lease_until;
+UPDATE outbox._messages m SET state = 'queued', attempts = m.attempts - 1 WHERE m.state = 'sending';
+DROP INDEX outbox._messages_sending_idx;
+
+CREATE VIEW outbox._under_way AS
+SELECT u.message_id, c.channel_id, c.lease_owner, c.worker_pid, c.lease_until, c.started_at,
+       c.id AS claim_id
+  FROM outbox._claims c
+ CROSS JOIN LATERAL pg_catalog.unnest(c.message_ids) AS u(message_id)
+ WHERE (SELECT r.rolsuper FROM pg_catalog.pg_roles r WHERE r.rolname = current_user)
+    OR EXISTS (SELECT 1 FROM outbox._messages m
+                WHERE m.id = u.message_id AND m.tenant = ANY (outbox._visible_tenants()));
+COMMENT ON VIEW outbox._under_way IS 'Messages in flight, one row each, with their claim (private).';
+GRANT SELECT ON outbox._under_way TO outbox_writer, outbox_operator, outbox_admin;
+
+CREATE OR REPLACE VIEW outbox.messages AS
+SELECT m.id,
+       m.tenant,
+       c.name AS channel,
+       -- A message in flight is `sending`, in the attempt after those its row counts.
+       CASE WHEN w.message_id IS NOT NULL THEN 'sending'::outbox.state ELSE m.state END AS state,
+       m.effect_key,
+       m.ordering_key,
+       m.attempts + (w.message_id IS NOT NULL)::int AS attempts,
+       outbox._option_int(c.options, '{retry,max_attempts}') AS max_attempts,
+       -- queued: the next send; uncertain on a channel that can reconcile: the next lookup.
+       CASE WHEN (m.state = 'queued' AND w.message_id IS NULL)
+              OR (m.state = 'uncertain' AND outbox._can_look_up(c.options))
+            THEN m.next_attempt_at END AS next_attempt_at,
+       m.last_error_class,
+       m.last_error,
+       m.last_http_status,
+       m.external_id,
+       m.owner,
+       m.created_at,
+       greatest(m.updated_at, w.started_at) AS updated_at,
+       m.delivered_at,
+       m.not_before,
+       coalesce(w.lease_until, m.lease_until) AS lease_until,
+       m.payload,
+       m.headers
+  FROM outbox._messages m
+  LEFT JOIN outbox._under_way w ON w.message_id = m.id
+  LEFT JOIN outbox.channels c ON c.id = m.channel_id
+UNION ALL
+-- Delivered messages: moved into their ledger entries by the record that confirmed them.
+SELECT l.message_id,
+       l.tenant,
+       c.name,
+       'delivered'::outbox.state,
+       l.effect_key,
+       l.ordering_key,
+       l.attempts,
+       outbox._option_int(c.options, '{retry,max_attempts}'),
+       NULL::timestamptz,
+       l.last_error_class,
+       l.last_error,
+       l.last_http_status,
+       l.external_id,
+       l.owner,
+       l.created_at,
+       l.recorded_at,
+       l.recorded_at,
+       l.not_before,
+       NULL::timestamptz,
+       l.payload,
+       l.headers
+  FROM outbox._ledger l
+  LEFT JOIN outbox.channels c ON c.id = l.channel_id
+ WHERE l.channel_id IS NOT NULL;
+-- The caller's rights and row-level security apply; channels are read through the masked view.
+ALTER VIEW outbox.messages SET (security_invoker = true);
+COMMENT ON VIEW outbox.messages IS
+    'Every message: state, attempts and budget, next attempt, last classified error, external id, owner; delivered messages are read from their ledger entries.';
+
+CREATE OR REPLACE VIEW outbox.attempts AS
+SELECT a.message_id,
+       a.attempt,
+       a.kind,
+       a.started_at,
+       a.finished_at,
+       a.outcome,
+       a.error_class,
+       a.http_status,
+       a.error,
+       a.retry_after_ms,
+       a.external_id,
+       a.effect_key_sent,
+       a.worker_pid,
+       a.id AS attempt_id,
+       a.tenant
+  FROM outbox._attempts a
+UNION ALL
+SELECT m.id,
+       m.attempts + 1,
+       'send'::text,
+       w.started_at,
+       NULL::timestamptz,
+       NULL::text,
+       NULL::outbox.error_class,
+       NULL::integer,
+       NULL::text,
+       NULL::bigint,
+       NULL::text,
+       outbox._provider_key(m.tenant, m.effect_key),
+       w.worker_pid,
+       NULL::bigint,
+       m.tenant
+  FROM outbox._under_way w
+  JOIN outbox._messages m ON m.id = w.message_id
+ WHERE NOT EXISTS (SELECT 1 FROM outbox._attempts o
+                    WHERE o.message_id = m.id AND o.attempt = m.attempts + 1 AND o.kind = 'send')
+UNION ALL
+-- A send that delivered its message in the attempt the message still counts, and whose
+-- row the record did not write: the delivered message is that row (src/ledger.rs,
+-- RECORD_SENT). Any row of that attempt (a recovery's, a late answer's) is the row instead.
+SELECT m.id,
+       m.attempts,
+       'send'::text,
+       m.attempt_started_at,
+       m.delivered_at,
+       'delivered'::text,
+       NULL::outbox.error_class,
+       m.last_http_status,
+       NULL::text,
+       NULL::bigint,
+       m.external_id,
+       outbox._provider_key(m.tenant, m.effect_key),
+       m.attempt_pid,
+       NULL::bigint,
+       m.tenant
+  FROM outbox._messages m
+ WHERE m.state = 'delivered' AND m.attempts > 0 AND m.attempt_started_at IS NOT NULL
+   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
+                    WHERE o.message_id = m.id AND o.attempt = m.attempts)
+UNION ALL
+-- The same, for a delivered message moved into its ledger entry.
+SELECT l.message_id,
+       l.attempts,
+       'send'::text,
+       l.attempt_started_at,
+       l.recorded_at,
+       'delivered'::text,
+       NULL::outbox.error_class,
+       l.last_http_status,
+       NULL::text,
+       NULL::bigint,
+       l.external_id,
+       outbox._provider_key(l.tenant, l.effect_key),
+       l.attempt_pid,
+       NULL::bigint,
+       l.tenant
+  FROM outbox._ledger l
+ WHERE l.channel_id IS NOT NULL AND l.attempts > 0 AND l.attempt_started_at IS NOT NULL
+   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
+                    WHERE o.message_id = l.message_id AND o.attempt = l.attempts);
+ALTER VIEW outbox.attempts SET (security_invoker = true);
+COMMENT ON VIEW outbox.attempts IS
+    'Attempt history: one row per send, reconcile lookup or recovery decision, with its classified outcome; a send in progress has no outcome and no finished_at yet; a send that delivered is shown from its delivered message.';
+
+CREATE OR REPLACE FUNCTION outbox._record_delivered(
+    message_ids bigint[], external_ids text[], http_statuses integer[], recorder text,
+    leave_sending boolean)
+RETURNS SETOF bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF recorder IS NULL OR recorder NOT IN ('worker', 'reconcile', 'operator') THEN
+        RAISE EXCEPTION 'recorder must be worker, reconcile or operator, not %', coalesce(quote_literal(recorder), 'NULL')
+            USING ERRCODE = '22023';
+    END IF;
+    RETURN QUERY
+    WITH d AS (
+        SELECT * FROM unnest(message_ids, external_ids, http_statuses) AS d(id, external_id, http_status)
+    ), moved AS (
+        -- The usual case: the message leaves the queue for its ledger entry. The ledger is
+        -- probed through outbox._ledger_entry: one index probe per message, never a hash of
+        -- the whole ledger, which grows with every delivery.
+        DELETE FROM outbox._messages m
+         USING d
+         WHERE m.id = d.id AND m.state <> 'delivered'
+           AND NOT (leave_sending AND m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w))
+           AND NOT EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
+     RETURNING m.*, d.external_id AS confirmed_external_id, d.http_status AS confirmed_http_status
+    ), kept AS (
+        -- An effect recorded already (by an earlier message of the key) keeps its first
+        -- entry; the message stays, delivered, until retention removes it. Only the
+        -- messages the deletion did not take are looked up again.
+        UPDATE outbox._messages m
+           SET state = 'delivered',
+               delivered_at = now(),
+               updated_at = now(),
+               external_id = coalesce(d.external_id, m.external_id),
+               last_http_status = coalesce(d.http_status, m.last_http_status),
+               lease_until = NULL,
+               lease_owner = NULL
+          FROM d
+         WHERE m.id = d.id AND m.state <> 'delivered'
+           AND NOT (leave_sending AND m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w))
+           AND NOT EXISTS (SELECT 1 FROM moved WHERE moved.id = d.id)
+           AND EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
+     RETURNING m.id
+    ), l AS (
+        INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by,
+                                    channel_id, ordering_key, payload, headers, not_before,
+                                    attempts, last_error_class, last_error, last_http_status,
+                                    owner, created_at, attempt_started_at, attempt_pid, generation)
+        SELECT m.tenant, m.effect_key, m.id, coalesce(m.confirmed_external_id, m.external_id), recorder,
+               m.channel_id, m.ordering_key, m.payload, m.headers, m.not_before,
+               m.attempts, m.last_error_class, m.last_error,
+               coalesce(m.confirmed_http_status, m.last_http_status),
+               m.owner, m.created_at, m.attempt_started_at, m.attempt_pid,
+               -- The current generation, read once for the whole statement.
+               (SELECT coalesce((SELECT g.generation FROM outbox._ledger_generations g
+                                  WHERE g.closed_at IS NULL), 0::smallint))
+          FROM moved m
+    )
+    SELECT moved.id FROM moved
+    UNION ALL
+    SELECT kept.id FROM kept;
+END
+$fn$;
+COMMENT ON FUNCTION outbox._record_delivered(bigint[], text[], integer[], text, boolean) IS
+    'Confirms effects: moves each message (unless it is delivered already, or is being sent and leave_sending is set) out of the queue into its ledger entry; a message whose effect is in the ledger already stays, marked delivered, and the entry keeps its first message. Returns the messages it confirmed.';
+
+CREATE OR REPLACE FUNCTION outbox._lock_message(id bigint) RETURNS outbox._messages
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    v outbox._messages;
+BEGIN
+    IF id IS NULL THEN
+        RAISE EXCEPTION 'id must not be NULL' USING ERRCODE = '22023';
+    END IF;
+    SELECT * INTO v FROM outbox._messages m
+     WHERE m.id = _lock_message.id AND outbox._tenant_visible(m.tenant)
+       FOR UPDATE;
+    -- A message in a claim is being sent, in the attempt after those its row counts. The
+    -- lock above waited for a claim that held it; this statement sees that claim.
+    IF FOUND AND v.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w) THEN
+        v.state := 'sending';
+        v.attempts := v.attempts + 1;
+    END IF;
+    IF NOT FOUND THEN
+        SELECT l.message_id, l.tenant, l.channel_id, 'delivered', l.effect_key, l.ordering_key,
+               l.payload, l.headers, l.not_before, l.recorded_at, l.attempts, 0, NULL, 0, NULL,
+               NULL, NULL, l.last_error_class, l.last_error, l.last_http_status, l.external_id,
+               l.owner, l.created_at, l.recorded_at, l.recorded_at, l.attempt_started_at,
+               l.attempt_pid
+          INTO v
+          FROM outbox._ledger l
+         WHERE l.message_id = _lock_message.id AND l.channel_id IS NOT NULL
+           AND outbox._tenant_visible(l.tenant)
+           FOR UPDATE;
+    END IF;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'message % does not exist', _lock_message.id
+            USING ERRCODE = '02000',
+                  HINT = 'Find messages in outbox.messages or outbox.work_queue; delivered messages older than outbox.retention are removed.';
+    END IF;
+    RETURN v;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION outbox.status(id bigint) RETURNS outbox.state
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT coalesce(
+        (SELECT CASE WHEN m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w)
+                     THEN 'sending'::outbox.state ELSE m.state END
+           FROM outbox._messages m
+          WHERE m.id = status.id AND outbox._tenant_visible(m.tenant)),
+        (SELECT 'delivered'::outbox.state FROM outbox._ledger l
+          WHERE l.message_id = status.id AND outbox._tenant_visible(l.tenant) LIMIT 1))
+$fn$;
+COMMENT ON FUNCTION outbox.status(bigint) IS
+    'State of a message; delivered for a message already removed by retention whose effect is in the ledger; NULL for an id that never existed or belongs to another tenant.';
+
+CREATE OR REPLACE FUNCTION outbox._state_counts(channel_id integer, OUT queued bigint, OUT sending bigint,
+                                     OUT uncertain bigint, OUT exhausted bigint, OUT failed bigint)
+LANGUAGE plpgsql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
+SET jit = off
+AS $fn$
+BEGIN
+    -- A message in flight is a queued row in a claim (sql/schema.sql, outbox._claims).
+    SELECT coalesce(sum(pg_catalog.cardinality(w.message_ids)), 0) INTO sending FROM outbox._claims w
+     WHERE w.channel_id = _state_counts.channel_id;
+    SELECT count(*) - sending INTO queued FROM outbox._messages m
+     WHERE m.channel_id = _state_counts.channel_id AND m.state = 'queued';
+    SELECT count(*) INTO uncertain FROM outbox._messages m
+     WHERE m.state = 'uncertain' AND m.channel_id = _state_counts.channel_id;
+    SELECT count(*) INTO exhausted FROM outbox._messages m
+     WHERE m.state = 'exhausted' AND m.channel_id = _state_counts.channel_id;
+    SELECT count(*) INTO failed FROM outbox._messages m
+     WHERE m.state = 'failed' AND m.channel_id = _state_counts.channel_id;
+END
+$fn$;
+
+CREATE OR REPLACE VIEW outbox.metrics AS
+WITH per_channel AS (
+    SELECT c.id,
+           c.name AS channel,
+           n.queued, n.sending, n.uncertain, n.exhausted, n.failed,
+           (SELECT greatest(0, extract(epoch FROM pg_catalog.now() - h.next_attempt_at))::numeric(12, 3)
+              FROM (SELECT m.next_attempt_at FROM outbox._messages m
+                     WHERE m.channel_id = c.id AND m.state = 'queued'
+                       AND m.id NOT IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w)
+                     ORDER BY m.next_attempt_at LIMIT 1) h) AS oldest_queued_age_s,
+           coalesce((SELECT sum(b.delivered) FROM outbox._channel_minutes b
+                      WHERE b.channel_id = c.id AND b.minute >= date_trunc('minute', pg_catalog.now()) - interval '4 minutes'), 0)::bigint AS delivered_5m,
+           coalesce((SELECT sum(b.failed) FROM outbox._channel_minutes b
+                      WHERE b.channel_id = c.id AND b.minute >= date_trunc('minute', pg_catalog.now()) - interval '4 minutes'), 0)::bigint AS failed_5m,
+           coalesce(s.error_streak, 0) AS error_streak,
+           s.error_streak_since,
+           coalesce(s.exhausted_total, 0) AS exhausted_total,
+           coalesce(s.delivered_total, 0) AS delivered_total,
+           coalesce(s.attempts_failed_total, 0) AS attempts_failed_total,
+           coalesce(s.failed_total, 0) AS failed_total,
+           c.paused
+      FROM outbox._channels c
+      CROSS JOIN LATERAL outbox._state_counts(c.id) n
+      LEFT JOIN outbox._channel_stats s ON s.channel_id = c.id
+), rows AS (
+    SELECT 'channel'::text AS scope, channel, queued, sending, uncertain, exhausted, failed,
+           oldest_queued_age_s, delivered_5m, failed_5m, error_streak, error_streak_since,
+           exhausted_total, delivered_total, attempts_failed_total, failed_total, paused
+      FROM per_channel
+    UNION ALL
+    SELECT 'total', NULL, coalesce(sum(queued), 0)::bigint, coalesce(sum(sending), 0)::bigint,
+           coalesce(sum(uncertain), 0)::bigint, coalesce(sum(exhausted), 0)::bigint,
+           coalesce(sum(failed), 0)::bigint, max(oldest_queued_age_s),
+           coalesce(sum(delivered_5m), 0)::bigint, coalesce(sum(failed_5m), 0)::bigint,
+           coalesce(max(error_streak), 0), min(error_streak_since),
+           coalesce(sum(exhausted_total), 0)::bigint, coalesce(sum(delivered_total), 0)::bigint,
+           coalesce(sum(attempts_failed_total), 0)::bigint, coalesce(sum(failed_total), 0)::bigint,
+           NULL
+      FROM per_channel
+)
+SELECT scope, channel, queued, sending, uncertain, exhausted, failed, oldest_queued_age_s,
+       delivered_5m, failed_5m,
+       CASE WHEN delivered_5m + failed_5m > 0
+            THEN round(delivered_5m::numeric / (delivered_5m + failed_5m), 4) END AS success_rate_5m,
+       error_streak, exhausted_total, delivered_total, attempts_failed_total, failed_total,
+       error_streak_since, paused
+  FROM rows;

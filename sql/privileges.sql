@@ -16,6 +16,9 @@ GRANT EXECUTE ON FUNCTION
     TO outbox_writer, outbox_operator, outbox_admin;
 
 GRANT USAGE ON SCHEMA outbox TO outbox_writer, outbox_operator, outbox_admin, outbox_worker, pg_monitor;
+-- The messages in flight that outbox.messages and outbox.attempts read as their reader;
+-- it shows the reader's own tenants' messages alone.
+GRANT SELECT ON outbox._under_way TO outbox_writer, outbox_operator, outbox_admin;
 
 -- Writers: enqueue and follow their own tenant's messages.
 GRANT EXECUTE ON FUNCTION
@@ -74,7 +77,7 @@ GRANT EXECUTE ON FUNCTION outbox.prometheus(), outbox.worker_status() TO pg_moni
 -- The worker: the private tables across tenants, nothing else.
 GRANT SELECT ON outbox._channels TO outbox_worker;
 GRANT SELECT, INSERT, UPDATE, DELETE ON
-    outbox._messages, outbox._attempts, outbox._ledger, outbox._operator_log,
+    outbox._messages, outbox._claims, outbox._attempts, outbox._ledger, outbox._operator_log,
     outbox._channel_stats, outbox._channel_minutes, outbox._channel_flow
     TO outbox_worker;
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO outbox_worker;

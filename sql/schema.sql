@@ -112,9 +112,6 @@ COMMENT ON TABLE outbox._messages IS 'Outbox messages (private; read outbox.mess
 -- due order. At a backlog of millions the claim reads the head of it and nothing else.
 CREATE INDEX _messages_due_idx ON outbox._messages (channel_id, next_attempt_at, id)
     WHERE state = 'queued';
--- In-flight rows: lease recovery and per-channel max_in_flight.
-CREATE INDEX _messages_sending_idx ON outbox._messages (channel_id, lease_owner, lease_until)
-    WHERE state = 'sending';
 -- Ordering keys: "is an earlier message with my key still pending?"
 CREATE INDEX _messages_ordering_idx ON outbox._messages (tenant, ordering_key, id)
     WHERE ordering_key IS NOT NULL AND state IN ('queued', 'sending', 'uncertain');
@@ -124,6 +121,28 @@ CREATE INDEX _messages_attention_idx ON outbox._messages (state, updated_at)
 -- Retention: finished messages, oldest first.
 CREATE INDEX _messages_finished_idx ON outbox._messages (updated_at)
     WHERE state IN ('delivered', 'cancelled');
+
+-- Attempts under way. A claim writes one row for each channel it took messages of: their
+-- ids, their lease and the worker that sends them. It locks the messages but does not write
+-- them: a message row is written once its outcome is known, so that a delivery writes its
+-- queue row twice (the enqueue, the record's deletion) and not a second version besides.
+-- A message is `sending` while its id is in a row here, in the attempt after the ones its
+-- row counts (attempts + 1). The record of an outcome takes the message's id out of its
+-- row (and deletes a row left empty); recovery takes back the ids of a row whose lease ran
+-- out. A handful of rows (at most a few batches per worker): every reader scans it whole.
+CREATE SEQUENCE outbox._claims_id_seq AS bigint;
+CREATE TABLE outbox._claims (
+    id          bigint      NOT NULL DEFAULT nextval('outbox._claims_id_seq') PRIMARY KEY,
+    channel_id  integer     NOT NULL,
+    -- The index of the worker's slot (outbox.worker_status), and its process.
+    lease_owner integer     NOT NULL,
+    worker_pid  integer     NOT NULL,
+    lease_until timestamptz NOT NULL,
+    started_at  timestamptz NOT NULL,
+    message_ids bigint[]    NOT NULL
+) WITH (fillfactor = 50, autovacuum_vacuum_threshold = 500, autovacuum_vacuum_scale_factor = 0);
+ALTER SEQUENCE outbox._claims_id_seq OWNED BY outbox._claims.id;
+COMMENT ON TABLE outbox._claims IS 'Attempts under way, one row per claim and channel (private; read outbox.messages and outbox.attempts).';
 
 -- Attempts: one row per finished send, reconcile lookup or recovery decision, written once
 -- with its outcome (a send in progress is the `sending` message itself, and so is a send
@@ -264,6 +283,8 @@ SELECT pg_catalog.pg_extension_config_dump('outbox._channel_flow', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._messages', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._messages_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._attempts', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._claims', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._claims_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._attempts_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._ledger_0', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._ledger_1', '');

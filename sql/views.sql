@@ -38,17 +38,30 @@ SELECT c.id,
 COMMENT ON VIEW outbox.channels IS
     'Delivery channels with their effective options, as far as the reader may use them; static header values and URL userinfo, query values and fragments are masked.';
 
+-- Each message in flight (sql/schema.sql, outbox._claims) with its claim, as far as the
+-- reader may see its message: the views below read a message's attempt under way here.
+CREATE VIEW outbox._under_way AS
+SELECT u.message_id, c.channel_id, c.lease_owner, c.worker_pid, c.lease_until, c.started_at,
+       c.id AS claim_id
+  FROM outbox._claims c
+ CROSS JOIN LATERAL pg_catalog.unnest(c.message_ids) AS u(message_id)
+ WHERE (SELECT r.rolsuper FROM pg_catalog.pg_roles r WHERE r.rolname = current_user)
+    OR EXISTS (SELECT 1 FROM outbox._messages m
+                WHERE m.id = u.message_id AND m.tenant = ANY (outbox._visible_tenants()));
+COMMENT ON VIEW outbox._under_way IS 'Messages in flight, one row each, with their claim (private).';
+
 CREATE VIEW outbox.messages AS
 SELECT m.id,
        m.tenant,
        c.name AS channel,
-       m.state,
+       -- A message in flight is `sending`, in the attempt after those its row counts.
+       CASE WHEN w.message_id IS NOT NULL THEN 'sending'::outbox.state ELSE m.state END AS state,
        m.effect_key,
        m.ordering_key,
-       m.attempts,
+       m.attempts + (w.message_id IS NOT NULL)::int AS attempts,
        outbox._option_int(c.options, '{retry,max_attempts}') AS max_attempts,
        -- queued: the next send; uncertain on a channel that can reconcile: the next lookup.
-       CASE WHEN m.state = 'queued'
+       CASE WHEN (m.state = 'queued' AND w.message_id IS NULL)
               OR (m.state = 'uncertain' AND outbox._can_look_up(c.options))
             THEN m.next_attempt_at END AS next_attempt_at,
        m.last_error_class,
@@ -57,13 +70,14 @@ SELECT m.id,
        m.external_id,
        m.owner,
        m.created_at,
-       m.updated_at,
+       greatest(m.updated_at, w.started_at) AS updated_at,
        m.delivered_at,
        m.not_before,
-       m.lease_until,
+       coalesce(w.lease_until, m.lease_until) AS lease_until,
        m.payload,
        m.headers
   FROM outbox._messages m
+  LEFT JOIN outbox._under_way w ON w.message_id = m.id
   LEFT JOIN outbox.channels c ON c.id = m.channel_id
 UNION ALL
 -- Delivered messages: moved into their ledger entries by the record that confirmed them.
@@ -97,8 +111,8 @@ COMMENT ON VIEW outbox.messages IS
     'Every message: state, attempts and budget, next attempt, last classified error, external id, owner; delivered messages are read from their ledger entries.';
 
 -- A send is written to outbox._attempts once, with its outcome; while it is in progress
--- the `sending` message is its row (finished_at NULL), unless the message still has a row
--- of its own for that attempt (a send open at the update from 0.1.0). A send that
+-- its claim is its row (finished_at NULL), unless the message still has a row of its own
+-- for that attempt (a send open at the update from 0.1.0). A send that
 -- delivered is not written at all: the delivered message holds everything its row would.
 CREATE VIEW outbox.attempts AS
 SELECT a.message_id,
@@ -119,9 +133,9 @@ SELECT a.message_id,
   FROM outbox._attempts a
 UNION ALL
 SELECT m.id,
-       m.attempts,
+       m.attempts + 1,
        'send'::text,
-       coalesce(m.attempt_started_at, m.updated_at),
+       w.started_at,
        NULL::timestamptz,
        NULL::text,
        NULL::outbox.error_class,
@@ -130,13 +144,13 @@ SELECT m.id,
        NULL::bigint,
        NULL::text,
        outbox._provider_key(m.tenant, m.effect_key),
-       m.attempt_pid,
+       w.worker_pid,
        NULL::bigint,
        m.tenant
-  FROM outbox._messages m
- WHERE m.state = 'sending'
-   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
-                    WHERE o.message_id = m.id AND o.attempt = m.attempts AND o.kind = 'send')
+  FROM outbox._under_way w
+  JOIN outbox._messages m ON m.id = w.message_id
+ WHERE NOT EXISTS (SELECT 1 FROM outbox._attempts o
+                    WHERE o.message_id = m.id AND o.attempt = m.attempts + 1 AND o.kind = 'send')
 UNION ALL
 -- A send that delivered its message in the attempt the message still counts, and whose
 -- row the record did not write: the delivered message is that row (src/ledger.rs,

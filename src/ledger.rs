@@ -99,19 +99,19 @@ pub fn record_delivered(
         .collect()
 }
 
-/// The worker's confirmed sends of messages still in the attempt that sent them (`sending`,
-/// same attempt number): each moves into its ledger entry (or, when its effect is recorded
-/// already, stays marked delivered with its lease cleared). The delivered message
-/// is its attempt's row in `outbox.attempts` (when it started, by which worker, the status,
-/// the external id, `delivered_at`); a row of `outbox._attempts` is written only for what
-/// the message cannot tell: another outcome text (a duplicate a stream reported), an answer
-/// without the external id or status the message keeps from before, an attempt that began
-/// before the update from 0.1.0 (`$6`: its row is written already). The arrays drive the
-/// joins: each message of the batch is one probe of the primary key. The state is compared
-/// as text so that the plan cannot start from the partial index of `sending` messages
-/// instead: with the statistics of a table analyzed while nothing was in flight, it expects
-/// one row there, reads every message in flight (both workers' batches) and scans the whole
-/// array for each of them, 400 × 200 comparisons and 30 ms of a record of 200.
+/// The worker's confirmed sends of messages still in the attempt that sent them (queued,
+/// under the claim that took them, their rows counting the attempts before: `$2` - 1): each
+/// moves into its ledger entry (or, when its effect is recorded already, stays marked
+/// delivered), with the attempt counted and when it started (`$7`, µs since the epoch) and
+/// by which worker. The delivered message is its attempt's row in `outbox.attempts` (when
+/// it started, by which worker, the status, the external id, `delivered_at`); a row of
+/// `outbox._attempts` is written only for what the message cannot tell: another outcome text
+/// (a duplicate a stream reported), an answer without the external id or status the message
+/// keeps from before, an attempt that began before the update from 0.1.0 (`$6`: its row is
+/// written already). The arrays drive the joins: each message of the batch is one probe of
+/// the primary key; the state is compared as text so that the plan cannot start from the
+/// partial index of queued messages instead.
+/// The claims give the messages up in the same transaction (`crate::worker::record`).
 /// Its first three steps are those of `outbox._record_delivered` (sql/ledger.sql), which
 /// reconcile, `resolve` and late answers go through, with the worker's own guard (the same
 /// attempt still open) and the attempt row in the same statement: a change to what
@@ -119,23 +119,29 @@ pub fn record_delivered(
 pub(crate) static RECORD_SENT: Statement = Statement::planned_once(
     "
 WITH d AS (
-    SELECT * FROM unnest($1::int8[], $2::int4[], $3::text[], $4::int4[], $5::text[], $6::bool[])
-        AS d(id, attempt, external_id, http_status, outcome, row_written)
+    SELECT d.*, coalesce(timestamptz 'epoch' + d.started_at_us * interval '1 microsecond', now()) AS started_at
+      FROM unnest($1::int8[], $2::int4[], $3::text[], $4::int4[], $5::text[], $6::bool[], $7::int8[])
+        AS d(id, attempt, external_id, http_status, outcome, row_written, started_at_us)
 ), moved AS (
     -- The ledger probed through outbox._ledger_entry: one index probe per message, never a
     -- hash of the whole ledger, which grows with every delivery.
     DELETE FROM outbox._messages m
      USING d
-     WHERE m.id = d.id AND m.state::text = 'sending' AND m.attempts = d.attempt
+     WHERE m.id = d.id AND m.state::text = 'queued' AND m.attempts = d.attempt - 1
        AND NOT EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
  RETURNING m.*, coalesce(d.external_id, m.external_id) AS confirmed_external_id,
-           coalesce(d.http_status, m.last_http_status) AS confirmed_http_status
+           coalesce(d.http_status, m.last_http_status) AS confirmed_http_status,
+           d.attempt AS sent_attempt, d.started_at AS sent_at
 ), kept AS (
     -- Only the messages the deletion did not take (an effect recorded already, or a late
     -- answer) are looked up again: a moved message costs no second probe of the queue
     -- table and of the ledger.
     UPDATE outbox._messages m
        SET state = 'delivered',
+           attempts = d.attempt,
+           first_attempt_at = coalesce(m.first_attempt_at, d.started_at),
+           attempt_started_at = d.started_at,
+           attempt_pid = pg_catalog.pg_backend_pid(),
            delivered_at = now(),
            updated_at = now(),
            external_id = coalesce(d.external_id, m.external_id),
@@ -143,7 +149,7 @@ WITH d AS (
            lease_until = NULL,
            lease_owner = NULL
       FROM d
-     WHERE m.id = d.id AND m.state::text = 'sending' AND m.attempts = d.attempt
+     WHERE m.id = d.id AND m.state::text = 'queued' AND m.attempts = d.attempt - 1
        AND NOT EXISTS (SELECT 1 FROM moved WHERE moved.id = d.id)
        AND EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
  RETURNING m.id, m.tenant, m.effect_key, m.external_id, m.last_http_status, m.attempt_started_at,
@@ -155,28 +161,29 @@ WITH d AS (
                                 owner, created_at, attempt_started_at, attempt_pid, generation)
     SELECT m.tenant, m.effect_key, m.id, m.confirmed_external_id, 'worker',
            m.channel_id, m.ordering_key, m.payload, m.headers, m.not_before,
-           m.attempts, m.last_error_class, m.last_error, m.confirmed_http_status,
-           m.owner, m.created_at, m.attempt_started_at, m.attempt_pid,
+           m.sent_attempt, m.last_error_class, m.last_error, m.confirmed_http_status,
+           m.owner, m.created_at, m.sent_at, pg_catalog.pg_backend_pid(),
            -- The current generation, read once for the whole statement.
            (SELECT coalesce((SELECT g.generation FROM outbox._ledger_generations g
                               WHERE g.closed_at IS NULL), 0::smallint))
       FROM moved m
 ), m AS (
     SELECT id, tenant, effect_key, confirmed_external_id AS external_id,
-           confirmed_http_status AS last_http_status, attempt_started_at, attempt_pid
+           confirmed_http_status AS last_http_status, sent_at AS attempt_started_at,
+           pg_catalog.pg_backend_pid() AS attempt_pid
       FROM moved
     UNION ALL
     SELECT * FROM kept
 ), a AS (
     INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, started_at, finished_at, outcome,
                                   http_status, external_id, effect_key_sent, worker_pid)
-    SELECT m.id, m.tenant, d.attempt, 'send', coalesce(m.attempt_started_at, now()), now(), d.outcome,
+    SELECT m.id, m.tenant, d.attempt, 'send', d.started_at, now(), d.outcome,
            d.http_status, d.external_id, outbox._provider_key(m.tenant, m.effect_key), m.attempt_pid
       FROM m JOIN d ON d.id = m.id
      WHERE NOT d.row_written
        -- A plain delivery's row is the delivered message itself (outbox.attempts): written
        -- only when the message cannot tell the attempt whole.
-       AND (d.outcome <> 'delivered' OR m.attempt_started_at IS NULL
+       AND (d.outcome <> 'delivered' OR d.started_at_us IS NULL
             OR m.external_id IS DISTINCT FROM d.external_id
             OR m.last_http_status IS DISTINCT FROM d.http_status)
 )
@@ -223,6 +230,11 @@ pub fn record_sent(
             delivered
                 .iter()
                 .map(|x| x.row_written)
+                .collect::<Vec<_>>()
+                .into(),
+            delivered
+                .iter()
+                .map(|x| x.started_at_us)
                 .collect::<Vec<_>>()
                 .into(),
         ],

@@ -53,7 +53,8 @@ WITH cur AS (
            reconcile_attempts = least(m.reconcile_attempts, 2147483646) + 1,
            updated_at = now()
       FROM verdict v
-     WHERE m.id = v.id AND m.state NOT IN ('delivered', 'sending')
+     WHERE m.id = v.id AND m.state <> 'delivered'
+       AND m.id NOT IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w)
  RETURNING m.id, m.tenant, m.effect_key, m.attempts, m.state
 ), attempt AS (
     INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, finished_at, outcome, http_status, error,

@@ -1,7 +1,9 @@
-//! Claim: one short transaction moves up to `batch_size` due messages to `sending` under a
-//! lease and counts the attempt before anything is sent. The message row is the open
-//! attempt (when it started, the sending worker's pid); its row of `outbox._attempts` is
-//! written once, with its outcome, by the record or by recovery.
+//! Claim: one short transaction takes up to `batch_size` due messages under a lease before
+//! anything is sent: it locks them and writes one row of `outbox._claims` per channel,
+//! which makes them `sending` in the attempt after those their rows count. That row is the
+//! open attempt (when it started, the sending worker's pid); the message row and the
+//! attempt's row of `outbox._attempts` are written once, with the outcome, by the record or
+//! by recovery.
 
 use super::claim_cursor::{ClaimCursors, Floors, Position};
 use crate::channels::options::ChannelOptions;
@@ -23,9 +25,15 @@ static LOAD_CHANNELS: Statement = Statement::planned_once(
 /// next message for longer than one batch.
 /// A channel named in `$5` is read from the position (`$6` µs since the epoch, `$7` id)
 /// on, not from the head of its due index (`claim_cursor`).
+/// The claim locks the messages it takes and writes one row of `outbox._claims` for each
+/// channel, which makes them `sending`; it writes no message row. A message already in a
+/// claim is passed over: claims are serialized by the claim lock, so this statement's
+/// snapshot holds every claim before it.
 /// The ledger lookup at the end is the barrier: such a message is not sent again.
 pub(crate) static CLAIM_DUE: Statement = Statement::planned_once("
-WITH ch AS (
+WITH flying AS MATERIALIZED (
+    SELECT pg_catalog.unnest(w.message_ids) AS id FROM outbox._claims w
+), ch AS (
     SELECT c.id,
            -- max_in_flight, or max_unverifiable_in_flight on a channel that can neither
            -- dedupe nor be asked (sql/channels.sql). An option changed by hand into no
@@ -33,8 +41,8 @@ WITH ch AS (
            -- readably.
            -- At most the cap of its rate limit or circuit ($8, $9; src/worker/flow.rs).
            greatest(0, least(outbox._in_flight_bound(c.options)
-                             - (SELECT count(*) FROM outbox._messages s
-                                 WHERE s.channel_id = c.id AND s.state = 'sending'),
+                             - (SELECT coalesce(sum(pg_catalog.cardinality(w.message_ids)), 0)
+                                  FROM outbox._claims w WHERE w.channel_id = c.id),
                              coalesce(g.cap, 2147483647)))::int AS room,
            coalesce(timestamptz 'epoch' + f.due_at_us * interval '1 microsecond', '-infinity') AS floor_at,
            coalesce(f.id, 0) AS floor_id
@@ -52,62 +60,56 @@ WITH ch AS (
        AND (SELECT true FROM outbox._messages q
              WHERE q.channel_id = ch.id AND q.state = 'queued' AND q.next_attempt_at <= now()
                AND (q.next_attempt_at, q.id) >= (ch.floor_at, ch.floor_id)
+               AND q.id NOT IN (SELECT flying.id FROM flying)
              LIMIT 1)
      ORDER BY random()
-), due AS (
-    SELECT d.id, d.ctid
+), due AS MATERIALIZED (
+    SELECT d.*
       FROM ready CROSS JOIN LATERAL (
-           SELECT m.id, m.ctid
+           SELECT m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers,
+                  -- The attempt under way: the one after those the row counts. Saturates:
+                  -- a counter at its limit (set by hand) must not fail every claim.
+                  least(m.attempts, 2147483646) + 1 AS attempt,
+                  coalesce(m.budget_started_at, m.created_at) AS budget_started_at,
+                  m.first_attempt_at, m.budget_base, m.next_attempt_at
              FROM outbox._messages m
             WHERE m.channel_id = ready.id
               AND m.state = 'queued'
               AND m.next_attempt_at <= now()
               AND (m.next_attempt_at, m.id) >= (ready.floor_at, ready.floor_id)
+              AND m.id NOT IN (SELECT flying.id FROM flying)
               AND (m.ordering_key IS NULL OR NOT EXISTS (
                      SELECT 1 FROM outbox._messages e
                       WHERE e.tenant = m.tenant AND e.ordering_key = m.ordering_key
-                        AND e.id < m.id AND e.state IN ('queued', 'sending', 'uncertain')))
+                        AND e.id < m.id AND e.state IN ('queued', 'uncertain')))
             ORDER BY m.next_attempt_at, m.id
             LIMIT least(ready.room, ceil($1::numeric / ready.sharing)::int)
               FOR UPDATE OF m SKIP LOCKED) d
      LIMIT $1
 ), claimed AS (
-    UPDATE outbox._messages m
-       SET state = 'sending',
-           -- Saturates: a counter at its limit (set by hand) must not fail every claim.
-           attempts = least(m.attempts, 2147483646) + 1,
-           lease_until = now() + $2 * interval '1 millisecond',
-           lease_owner = $3,
-           first_attempt_at = coalesce(m.first_attempt_at, now()),
-           -- An attempt starts when it is claimed, not when the claim's transaction began:
-           -- the sweep and the wait for the claim lock come first, and an attempt of
-           -- another worker may be recorded in between.
-           attempt_started_at = pg_catalog.clock_timestamp(),
-           attempt_pid = $4,
-           updated_at = now()
-     -- The versions just locked, by their addresses: no second descent of the primary key,
-     -- and no join, whose plan (planned once, for any batch size) could read the whole
-     -- primary key to meet a batch it expects to be large. A version newer than this
-     -- statement's snapshot is not found, and that message waits for the next claim.
-     WHERE m.ctid = ANY (ARRAY(SELECT due.ctid FROM due))
-       AND m.id = ANY (ARRAY(SELECT due.id FROM due))
- RETURNING m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers, m.attempts,
-           outbox._provider_key(m.tenant, m.effect_key) AS key_sent,
-           coalesce(m.budget_started_at, m.created_at) AS budget_started_at, m.first_attempt_at,
-           m.attempts::int8 - m.budget_base AS budget_attempt, m.next_attempt_at,
-           m.attempt_started_at
+    -- An attempt starts when it is claimed, not when the claim's transaction began: the
+    -- sweep and the wait for the claim lock come first, and an attempt of another worker
+    -- may be recorded in between.
+    INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
+    SELECT due.channel_id, $3, $4, now() + $2 * interval '1 millisecond', pg_catalog.clock_timestamp(),
+           array_agg(due.id ORDER BY due.id)
+      FROM due
+     GROUP BY due.channel_id
+ RETURNING channel_id, started_at
 )
-SELECT c.id, (extract(epoch FROM c.attempt_started_at) * 1000000)::int8, c.attempts, c.tenant, c.channel_id, c.key_sent, c.payload::text, c.headers::text,
+SELECT d.id, (extract(epoch FROM c.started_at) * 1000000)::int8, d.attempt, d.tenant, d.channel_id,
+       outbox._provider_key(d.tenant, d.effect_key), d.payload::text, d.headers::text,
        -- NULL (read as 0) for a time of ±infinity set by hand.
-       outbox._epoch_ms(c.budget_started_at), outbox._epoch_ms(c.first_attempt_at),
-       l.message_id, l.external_id, c.budget_attempt,
+       outbox._epoch_ms(d.budget_started_at), outbox._epoch_ms(coalesce(d.first_attempt_at, c.started_at)),
+       l.message_id, l.external_id, d.attempt::int8 - d.budget_base,
        -- NULL for a due time outside the range of positions (one set by hand).
-       CASE WHEN c.next_attempt_at BETWEEN timestamptz '1900-01-01' AND timestamptz '2200-01-01'
-            THEN (extract(epoch FROM c.next_attempt_at) * 1000000)::int8 END
-  FROM claimed c
+       CASE WHEN d.next_attempt_at BETWEEN timestamptz '1900-01-01' AND timestamptz '2200-01-01'
+            THEN (extract(epoch FROM d.next_attempt_at) * 1000000)::int8 END
+  FROM due d
+  JOIN claimed c ON c.channel_id = d.channel_id
   -- The barrier: one ledger probe per claimed message (crate::ledger).
-  LEFT JOIN LATERAL outbox._ledger_entry(c.tenant, c.effect_key) l ON true
- ORDER BY c.id");
+  LEFT JOIN LATERAL outbox._ledger_entry(d.tenant, d.effect_key) l ON true
+ ORDER BY d.id");
 
 /// When the earliest queued message of an unpaused channel is due (unix ms): a day ahead
 /// when none is queued or the earliest waits longer (until 'infinity', say); now when it
@@ -127,8 +129,8 @@ SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infi
   CROSS JOIN LATERAL (
        SELECT now() AS next_attempt_at
         WHERE outbox._in_flight_bound(c.options)
-              <= (SELECT count(*) FROM outbox._messages s
-                   WHERE s.channel_id = c.id AND s.state = 'sending')
+              <= (SELECT coalesce(sum(pg_catalog.cardinality(w.message_ids)), 0)
+                    FROM outbox._claims w WHERE w.channel_id = c.id)
        UNION ALL
        -- Not before the channel's flow control lets it send (src/worker/flow.rs): the end
        -- of a Retry-After hold, of an open circuit, of a probe out, the next token.
@@ -143,6 +145,7 @@ SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infi
                                  * interval '1 millisecond' END) AS next_attempt_at
          FROM outbox._messages m
         WHERE m.channel_id = c.id AND m.state = 'queued'
+          AND m.id NOT IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w)
         ORDER BY m.next_attempt_at LIMIT 1)
         LIMIT 1) n
  WHERE NOT c.paused",

@@ -670,6 +670,7 @@ fn recover_lost_leases(
     let lost =
         recovery::find_lost_leases(client, include_own_slot, index as i32, RECOVER_PER_SWEEP)?;
     if lost.is_empty() {
+        recovery::prune_lost_claims(client, include_own_slot, index as i32)?;
         return Ok(0);
     }
     let mut outcomes = Outcomes::default();
@@ -684,10 +685,17 @@ fn recover_lost_leases(
                 format!("channel {} no longer exists", l.channel_id),
             ),
         };
-        outcomes.push_for(l.channel_id, true, l.message_id, (l.attempt, None), verdict);
+        let made = record::AttemptMade {
+            attempt: l.attempt,
+            started_at_us: l.started_at_us,
+            pid: l.worker_pid,
+        };
+        outcomes.push_for(l.channel_id, true, l.message_id, made, verdict);
     }
     record::close_open_rows(client, &mut outcomes)?;
     record::record(client, &outcomes)?;
+    let claims: Vec<i64> = lost.iter().map(|l| l.claim_id).collect();
+    record::release_claimed(client, &outcomes, &claims)?;
     record::record_recovery_rows(client, &outcomes.settled, pid)?;
     log!(
         "outbox_delivery worker {index}: recovered {} message(s) whose attempt was interrupted",

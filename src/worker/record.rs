@@ -3,7 +3,8 @@
 //! attempt's row (`crate::ledger::RECORD_SENT`); any other outcome moves the message to its
 //! next state and writes the attempt's row with its classified facts. The row of an attempt
 //! is written once, here or by recovery, with its outcome: while the attempt is in progress
-//! the `sending` message stands for it (src/worker/claim.rs).
+//! its claim stands for it (src/worker/claim.rs). The record takes the messages it settles
+//! out of their claims in the same transaction.
 
 use crate::classify::Class;
 use crate::ledger;
@@ -41,23 +42,30 @@ SELECT d.id, m.tenant, d.attempt, 'send',
 );
 
 /// Every other outcome. Applies only while the message is still in the attempt that
-/// produced it (`sending`, same attempt number): a late answer never overrides a newer state,
-/// and an attempt taken back by recovery keeps the row recovery wrote. The attempt's row
-/// is written with the message's move, unless `$10` says it is written already.
+/// produced it (queued, its row counting the attempts before: `$2` - 1): a late answer never
+/// overrides a newer state, and an attempt taken back by recovery keeps the row recovery
+/// wrote. The message row counts the attempt and keeps when it started and which worker
+/// made it (`$11`, `$12`; the recording worker when NULL). The attempt's row is written with
+/// the message's move, unless `$10` says it is written already.
 /// The outcomes drive the join, one probe of the primary key each: the state is compared
-/// as text so that the plan cannot start from the partial index of messages in flight
-/// (which the statistics, taken while nothing is in flight, put at one row) and compare
-/// each of them with the whole array, as `crate::ledger::RECORD_SENT` does.
+/// as text so that the plan cannot start from the partial index of queued messages and
+/// compare each of them with the whole array, as `crate::ledger::RECORD_SENT` does.
 pub(crate) static RECORD_SETTLED: Statement = Statement::planned_once(
     "
 WITH o AS (
-    SELECT * FROM unnest($1::int8[], $2::int4[], $3::text[], $4::int8[], $5::text[], $6::text[],
-                         $7::int4[], $8::int8[], $9::text[], $10::bool[])
+    SELECT o.*, coalesce(timestamptz 'epoch' + o.started_at_us * interval '1 microsecond', now()) AS started_at,
+           coalesce(o.by_pid, pg_catalog.pg_backend_pid()) AS pid
+      FROM unnest($1::int8[], $2::int4[], $3::text[], $4::int8[], $5::text[], $6::text[],
+                  $7::int4[], $8::int8[], $9::text[], $10::bool[], $11::int8[], $12::int4[])
         AS o(message_id, attempt, state, next_at_ms, error_class, error, http_status,
-             retry_after_ms, outcome, row_written)
+             retry_after_ms, outcome, row_written, started_at_us, by_pid)
 ), m AS (
     UPDATE outbox._messages m
        SET state = o.state::outbox.state,
+           attempts = o.attempt,
+           first_attempt_at = coalesce(m.first_attempt_at, o.started_at),
+           attempt_started_at = o.started_at,
+           attempt_pid = o.pid,
            next_attempt_at = CASE WHEN o.next_at_ms IS NULL THEN m.next_attempt_at
                                   ELSE to_timestamp(o.next_at_ms / 1000.0) END,
            last_error_class = o.error_class::outbox.error_class,
@@ -67,16 +75,31 @@ WITH o AS (
            lease_owner = NULL,
            updated_at = now()
       FROM o
-     WHERE m.id = o.message_id AND m.state::text = 'sending' AND m.attempts = o.attempt
+     WHERE m.id = o.message_id AND m.state::text = 'queued' AND m.attempts = o.attempt - 1
  RETURNING m.id, m.tenant, m.effect_key, m.attempt_started_at, m.attempt_pid
 )
 INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, started_at, finished_at, outcome,
                               error_class, http_status, error, retry_after_ms, effect_key_sent, worker_pid)
-SELECT m.id, m.tenant, o.attempt, 'send', coalesce(m.attempt_started_at, now()), now(), o.outcome,
+SELECT m.id, m.tenant, o.attempt, 'send', m.attempt_started_at, now(), o.outcome,
        o.error_class::outbox.error_class, o.http_status, o.error, o.retry_after_ms,
        outbox._provider_key(m.tenant, m.effect_key), m.attempt_pid
   FROM m JOIN o ON o.message_id = m.id
  WHERE NOT o.row_written",
+);
+
+/// Takes messages (`$1`) out of their claims, once their outcomes are recorded: out of the
+/// claims of the worker `$2` (the recording worker's own), or of the claims `$3` (those
+/// recovery took them back from). A claim left empty is deleted.
+static RELEASE_CLAIMED: Statement = Statement::planned_once(
+    "
+WITH emptied AS (
+    DELETE FROM outbox._claims w
+     WHERE (w.worker_pid = $2 OR w.id = ANY ($3::int8[])) AND w.message_ids <@ $1::int8[]
+)
+UPDATE outbox._claims w
+   SET message_ids = ARRAY(SELECT x FROM pg_catalog.unnest(w.message_ids) AS x WHERE x <> ALL ($1::int8[]))
+ WHERE (w.worker_pid = $2 OR w.id = ANY ($3::int8[])) AND w.message_ids && $1::int8[]
+   AND NOT (w.message_ids <@ $1::int8[])",
 );
 
 /// Rows of sends still open from before the update from 0.1.0, which wrote a send's row
@@ -100,14 +123,16 @@ RETURNING a.message_id",
 );
 
 /// Locks the messages whose effects run in this transaction, in id order, while they are
-/// still in an attempt (`sending`): with their attempt numbers. A worker looking for lost
-/// leases skips locked rows, so however long the effects take, none of them is taken back
-/// while the transaction that runs it is open.
+/// still in an attempt (in a claim of this worker): with the numbers of those attempts. A
+/// worker looking for lost leases skips locked rows, so however long the effects take,
+/// none of them is taken back while the transaction that runs it is open.
 pub(crate) static LOCK_EFFECT_MESSAGES: Statement = Statement::planned_once(
     "
-SELECT m.id, m.attempts
+SELECT m.id, m.attempts + 1
   FROM outbox._messages m
- WHERE m.id = ANY ($1::int8[]) AND m.state::text = 'sending'
+ WHERE m.id = ANY ($1::int8[]) AND m.state::text = 'queued'
+   AND m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w
+                 WHERE w.worker_pid = pg_catalog.pg_backend_pid())
  ORDER BY m.id
    FOR UPDATE OF m",
 );
@@ -128,6 +153,8 @@ pub struct Delivery {
     pub attempt: i32,
     /// When the attempt started (µs since the epoch), where the worker knows it.
     pub started_at_us: Option<i64>,
+    /// The worker that made the attempt, when it is not the one recording it (recovery).
+    pub pid: Option<i32>,
     pub external_id: Option<String>,
     pub http_status: Option<i32>,
     pub outcome: String,
@@ -140,9 +167,22 @@ pub struct Delivery {
 pub struct Settlement {
     pub message_id: i64,
     pub attempt: i32,
+    /// When the attempt started (µs since the epoch), where the worker knows it.
+    pub started_at_us: Option<i64>,
+    /// The worker that made the attempt, when it is not the one recording it (recovery).
+    pub pid: Option<i32>,
     pub verdict: Verdict,
     /// The attempt's row is written already (a send open at the update from 0.1.0).
     pub row_written: bool,
+}
+
+/// The attempt an outcome belongs to: its number, when it started (µs since the epoch)
+/// and by which worker, where known (the recording worker's own attempt when `pid` is None).
+#[derive(Debug, Clone, Copy)]
+pub struct AttemptMade {
+    pub attempt: i32,
+    pub started_at_us: Option<i64>,
+    pub pid: Option<i32>,
 }
 
 /// Everything one transaction records: deliveries, other outcomes, and the per-channel
@@ -156,20 +196,20 @@ pub struct Outcomes {
 
 impl Outcomes {
     /// Adds the outcome of one message of `channel_id`; `sent` is false when nothing was
-    /// attempted (the ledger barrier). `started_at_us`: when the attempt started, if known.
+    /// attempted (the ledger barrier).
     pub fn push_for(
         &mut self,
         channel_id: i32,
         sent: bool,
         message_id: i64,
-        (attempt, started_at_us): (i32, Option<i64>),
+        attempt: AttemptMade,
         verdict: Verdict,
     ) {
         self.tallies
             .entry(channel_id)
             .or_default()
             .count(verdict.state, sent);
-        self.push(message_id, attempt, started_at_us, verdict);
+        self.push(message_id, attempt, verdict);
     }
 
     /// Adds the outcome of a claimed job (see [`Outcomes::push_for`]).
@@ -178,23 +218,27 @@ impl Outcomes {
             job.channel_id,
             sent,
             job.message_id,
-            (job.attempt, Some(job.started_at_us)),
+            AttemptMade {
+                attempt: job.attempt,
+                started_at_us: Some(job.started_at_us),
+                pid: None,
+            },
             verdict,
         );
     }
 
-    pub fn push(
-        &mut self,
-        message_id: i64,
-        attempt: i32,
-        started_at_us: Option<i64>,
-        verdict: Verdict,
-    ) {
+    pub fn push(&mut self, message_id: i64, made: AttemptMade, verdict: Verdict) {
+        let AttemptMade {
+            attempt,
+            started_at_us,
+            pid,
+        } = made;
         if verdict.state == State::Delivered {
             self.delivered.push(Delivery {
                 message_id,
                 attempt,
                 started_at_us,
+                pid,
                 external_id: verdict.external_id,
                 http_status: verdict.http_status.map(i32::from),
                 outcome: verdict.outcome,
@@ -204,6 +248,8 @@ impl Outcomes {
             self.settled.push(Settlement {
                 message_id,
                 attempt,
+                started_at_us,
+                pid,
                 verdict,
                 row_written: false,
             });
@@ -244,9 +290,36 @@ pub fn record(client: &mut SpiClient<'_>, outcomes: &Outcomes) -> SpiResult<()> 
     if !outcomes.settled.is_empty() {
         record_settled(client, &outcomes.settled)?;
     }
+    release_claimed(client, outcomes, &[])?;
     // Last: every worker of a channel updates the same counter rows, so the row locks
     // this takes are held only until the commit that follows.
     record_stats(client, &outcomes.tallies)
+}
+
+/// Takes the messages of `outcomes` out of this worker's claims, and out of `claims`
+/// (those recovery took them back from): they are no longer under way.
+pub fn release_claimed(
+    client: &mut SpiClient<'_>,
+    outcomes: &Outcomes,
+    claims: &[i64],
+) -> SpiResult<()> {
+    let ids: Vec<i64> = outcomes
+        .delivered
+        .iter()
+        .map(|d| d.message_id)
+        .chain(outcomes.settled.iter().map(|s| s.message_id))
+        .collect();
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let pid = unsafe { pgrx::pg_sys::MyProcPid };
+    spi::run(
+        client,
+        &RELEASE_CLAIMED,
+        None,
+        &[ids.into(), pid.into(), claims.to_vec().into()],
+    )?;
+    Ok(())
 }
 
 /// Deliveries: those still in their attempt in one statement (`crate::ledger::record_sent`);
@@ -352,6 +425,8 @@ fn record_settled(client: &mut SpiClient<'_>, s: &[Settlement]) -> SpiResult<()>
                 .collect::<Vec<_>>()
                 .into(),
             s.iter().map(|x| x.row_written).collect::<Vec<_>>().into(),
+            s.iter().map(|x| x.started_at_us).collect::<Vec<_>>().into(),
+            s.iter().map(|x| x.pid).collect::<Vec<_>>().into(),
         ],
     )?;
     Ok(())

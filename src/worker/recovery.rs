@@ -1,4 +1,4 @@
-//! Recovery: a `sending` message whose lease ran out (its worker crashed or the server
+//! Recovery: a message whose claim's lease ran out (its worker crashed or the server
 //! restarted mid-attempt) is an ambiguous attempt, never a blind resend. At start a worker
 //! also takes back the messages its slot had leased, since their worker is gone; and after
 //! a promotion, every message claimed on the old primary (`standby`). The interrupted
@@ -10,21 +10,50 @@
 use crate::spi::{self, Statement};
 use pgrx::spi::{SpiClient, SpiResult};
 
+/// The messages of claims whose lease ran out, of this worker's slot from before it
+/// started (`$1`, `$2`), or made on an old primary before this server was promoted (`$4`
+/// ms, 0: it was not): their attempt under way (the one after those their rows count), when
+/// it started and by which worker, and the claim it is taken back from.
 static FIND_LOST_LEASES: Statement = Statement::planned_each_run(
     "
-SELECT m.id, m.channel_id, m.attempts,
+SELECT m.id, m.channel_id, m.attempts + 1,
        outbox._epoch_ms(coalesce(m.budget_started_at, m.created_at)),
-       outbox._epoch_ms(coalesce(m.first_attempt_at, m.created_at)),
-       m.attempts::int8 - m.budget_base
-  FROM outbox._messages m
- WHERE m.state = 'sending'
-   -- A lease without an end (written by hand) has ended.
-   AND (coalesce(m.lease_until, '-infinity') < now() OR ($1 AND m.lease_owner = $2)
-        -- Claimed on the old primary, before this server was promoted (0: it was not).
-        OR ($4 > 0 AND m.updated_at < pg_catalog.to_timestamp($4::float8 / 1000)))
+       outbox._epoch_ms(coalesce(m.first_attempt_at, w.started_at, m.created_at)),
+       m.attempts::int8 + 1 - m.budget_base,
+       (extract(epoch FROM w.started_at) * 1000000)::int8, w.worker_pid, w.id
+  FROM outbox._claims w
+ CROSS JOIN LATERAL pg_catalog.unnest(w.message_ids) AS u(id)
+  JOIN outbox._messages m ON m.id = u.id
+ WHERE m.state = 'queued'
+   AND (w.lease_until < now()
+        OR ($1 AND w.lease_owner = $2 AND w.worker_pid <> pg_catalog.pg_backend_pid())
+        OR ($4 > 0 AND w.started_at < pg_catalog.to_timestamp($4::float8 / 1000)))
  ORDER BY m.id
  LIMIT $3
    FOR UPDATE OF m SKIP LOCKED",
+);
+
+/// Ids left in claims whose lease ran out that stand for no attempt under way: their
+/// message was recorded otherwise (an operator's `resolve`) or is gone. Messages locked
+/// by another transaction (one recovering them right now) stay.
+static PRUNE_LOST_CLAIMS: Statement = Statement::planned_each_run(
+    "
+WITH lost AS (
+    SELECT w.id, ARRAY(SELECT u.id FROM pg_catalog.unnest(w.message_ids) AS u(id)
+                        WHERE EXISTS (SELECT 1 FROM outbox._messages m
+                                       WHERE m.id = u.id AND m.state = 'queued')) AS kept
+      FROM outbox._claims w
+     WHERE w.lease_until < now()
+        OR ($1 AND w.lease_owner = $2 AND w.worker_pid <> pg_catalog.pg_backend_pid())
+        OR ($3 > 0 AND w.started_at < pg_catalog.to_timestamp($3::float8 / 1000))
+), emptied AS (
+    DELETE FROM outbox._claims w USING lost
+     WHERE w.id = lost.id AND pg_catalog.cardinality(lost.kept) = 0
+)
+UPDATE outbox._claims w SET message_ids = lost.kept
+  FROM lost
+ WHERE w.id = lost.id AND pg_catalog.cardinality(lost.kept) > 0
+   AND pg_catalog.cardinality(lost.kept) < pg_catalog.cardinality(w.message_ids)",
 );
 
 /// A message whose attempt was interrupted.
@@ -37,6 +66,11 @@ pub struct LostLease {
     pub first_attempt_at_ms: i64,
     /// Attempts counted against the current budget.
     pub budget_attempt: i64,
+    /// When the attempt started (µs since the epoch) and which worker made it.
+    pub started_at_us: Option<i64>,
+    pub worker_pid: Option<i32>,
+    /// The claim it is taken back from.
+    pub claim_id: i64,
 }
 
 impl LostLease {
@@ -81,7 +115,30 @@ pub fn find_lost_leases(
             budget_started_at_ms: row.get::<i64>(4)?.unwrap_or_default(),
             first_attempt_at_ms: row.get::<i64>(5)?.unwrap_or_default(),
             budget_attempt: row.get::<i64>(6)?.unwrap_or(1),
+            started_at_us: row.get::<i64>(7)?,
+            worker_pid: row.get::<i32>(8)?,
+            claim_id: row.get::<i64>(9)?.unwrap_or_default(),
         });
     }
     Ok(out)
+}
+
+/// Deletes what [`PRUNE_LOST_CLAIMS`] finds.
+pub fn prune_lost_claims(
+    client: &mut SpiClient<'_>,
+    include_own_slot: bool,
+    worker_index: i32,
+) -> SpiResult<()> {
+    let promoted_at_ms = crate::worker::standby::claimed_by_old_primary_before_ms();
+    spi::run(
+        client,
+        &PRUNE_LOST_CLAIMS,
+        None,
+        &[
+            include_own_slot.into(),
+            worker_index.into(),
+            promoted_at_ms.into(),
+        ],
+    )?;
+    Ok(())
 }
