@@ -42,7 +42,7 @@ BEGIN
         -- the whole ledger, which grows with every delivery.
         DELETE FROM outbox._messages m
          USING d
-         WHERE m.id = d.id AND m.state <> 'delivered'
+         WHERE m.id = d.id AND m.id = ANY (message_ids) AND m.state <> 'delivered'
            AND NOT (leave_sending AND m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w))
            AND NOT EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
      RETURNING m.*, d.external_id AS confirmed_external_id, d.http_status AS confirmed_http_status
@@ -59,7 +59,7 @@ BEGIN
                lease_until = NULL,
                lease_owner = NULL
           FROM d
-         WHERE m.id = d.id AND m.state <> 'delivered'
+         WHERE m.id = d.id AND m.id = ANY (message_ids) AND m.state <> 'delivered'
            AND NOT (leave_sending AND m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w))
            AND NOT EXISTS (SELECT 1 FROM moved WHERE moved.id = d.id)
            AND EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))

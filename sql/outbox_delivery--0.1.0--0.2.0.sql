@@ -902,6 +902,7 @@ SELECT m.channel_id, coalesce(m.lease_owner, -1), coalesce(m.attempt_pid, 0),
  GROUP BY m.channel_id, m.lease_owner, m.attempt_pid, m.lease_until;
 UPDATE outbox._messages m SET state = 'queued', attempts = m.attempts - 1 WHERE m.state = 'sending';
 DROP INDEX outbox._messages_sending_idx;
+CREATE INDEX _messages_sending_idx ON outbox._messages (id) WHERE state = 'sending';
 
 CREATE VIEW outbox._under_way AS
 SELECT u.message_id, c.channel_id, c.lease_owner, c.worker_pid, c.lease_until, c.started_at,
@@ -1080,7 +1081,7 @@ BEGIN
         -- the whole ledger, which grows with every delivery.
         DELETE FROM outbox._messages m
          USING d
-         WHERE m.id = d.id AND m.state <> 'delivered'
+         WHERE m.id = d.id AND m.id = ANY (message_ids) AND m.state <> 'delivered'
            AND NOT (leave_sending AND m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w))
            AND NOT EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
      RETURNING m.*, d.external_id AS confirmed_external_id, d.http_status AS confirmed_http_status
@@ -1097,7 +1098,7 @@ BEGIN
                lease_until = NULL,
                lease_owner = NULL
           FROM d
-         WHERE m.id = d.id AND m.state <> 'delivered'
+         WHERE m.id = d.id AND m.id = ANY (message_ids) AND m.state <> 'delivered'
            AND NOT (leave_sending AND m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w))
            AND NOT EXISTS (SELECT 1 FROM moved WHERE moved.id = d.id)
            AND EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))

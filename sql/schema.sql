@@ -112,6 +112,10 @@ COMMENT ON TABLE outbox._messages IS 'Outbox messages (private; read outbox.mess
 -- due order. At a backlog of millions the claim reads the head of it and nothing else.
 CREATE INDEX _messages_due_idx ON outbox._messages (channel_id, next_attempt_at, id)
     WHERE state = 'queued';
+-- A message in flight is a queued row in a claim (outbox._claims): no row is `sending` but
+-- one written so by hand, which recovery adopts into a claim whose lease has ended and then
+-- takes back as an interrupted attempt. Empty, but for such rows.
+CREATE INDEX _messages_sending_idx ON outbox._messages (id) WHERE state = 'sending';
 -- Ordering keys: "is an earlier message with my key still pending?"
 CREATE INDEX _messages_ordering_idx ON outbox._messages (tenant, ordering_key, id)
     WHERE ordering_key IS NOT NULL AND state IN ('queued', 'sending', 'uncertain');

@@ -8,7 +8,18 @@ fn op_setup(channel: &str) -> i64 {
         .unwrap()
 }
 
+/// Puts the message in `state`; `sending` is a queued message in a claim of a worker.
 fn set_state(id: i64, state: &str) {
+    Spi::run(&format!("DELETE FROM outbox._claims WHERE {id} = ANY (message_ids)")).unwrap();
+    if state == "sending" {
+        Spi::run(&format!("UPDATE outbox._messages SET state = 'queued', attempts = 2 WHERE id = {id}")).unwrap();
+        Spi::run(&format!(
+            "INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
+             SELECT channel_id, 0, 1, now() + interval '1 minute', now(), ARRAY[id] FROM outbox._messages WHERE id = {id}"
+        ))
+        .unwrap();
+        return;
+    }
     Spi::run(&format!("UPDATE outbox._messages SET state = '{state}', attempts = 3 WHERE id = {id}")).unwrap();
 }
 

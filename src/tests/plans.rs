@@ -11,11 +11,7 @@ fn unbounded_message_scans(plan: &serde_json::Value, found: &mut Vec<String>) {
             let index = node.get("Index Name").and_then(|i| i.as_str()).unwrap_or("");
             let bounded = match kind {
                 "Tid Scan" => node.contains_key("TID Cond"),
-                "Index Scan" | "Index Only Scan" => {
-                    // The partial index of in-flight messages holds at most the batches
-                    // being sent (and the leases a crash left), whatever the backlog.
-                    node.contains_key("Index Cond") || index == "_messages_sending_idx"
-                }
+                "Index Scan" | "Index Only Scan" => node.contains_key("Index Cond"),
                 // Its bitmap index scan below carries the condition (checked there); an
                 // UPDATE's target is written, not scanned.
                 "Bitmap Heap Scan" | "ModifyTable" => true,
@@ -43,21 +39,21 @@ fn unbounded_message_scans(plan: &serde_json::Value, found: &mut Vec<String>) {
     }
 }
 
-/// Scans of the partial index of in-flight messages in `plan`: a statement that names its
+/// Scans of the partial index of queued messages in `plan`: a statement that names its
 /// messages by id must reach each by the primary key. From that index the plan would read
-/// every message in flight (up to a few batches of every worker) and compare each with the
-/// whole array of ids, so that a record of a batch costs the product of the two.
-fn in_flight_index_scans(plan: &serde_json::Value, found: &mut Vec<String>) {
+/// every queued message of a channel (its whole backlog, the messages in flight among them)
+/// and compare each with the whole array of ids.
+fn due_index_scans(plan: &serde_json::Value, found: &mut Vec<String>) {
     if let Some(node) = plan.as_object() {
-        if node.get("Index Name").and_then(|i| i.as_str()) == Some("_messages_sending_idx") {
+        if node.get("Index Name").and_then(|i| i.as_str()) == Some("_messages_due_idx") {
             found.push(format!("{} {}", node["Node Type"], node.get("Filter").unwrap_or(&serde_json::Value::Null)));
         }
         for child in node.values() {
-            in_flight_index_scans(child, found);
+            due_index_scans(child, found);
         }
     } else if let Some(items) = plan.as_array() {
         for item in items {
-            in_flight_index_scans(item, found);
+            due_index_scans(item, found);
         }
     }
 }
@@ -92,10 +88,15 @@ fn the_worker_plans_bounded_scans_of_the_message_table_at_a_backlog() {
     Spi::run("SELECT count(outbox.enqueue('plan_0', '{\"n\": 1}', 'k' || g)) FROM generate_series(1, 60000) g").unwrap();
     Spi::run("SELECT count(outbox.enqueue('plan_1', '{\"n\": 1}', 'o' || g)) FROM generate_series(1, 2000) g").unwrap();
     // Statistics taken while nothing was in flight (a backlog analyzed before its drain
-    // starts: they put the messages in flight at one row), then again with 300 in flight.
+    // starts), then again with 310 in flight.
     Spi::run("ANALYZE outbox._messages").unwrap();
     Spi::run("ANALYZE outbox._channels").unwrap();
-    Spi::run("UPDATE outbox._messages SET state = 'sending', lease_until = now() + interval '1 minute', attempts = 1 WHERE id % 200 = 0").unwrap();
+    Spi::run(
+        "INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
+         SELECT channel_id, 0, 1, now() + interval '1 minute', now(), array_agg(id)
+           FROM outbox._messages WHERE id % 200 = 0 GROUP BY channel_id",
+    )
+    .unwrap();
     for analyzed_in_flight in [false, true] {
         if analyzed_in_flight {
             Spi::run("ANALYZE outbox._messages").unwrap();
@@ -117,8 +118,8 @@ fn check_worker_statements() {
         (&crate::worker::claim::NEXT_DUE, "", ""),
         (
             &crate::ledger::RECORD_SENT,
-            "int8[], int4[], text[], int4[], text[], bool[]",
-            "'{1,2}', '{1,1}', '{NULL,NULL}', '{200,200}', '{delivered,delivered}', '{f,f}'",
+            "int8[], int4[], text[], int4[], text[], bool[], int8[]",
+            "'{1,2}', '{1,1}', '{NULL,NULL}', '{200,200}', '{delivered,delivered}', '{f,f}', '{NULL,NULL}'",
         ),
         (
             &crate::worker::record::RECORD_LATE_DELIVERED_ATTEMPTS,
@@ -128,8 +129,8 @@ fn check_worker_statements() {
         (&crate::worker::record::LOCK_EFFECT_MESSAGES, "int8[]", "'{1,2,3}'"),
         (
             &crate::worker::record::RECORD_SETTLED,
-            "int8[], int4[], text[], int8[], text[], text[], int4[], int8[], text[], bool[]",
-            "'{1}', '{1}', '{queued}', '{0}', '{transient}', '{e}', '{500}', '{NULL}', '{transient}', '{f}'",
+            "int8[], int4[], text[], int8[], text[], text[], int4[], int8[], text[], bool[], int8[], int4[]",
+            "'{1}', '{1}', '{queued}', '{0}', '{transient}', '{e}', '{500}', '{NULL}', '{transient}', '{f}', '{NULL}', '{NULL}'",
         ),
     ];
     for (statement, types, args) in statements {
@@ -140,9 +141,9 @@ fn check_worker_statements() {
         assert!(unbounded.is_empty(), "{head}…: unbounded scans of the message table {unbounded:?}\n{plan:#}");
         // Every statement here but the claim and the next due time names its messages.
         if !std::ptr::eq(statement, &crate::worker::claim::CLAIM_DUE) && !std::ptr::eq(statement, &crate::worker::claim::NEXT_DUE) {
-            let mut in_flight = Vec::new();
-            in_flight_index_scans(&plan, &mut in_flight);
-            assert!(in_flight.is_empty(), "{head}…: messages named by id read from the index of those in flight {in_flight:?}\n{plan:#}");
+            let mut queued = Vec::new();
+            due_index_scans(&plan, &mut queued);
+            assert!(queued.is_empty(), "{head}…: messages named by id read from the index of queued messages {queued:?}\n{plan:#}");
         }
     }
 
@@ -158,9 +159,9 @@ fn check_worker_statements() {
     let mut unbounded = Vec::new();
     unbounded_message_scans(&plan, &mut unbounded);
     assert!(unbounded.is_empty(), "outbox._record_delivered: unbounded scans of the message table {unbounded:?}\n{plan:#}");
-    let mut in_flight = Vec::new();
-    in_flight_index_scans(&plan, &mut in_flight);
-    assert!(in_flight.is_empty(), "outbox._record_delivered: messages named by id read from the index of those in flight {in_flight:?}\n{plan:#}");
+    let mut queued = Vec::new();
+    due_index_scans(&plan, &mut queued);
+    assert!(queued.is_empty(), "outbox._record_delivered: messages named by id read from the index of queued messages {queued:?}\n{plan:#}");
 }
 
 /// The query of `outbox._record_delivered` (its `RETURN QUERY`), with its arguments as
@@ -181,9 +182,10 @@ fn ledger_record_statement() -> String {
     sql
 }
 
-/// `text` with `name` replaced by `with` where it stands as a whole word.
+/// `text` with `name` replaced by `with` where it stands as a whole word, not a column of a
+/// table named before it (`w.message_ids`).
 fn replace_word(text: &str, name: &str, with: &str) -> String {
-    let is_word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let is_word = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '.';
     let mut out = String::new();
     let mut rest = text;
     while let Some(at) = rest.find(name) {
@@ -215,6 +217,16 @@ fn epoch_ms(expression: &str) -> i64 {
         .expect("a time")
 }
 
+/// Puts the message of effect key `key` in flight: a claim of its own.
+fn claim(key: &str) {
+    Spi::run(&format!(
+        "INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
+         SELECT channel_id, 0, 1, now() + interval '1 minute', now(), ARRAY[id]
+           FROM outbox._messages WHERE effect_key = '{key}'"
+    ))
+    .unwrap();
+}
+
 #[pg_test]
 fn a_channel_at_its_bound_is_due_now_and_one_with_room_when_its_first_message_is() {
     Spi::run("SELECT outbox.create_channel('due_bound', 'http://127.0.0.1:9/x', '{\"idempotency_header\": \"Idempotency-Key\", \"max_in_flight\": 2}')").unwrap();
@@ -224,9 +236,9 @@ fn a_channel_at_its_bound_is_due_now_and_one_with_room_when_its_first_message_is
     )
     .unwrap();
     assert_eq!(next_due_ms(), epoch_ms("now() + interval '1 hour'"), "room: its earliest message");
-    Spi::run("UPDATE outbox._messages SET state = 'sending', lease_until = now() + interval '1 minute', attempts = 1 WHERE effect_key = 'b1'").unwrap();
+    claim("b1");
     assert_eq!(next_due_ms(), epoch_ms("now() + interval '1 hour'"), "one of two in flight: still room");
-    Spi::run("UPDATE outbox._messages SET state = 'sending', lease_until = now() + interval '1 minute', attempts = 1 WHERE effect_key = 'b2'").unwrap();
+    claim("b2");
     assert_eq!(next_due_ms(), epoch_ms("now()"), "at its bound: due now, until a record makes room");
     Spi::run("SELECT outbox.pause_channel('due_bound', 'paused channels wait')").unwrap();
     assert_eq!(next_due_ms(), epoch_ms("now() + interval '1 day'"), "a paused channel is not due");

@@ -56,6 +56,24 @@ UPDATE outbox._claims w SET message_ids = lost.kept
    AND pg_catalog.cardinality(lost.kept) < pg_catalog.cardinality(w.message_ids)",
 );
 
+/// Rows marked `sending` by hand (the worker never writes that state; a message in flight is
+/// a queued row in a claim): each becomes queued again in a claim whose lease has ended, of
+/// no worker, in the attempt its row counted, so that [`FIND_LOST_LEASES`] takes it back as
+/// an interrupted attempt.
+static ADOPT_STRAY_SENDING: Statement = Statement::planned_once(
+    "
+WITH stray AS (
+    UPDATE outbox._messages m
+       SET state = 'queued', attempts = greatest(m.attempts, 1) - 1
+     WHERE m.state = 'sending'
+ RETURNING m.id, m.channel_id
+)
+INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
+SELECT s.channel_id, -1, 0, '-infinity', now(), array_agg(s.id ORDER BY s.id)
+  FROM stray s
+ GROUP BY s.channel_id",
+);
+
 /// A message whose attempt was interrupted.
 #[derive(Debug, Clone)]
 pub struct LostLease {
@@ -91,6 +109,7 @@ pub fn find_lost_leases(
     worker_index: i32,
     limit: i64,
 ) -> SpiResult<Vec<LostLease>> {
+    spi::run(client, &ADOPT_STRAY_SENDING, None, &[])?;
     let promoted_at_ms = crate::worker::standby::claimed_by_old_primary_before_ms();
     let rows = spi::run(
         client,

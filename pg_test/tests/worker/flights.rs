@@ -79,7 +79,7 @@ fn a_hanging_provider_holds_back_no_other_channels_messages() {
     );
     let pids: i64 = count(
         &mut c,
-        "SELECT count(DISTINCT attempt_pid) FROM outbox._messages WHERE id = ANY($1) AND state = 'sending'",
+        "SELECT count(DISTINCT worker_pid) FROM outbox._claims WHERE message_ids && $1",
         &[&vec![s1, s2]],
     );
     assert_eq!(pids, 2, "each worker holds one slow request");
