@@ -2,9 +2,10 @@
 # The worker's record of confirmed deliveries (crate::ledger::RECORD_SENT) as a revision
 # wrote it beside the tree's, in one pgbench run that alternates them (-M prepared, one
 # client, each statement planned as the worker plans it: generic). Each transaction puts
-# 200 messages in flight (`sending`, attempt 1) by a plain INSERT, then records them with
-# one statement or the other; pgbench's per-statement latencies (-r) give each record's
-# time. A throwaway cluster (port 54846) with the extension; its channel stays paused.
+# 200 messages in flight by a plain INSERT (queued, no attempt counted yet: attempt 1 is
+# under way), then records them with one statement or the other; pgbench's per-statement
+# latencies (-r) give each record's time. A revision from before claims (outbox._claims),
+# whose record looked for `sending` rows, records none of them here. A throwaway cluster (port 54846) with the extension; its channel stays paused.
 # Figures only; nothing is asserted.
 # Usage: scripts/bench_record_statement.sh [revision = HEAD] [seconds = 30]
 source "$(dirname "$0")/lib.sh"
@@ -24,14 +25,14 @@ CHANNEL_ID=$(P -c "SELECT id FROM outbox._channels WHERE name = 'record'")
 
 DIR=$(mktemp -d)
 # The statement's text in src/ledger.rs (from `git show REV:src/ledger.rs`, or the tree's),
-# its parameters $1..$6 named for pgbench.
+# its parameters $1..$7 named for pgbench.
 statement() {
   python3 - "$1" <<'PY'
 import sys
 src = open(sys.argv[1]).read()
 start = src.index('static RECORD_SENT')
 body = src[src.index('"', start) + 1:src.index('",\n);', start)]
-for n, name in reversed(list(enumerate(['ids', 'attempts', 'external_ids', 'statuses', 'outcomes', 'written'], 1))):
+for n, name in reversed(list(enumerate(['ids', 'attempts', 'external_ids', 'statuses', 'outcomes', 'written', 'started'], 1))):
     body = body.replace(f'${n}::', f':{name}::')
 print(body.strip() + ';')
 PY
@@ -42,11 +43,12 @@ for which in rev tree; do
   [ $which = tree ] && src=src/ledger.rs
   {
     echo "WITH ins AS (INSERT INTO outbox._messages (tenant, channel_id, state, effect_key, payload, attempts, attempt_started_at, attempt_pid)"
-    echo "             SELECT 'default', $CHANNEL_ID, 'sending', md5(random()::text || g), '{\"n\": 1}', 1, clock_timestamp(), 1"
+    echo "             SELECT 'default', $CHANNEL_ID, 'queued', md5(random()::text || g), '{\"n\": 1}', 0, NULL, NULL"
     echo "               FROM generate_series(1, 200) g RETURNING id)"
     echo "SELECT array_agg(id)::text AS ids, array_fill(1, ARRAY[200])::text AS attempts,"
     echo "       array_fill(NULL::text, ARRAY[200])::text AS external_ids, array_fill(200, ARRAY[200])::text AS statuses,"
-    echo "       array_fill('delivered'::text, ARRAY[200])::text AS outcomes, array_fill(false, ARRAY[200])::text AS written"
+    echo "       array_fill('delivered'::text, ARRAY[200])::text AS outcomes, array_fill(false, ARRAY[200])::text AS written,"
+    echo "       array_fill((extract(epoch FROM clock_timestamp()) * 1000000)::int8, ARRAY[200])::text AS started"
     echo "  FROM ins \\gset"
     statement "$src"
   } >"$DIR/$which.sql"

@@ -56,7 +56,9 @@ restore() {
 }
 trap restore ERR
 for _ in $(seq 600); do
-  sending=$(src -At <<<"SELECT count(*) FROM outbox._messages WHERE tenant = :'tenant' AND state = 'sending'")
+  # In flight: in a claim (outbox._claims), or marked so by hand.
+  sending=$(src -At <<<"SELECT count(*) FROM outbox._messages m WHERE m.tenant = :'tenant'
+                           AND (m.state = 'sending' OR m.id IN (SELECT unnest(w.message_ids) FROM outbox._claims w))")
   [ "$sending" = 0 ] && break
   sleep 0.1
 done

@@ -353,7 +353,9 @@ pub(super) fn before_commit_immediate_stop(scenario: &str) -> Vec<Row> {
     locker.batch_execute("BEGIN").unwrap();
     let locked = locker
         .query(
-            "SELECT id FROM outbox._messages WHERE id = ANY($1) AND state = 'sending' FOR UPDATE",
+            "SELECT m.id FROM outbox._messages m
+              WHERE m.id = ANY($1) AND m.id IN (SELECT unnest(w.message_ids) FROM outbox._claims w)
+                FOR UPDATE OF m",
             &[&ids],
         )
         .unwrap()

@@ -174,7 +174,8 @@ impl Drop for Cleanup<'_> {
             let n: i64 = c
                 .query_one(
                     "SELECT count(*) FROM outbox._messages m JOIN outbox._channels ch ON ch.id = m.channel_id
-                      WHERE starts_with(ch.name, $1) AND m.state = 'sending'",
+                      WHERE starts_with(ch.name, $1)
+                        AND m.id IN (SELECT unnest(w.message_ids) FROM outbox._claims w)",
                     &[&tag],
                 )?
                 .get(0);

@@ -130,14 +130,14 @@ DECLARE
     v_rolsuper text := (SELECT r.rolsuper::text FROM pg_catalog.pg_roles r WHERE r.rolname = current_user);
     v_outcome  text;
 BEGIN
-    IF NEW.effect_key IS DISTINCT FROM {key} THEN
+    IF (CASE TG_OP WHEN 'DELETE' THEN OLD.effect_key ELSE NEW.effect_key END) IS DISTINCT FROM {key} THEN
         RETURN NULL;
     END IF;
 {body}    RETURN NULL;
 END
 $probe$;
 GRANT EXECUTE ON FUNCTION {PROBE_FUNCTION} TO {worker};
-CREATE TRIGGER {PROBE_TRIGGER} AFTER UPDATE ON outbox._messages
+CREATE TRIGGER {PROBE_TRIGGER} AFTER UPDATE OR DELETE ON outbox._messages
     FOR EACH ROW EXECUTE FUNCTION {PROBE_FUNCTION};",
         key = literal(&key),
         worker = ident(&worker_role),
@@ -186,7 +186,7 @@ CREATE TRIGGER {PROBE_TRIGGER} AFTER UPDATE ON outbox._messages
         .collect();
     assert!(
         !rows.is_empty(),
-        "the probe trigger never fired while the worker delivered message {id}; a trigger on outbox._messages runs (as {worker_role}) when the worker updates a message"
+        "the probe trigger never fired while the worker delivered message {id}; a trigger on outbox._messages runs (as {worker_role}) when the worker updates or moves a message"
     );
     let table: String = rows
         .iter()
