@@ -1139,10 +1139,18 @@ BEGIN
      WHERE m.id = _lock_message.id AND outbox._tenant_visible(m.tenant)
        FOR UPDATE;
     -- A message in a claim is being sent, in the attempt after those its row counts. The
-    -- lock above waited for a claim that held it; this statement sees that claim.
+    -- lock above waited for a claim that held it; this statement sees that claim, when its
+    -- snapshot is taken now (READ COMMITTED). A transaction that keeps an older snapshot
+    -- may not see a claim made since, so it may not act on a queued message.
     IF FOUND AND v.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w) THEN
         v.state := 'sending';
         v.attempts := v.attempts + 1;
+    ELSIF FOUND AND v.state = 'queued'
+          AND pg_catalog.current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'message % is queued: an operator action on it needs a READ COMMITTED transaction, not %',
+                        v.id, pg_catalog.current_setting('transaction_isolation')
+            USING ERRCODE = '0A000',
+                  HINT = 'A worker may have claimed it after this transaction''s snapshot was taken; run the action in a READ COMMITTED transaction (the default).';
     END IF;
     IF NOT FOUND THEN
         SELECT l.message_id, l.tenant, l.channel_id, 'delivered', l.effect_key, l.ordering_key,

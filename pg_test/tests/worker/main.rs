@@ -20,6 +20,7 @@ use std::time::Duration;
 
 // The tests, by area (numbered as in the sections).
 mod bad_rows;
+mod claims;
 mod concurrency;
 mod crashes;
 mod delivery;
