@@ -864,9 +864,9 @@ COMMENT ON FUNCTION outbox.assign(bigint, text) IS
 
 
 -- Attempts under way as claims (sql/schema.sql, outbox._claims): a claim writes one row per
--- channel and no message row. A message in flight at the update, `sending` in 0.1.0, is
--- queued again, in a claim of its own worker whose lease is kept, its row counting the
--- attempts before the one under way; recovery takes it back as before.
+-- channel and no message row. A message in flight at the update, `sending` in 0.1.0, stays
+-- as it is: the first sweep of a worker adopts it into a claim whose lease has ended and
+-- takes it back as an interrupted attempt, closing the row 0.1.0 opened for it.
 -- Attempts under way. A claim writes one row for each channel it took messages of: their
 -- ids, their lease and the worker that sends them. It locks the messages but does not write
 -- them: a message row is written once its outcome is known, so that a delivery writes its
@@ -893,14 +893,6 @@ SELECT pg_catalog.pg_extension_config_dump('outbox._claims', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._claims_id_seq', '');
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox._claims TO outbox_worker;
 GRANT USAGE ON SEQUENCE outbox._claims_id_seq TO outbox_worker;
-INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
-SELECT m.channel_id, coalesce(m.lease_owner, -1), coalesce(m.attempt_pid, 0),
-       coalesce(m.lease_until, '-infinity'), min(coalesce(m.attempt_started_at, m.updated_at)),
-       array_agg(m.id ORDER BY m.id)
-  FROM outbox._messages m
- WHERE m.state = 'sending'
- GROUP BY m.channel_id, m.lease_owner, m.attempt_pid, m.lease_until;
-UPDATE outbox._messages m SET state = 'queued', attempts = m.attempts - 1 WHERE m.state = 'sending';
 DROP INDEX outbox._messages_sending_idx;
 CREATE INDEX _messages_sending_idx ON outbox._messages (id) WHERE state = 'sending';
 

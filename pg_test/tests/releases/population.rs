@@ -14,10 +14,11 @@ use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
 /// The private tables: every row of them must survive an upgrade and a dump.
-pub const TABLES: [&str; 13] = [
+pub const TABLES: [&str; 14] = [
     "_channels",
     "_tenant_bindings",
     "_messages",
+    "_claims",
     "_attempts",
     "_ledger",
     "_ledger_0",

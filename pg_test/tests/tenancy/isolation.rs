@@ -45,6 +45,33 @@ fn each_tenant_reads_its_own_rows_and_no_other() {
             fx.a_failed
         ));
     }
+    // Messages in flight: one claim holding a message of each tenant. A writer sees its
+    // own in outbox._under_way (which outbox.messages reads) and not the other's.
+    let (a_id, b_id) = (fx.a_ids[0], fx.b_ids[0]);
+    let claim: i64 = su
+        .query_one(
+            "INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
+             SELECT channel_id, 0, 0, now() + interval '1 hour', now(), ARRAY[$1::int8, $2::int8]
+               FROM outbox._messages WHERE id = $1
+             RETURNING id",
+            &[&a_id, &b_id],
+        )
+        .expect("a claim of both tenants' messages")
+        .get(0);
+    let mut wa = fx.session(&fx.writer_a);
+    let seen: Vec<i64> =
+        wa.c.query("SELECT message_id FROM outbox._under_way ORDER BY 1", &[])
+            .unwrap_or_else(|e| panic!("writer_a reading outbox._under_way: {}", describe(&e)))
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+    if seen != vec![a_id] {
+        problems.push(format!(
+            "writer_a: outbox._under_way should show its own message {a_id} in flight and not {b_id}; got {seen:?}"
+        ));
+    }
+    su.execute("DELETE FROM outbox._claims WHERE id = $1", &[&claim])
+        .expect("remove the claim");
     assert_no_problems(&problems, "tenant isolation of the views");
 }
 

@@ -216,9 +216,10 @@ fn private_relations_are_refused_except_under_the_views_a_role_reads() {
     }
     // The tables under the views are readable by the roles that read the views, because the
     // views run with the caller's rights (security_invoker): row-level security filters
-    // them, which the isolation test checks. Every other private relation is refused.
+    // them, which the isolation test checks, and outbox._under_way (the messages in flight)
+    // filters itself the same way. Every other private relation is refused.
     let under_views = |who: &str, rel: &str| {
-        let writer_tables = ["_messages", "_attempts", "_ledger"];
+        let writer_tables = ["_messages", "_under_way", "_attempts", "_ledger"];
         (who.contains("writer") && writer_tables.contains(&rel))
             || (who.contains("operator")
                 && (writer_tables.contains(&rel) || rel == "_operator_log"))
@@ -642,8 +643,14 @@ fn relation_privileges(su: &mut Client, fx: &Fixture<'_>) -> Vec<String> {
         }
         // Counted across tenants or private: no tenant role reads them (but the tables
         // under the security_invoker views, which row-level security filters).
-        let under_view =
-            ["_messages", "_attempts", "_ledger", "_operator_log"].contains(&name.as_str());
+        let under_view = [
+            "_messages",
+            "_under_way",
+            "_attempts",
+            "_ledger",
+            "_operator_log",
+        ]
+        .contains(&name.as_str());
         let not_for_tenants =
             (name.starts_with('_') && !under_view) || name == "metrics" || name == "alerts";
         let w = has(su, &fx.writer_a, oid, kind, "SELECT");
