@@ -45,9 +45,10 @@ fn each_tenant_reads_its_own_rows_and_no_other() {
             fx.a_failed
         ));
     }
-    // Messages in flight: one claim holding a message of each tenant. A writer sees its
-    // own in outbox._under_way (which outbox.messages reads) and not the other's.
-    let (a_id, b_id) = (fx.a_ids[0], fx.b_ids[0]);
+    // Messages in flight: one claim holding a message of each tenant (their failed ones,
+    // which are still in the queue table). A writer sees its own in outbox._under_way (which
+    // outbox.messages reads) and not the other's.
+    let (a_id, b_id) = (fx.a_failed, fx.b_failed);
     let claim: i64 = su
         .query_one(
             "INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
