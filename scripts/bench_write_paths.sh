@@ -7,12 +7,12 @@
 # 200, a transaction for the claim and one for the record) and prints the WAL a message
 # (pg_current_wal_lsn() around the drain) and the rate. Figures only; nothing is asserted.
 #   today              the claim moves each message to sending, the record to delivered and
-#                      inserts its ledger entry (what the worker does)
+#                      inserts its ledger entry (what the worker did before the history)
 #   batch_row          the claim writes one row per batch (the ids it took); the record moves
 #                      each message to delivered and inserts its ledger entry
 #   history            today's claim, and the record moves each delivered message out of the
 #                      queue into an append-only history keyed by (tenant, effect_key), which
-#                      is also the ledger
+#                      is also the ledger (what the worker did before claims)
 #   batch_row_history  batch rows, and the record moves each delivered message out of the
 #                      queue into an append-only history keyed by (tenant, effect_key), which
 #                      is also the ledger
@@ -20,7 +20,8 @@
 #                      batch_row_history, with the claim locking each message it takes
 #                      (FOR UPDATE SKIP LOCKED), as it must to pass over a message that an
 #                      operator's open transaction is cancelling, and to keep that
-#                      transaction from cancelling a message in flight
+#                      transaction from cancelling a message in flight (what the worker does:
+#                      outbox._claims)
 #   in_flight_history  the claim locks each message it takes and inserts a narrow row for it
 #                      into a table of attempts under way (message id, attempt, lease); the
 #                      record deletes that row and moves the message into the history

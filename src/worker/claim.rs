@@ -32,7 +32,8 @@ static LOAD_CHANNELS: Statement = Statement::planned_once(
 /// The ledger lookup at the end is the barrier: such a message is not sent again.
 pub(crate) static CLAIM_DUE: Statement = Statement::planned_once("
 WITH flying AS MATERIALIZED (
-    SELECT pg_catalog.unnest(w.message_ids) AS id FROM outbox._claims w
+    -- The messages in flight, read once: the claims table is read nowhere else.
+    SELECT w.channel_id, pg_catalog.unnest(w.message_ids) AS id FROM outbox._claims w
 ), ch AS (
     SELECT c.id,
            -- max_in_flight, or max_unverifiable_in_flight on a channel that can neither
@@ -41,8 +42,7 @@ WITH flying AS MATERIALIZED (
            -- readably.
            -- At most the cap of its rate limit or circuit ($8, $9; src/worker/flow.rs).
            greatest(0, least(outbox._in_flight_bound(c.options)
-                             - (SELECT coalesce(sum(pg_catalog.cardinality(w.message_ids)), 0)
-                                  FROM outbox._claims w WHERE w.channel_id = c.id),
+                             - (SELECT count(*) FROM flying WHERE flying.channel_id = c.id),
                              coalesce(g.cap, 2147483647)))::int AS room,
            coalesce(timestamptz 'epoch' + f.due_at_us * interval '1 microsecond', '-infinity') AS floor_at,
            coalesce(f.id, 0) AS floor_id

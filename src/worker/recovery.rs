@@ -38,22 +38,29 @@ SELECT m.id, m.channel_id, m.attempts + 1,
 /// by another transaction (one recovering them right now) stay.
 static PRUNE_LOST_CLAIMS: Statement = Statement::planned_each_run(
     "
-WITH lost AS (
-    SELECT w.id, ARRAY(SELECT u.id FROM pg_catalog.unnest(w.message_ids) AS u(id)
-                        WHERE EXISTS (SELECT 1 FROM outbox._messages m
-                                       WHERE m.id = u.id AND m.state = 'queued')) AS kept
+WITH lost AS MATERIALIZED (
+    SELECT w.id
       FROM outbox._claims w
      WHERE w.lease_until < now()
         OR ($1 AND w.lease_owner = $2 AND w.worker_pid <> pg_catalog.pg_backend_pid())
         OR ($3 > 0 AND w.started_at < pg_catalog.to_timestamp($3::float8 / 1000))
 ), emptied AS (
     DELETE FROM outbox._claims w USING lost
-     WHERE w.id = lost.id AND pg_catalog.cardinality(lost.kept) = 0
+     WHERE w.id = lost.id
+       AND NOT EXISTS (SELECT 1 FROM pg_catalog.unnest(w.message_ids) AS u(id)
+                        JOIN outbox._messages m ON m.id = u.id AND m.state = 'queued')
 )
-UPDATE outbox._claims w SET message_ids = lost.kept
+UPDATE outbox._claims w
+   SET message_ids = ARRAY(SELECT u.id FROM pg_catalog.unnest(w.message_ids) AS u(id)
+                            WHERE EXISTS (SELECT 1 FROM outbox._messages m
+                                           WHERE m.id = u.id AND m.state = 'queued'))
   FROM lost
- WHERE w.id = lost.id AND pg_catalog.cardinality(lost.kept) > 0
-   AND pg_catalog.cardinality(lost.kept) < pg_catalog.cardinality(w.message_ids)",
+ WHERE w.id = lost.id
+   AND EXISTS (SELECT 1 FROM pg_catalog.unnest(w.message_ids) AS u(id)
+                WHERE NOT EXISTS (SELECT 1 FROM outbox._messages m
+                                   WHERE m.id = u.id AND m.state = 'queued'))
+   AND EXISTS (SELECT 1 FROM pg_catalog.unnest(w.message_ids) AS u(id)
+                JOIN outbox._messages m ON m.id = u.id AND m.state = 'queued')",
 );
 
 /// Rows marked `sending` by hand (the worker never writes that state; a message in flight is
