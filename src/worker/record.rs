@@ -89,28 +89,20 @@ SELECT m.id, m.tenant, o.attempt, 'send', m.attempt_started_at, now(), o.outcome
 
 /// Takes messages (`$1`) out of their claims, once their outcomes are recorded: out of the
 /// claims of the worker `$2` (the recording worker's own), or of the claims `$3` (those
-/// recovery took them back from). A claim left empty is deleted. The recorded ids are
-/// hashed once (`NOT IN`), not compared with each claim's whole array; each claim's ids
-/// are read from the version the statement writes, so that a claim changed meanwhile by
-/// another worker's recovery loses nothing that recovery took out of it.
+/// recovery took them back from). A claim left empty is deleted. Each claim's ids are read
+/// from the version the statement writes, so that a claim changed meanwhile by another
+/// worker's recovery loses nothing that recovery took out of it. (A hash of `$1` for each
+/// claim, through `NOT IN` subqueries, cost three times as much as these comparisons.)
 static RELEASE_CLAIMED: Statement = Statement::planned_once(
     "
-WITH recorded AS MATERIALIZED (
-    SELECT pg_catalog.unnest($1::int8[]) AS id
-), emptied AS (
+WITH emptied AS (
     DELETE FROM outbox._claims w
-     WHERE (w.worker_pid = $2 OR w.id = ANY ($3::int8[]))
-       AND NOT EXISTS (SELECT 1 FROM pg_catalog.unnest(w.message_ids) AS x
-                        WHERE x NOT IN (SELECT recorded.id FROM recorded))
+     WHERE (w.worker_pid = $2 OR w.id = ANY ($3::int8[])) AND w.message_ids <@ $1::int8[]
 )
 UPDATE outbox._claims w
-   SET message_ids = ARRAY(SELECT x FROM pg_catalog.unnest(w.message_ids) AS x
-                            WHERE x NOT IN (SELECT recorded.id FROM recorded))
- WHERE (w.worker_pid = $2 OR w.id = ANY ($3::int8[]))
-   AND EXISTS (SELECT 1 FROM pg_catalog.unnest(w.message_ids) AS x
-                WHERE x IN (SELECT recorded.id FROM recorded))
-   AND EXISTS (SELECT 1 FROM pg_catalog.unnest(w.message_ids) AS x
-                WHERE x NOT IN (SELECT recorded.id FROM recorded))",
+   SET message_ids = ARRAY(SELECT x FROM pg_catalog.unnest(w.message_ids) AS x WHERE x <> ALL ($1::int8[]))
+ WHERE (w.worker_pid = $2 OR w.id = ANY ($3::int8[])) AND w.message_ids && $1::int8[]
+   AND NOT (w.message_ids <@ $1::int8[])",
 );
 
 /// Rows of sends still open from before the update from 0.1.0, which wrote a send's row
