@@ -106,12 +106,18 @@ END $$;
 -- append-only history that is also the ledger (its key is (tenant, effect_key)).
 CREATE TABLE public.history (LIKE outbox._messages, PRIMARY KEY (tenant, effect_key));
 CREATE INDEX ON public.history (id);
-CREATE PROCEDURE public.drain_batch_row_history(batches int) LANGUAGE plpgsql AS $$
+-- A drain of batch-row claims (`locked`: the claim locks what it takes) whose record moves
+-- each delivered message into the history.
+CREATE PROCEDURE public.drain_batch_rows_into_history(batches int, locked bool) LANGUAGE plpgsql AS $$
 DECLARE ids int8[]; b int8; ch int; pos int8 := 0;
 BEGIN
   SELECT id INTO ch FROM outbox._channels WHERE name = 'proto';
   FOR i IN 1..batches LOOP
-    SELECT c.id, c.ids INTO b, ids FROM public.claim_batch(ch, pos) c;
+    IF locked THEN
+      SELECT c.id, c.ids INTO b, ids FROM public.claim_batch_locked(ch, pos) c;
+    ELSE
+      SELECT c.id, c.ids INTO b, ids FROM public.claim_batch(ch, pos) c;
+    END IF;
     pos := ids[array_length(ids, 1)];
     COMMIT;
     WITH gone AS (DELETE FROM outbox._messages m WHERE m.id = ANY (ids) RETURNING m.*)
@@ -125,6 +131,8 @@ BEGIN
     COMMIT;
   END LOOP;
 END $$;
+CREATE PROCEDURE public.drain_batch_row_history(batches int) LANGUAGE plpgsql AS $$
+BEGIN CALL public.drain_batch_rows_into_history(batches, false); END $$;
 -- Batch-row claims that lock the messages they take.
 CREATE FUNCTION public.claim_batch_locked(ch int, after int8) RETURNS public.claim_batches LANGUAGE sql AS $$
     WITH d AS (SELECT m.id FROM outbox._messages m
@@ -135,24 +143,7 @@ CREATE FUNCTION public.claim_batch_locked(ch int, after int8) RETURNS public.cla
     RETURNING *
 $$;
 CREATE PROCEDURE public.drain_batch_row_locked_history(batches int) LANGUAGE plpgsql AS $$
-DECLARE ids int8[]; b int8; ch int; pos int8 := 0;
-BEGIN
-  SELECT id INTO ch FROM outbox._channels WHERE name = 'proto';
-  FOR i IN 1..batches LOOP
-    SELECT c.id, c.ids INTO b, ids FROM public.claim_batch_locked(ch, pos) c;
-    pos := ids[array_length(ids, 1)];
-    COMMIT;
-    WITH gone AS (DELETE FROM outbox._messages m WHERE m.id = ANY (ids) RETURNING m.*)
-    INSERT INTO public.history
-    SELECT g.id, g.tenant, g.channel_id, 'delivered', g.effect_key, g.ordering_key, g.payload, g.headers,
-           g.not_before, g.next_attempt_at, g.attempts + 1, g.budget_base, g.budget_started_at,
-           g.reconcile_attempts, NULL, NULL, coalesce(g.first_attempt_at, now()), NULL, NULL, 200,
-           'msg-' || g.id, g.owner, g.created_at, now(), now(), clock_timestamp(), 1
-      FROM gone g;
-    DELETE FROM public.claim_batches WHERE id = b;
-    COMMIT;
-  END LOOP;
-END $$;
+BEGIN CALL public.drain_batch_rows_into_history(batches, true); END $$;
 -- Attempts under way as narrow rows of their own: a message in flight keeps its queue row
 -- unchanged, and the claim passes over it by its row here.
 CREATE TABLE public.in_flight (message_id int8 PRIMARY KEY, channel_id int NOT NULL, attempt int NOT NULL,
