@@ -91,8 +91,8 @@ BEGIN
         -- the whole ledger, which grows with every delivery.
         DELETE FROM outbox._messages m
          USING d
-         WHERE m.id = d.id AND m.state <> 'delivered'
-           AND NOT (leave_sending AND m.state = 'sending')
+         WHERE m.id = d.id AND m.id = ANY (message_ids) AND m.state <> 'delivered'
+           AND NOT (leave_sending AND m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w))
            AND NOT EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
      RETURNING m.*, d.external_id AS confirmed_external_id, d.http_status AS confirmed_http_status
     ), kept AS (
@@ -108,8 +108,8 @@ BEGIN
                lease_until = NULL,
                lease_owner = NULL
           FROM d
-         WHERE m.id = d.id AND m.state <> 'delivered'
-           AND NOT (leave_sending AND m.state = 'sending')
+         WHERE m.id = d.id AND m.id = ANY (message_ids) AND m.state <> 'delivered'
+           AND NOT (leave_sending AND m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w))
            AND NOT EXISTS (SELECT 1 FROM moved WHERE moved.id = d.id)
            AND EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
      RETURNING m.id
@@ -216,6 +216,50 @@ ALTER TABLE outbox._messages
     ALTER COLUMN ordering_key TYPE text COLLATE "C";
 CREATE POLICY tenant_rows ON outbox._messages FOR SELECT
     USING (tenant = ANY ((SELECT outbox._visible_tenants())::text[]));
+
+-- Attempts under way as claims (sql/schema.sql, outbox._claims): a claim writes one row per
+-- channel and no message row. A message in flight at the update, `sending` in 0.1.0, stays
+-- as it is: the first sweep of a worker adopts it into a claim whose lease has ended and
+-- takes it back as an interrupted attempt, closing the row 0.1.0 opened for it.
+-- Attempts under way. A claim writes one row for each channel it took messages of: their
+-- ids, their lease and the worker that sends them. It locks the messages but does not write
+-- them: a message row is written once its outcome is known, so that a delivery writes its
+-- queue row twice (the enqueue, the record's deletion) and not a second version besides.
+-- A message is `sending` while its id is in a row here, in the attempt after the ones its
+-- row counts (attempts + 1). The record of an outcome takes the message's id out of its
+-- row (and deletes a row left empty); recovery takes back the ids of a row whose lease ran
+-- out. A handful of rows (at most a few batches per worker): every reader scans it whole.
+CREATE SEQUENCE outbox._claims_id_seq AS bigint;
+CREATE TABLE outbox._claims (
+    id          bigint      NOT NULL DEFAULT nextval('outbox._claims_id_seq') PRIMARY KEY,
+    channel_id  integer     NOT NULL,
+    -- The index of the worker's slot (outbox.worker_status), and its process.
+    lease_owner integer     NOT NULL,
+    worker_pid  integer     NOT NULL,
+    lease_until timestamptz NOT NULL,
+    started_at  timestamptz NOT NULL,
+    message_ids bigint[]    NOT NULL
+) WITH (fillfactor = 50, autovacuum_vacuum_threshold = 500, autovacuum_vacuum_scale_factor = 0);
+ALTER SEQUENCE outbox._claims_id_seq OWNED BY outbox._claims.id;
+COMMENT ON TABLE outbox._claims IS 'Attempts under way, one row per claim and channel (private; read outbox.messages and outbox.attempts).';
+
+SELECT pg_catalog.pg_extension_config_dump('outbox._claims', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox._claims_id_seq', '');
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox._claims TO outbox_worker;
+GRANT USAGE ON SEQUENCE outbox._claims_id_seq TO outbox_worker;
+DROP INDEX outbox._messages_sending_idx;
+CREATE INDEX _messages_sending_idx ON outbox._messages (id) WHERE state = 'sending';
+
+CREATE VIEW outbox._under_way AS
+SELECT u.message_id, c.channel_id, c.lease_owner, c.worker_pid, c.lease_until, c.started_at,
+       c.id AS claim_id
+  FROM outbox._claims c
+ CROSS JOIN LATERAL pg_catalog.unnest(c.message_ids) AS u(message_id)
+ WHERE (SELECT r.rolsuper FROM pg_catalog.pg_roles r WHERE r.rolname = current_user)
+    OR EXISTS (SELECT 1 FROM outbox._messages m
+                WHERE m.id = u.message_id AND m.tenant = ANY (outbox._visible_tenants()));
+COMMENT ON VIEW outbox._under_way IS 'Messages in flight, one row each, with their claim (private).';
+GRANT SELECT ON outbox._under_way TO outbox_writer, outbox_operator, outbox_admin;
 
 -- The ledger is made anew (sql/schema.sql): delivered messages live in their entries, whose
 -- columns it gains, its keys compare byte by byte, and it is kept in three generations that
@@ -350,13 +394,14 @@ CREATE OR REPLACE VIEW outbox.messages AS
 SELECT m.id,
        m.tenant,
        c.name AS channel,
-       m.state,
+       -- A message in flight is `sending`, in the attempt after those its row counts.
+       CASE WHEN w.message_id IS NOT NULL THEN 'sending'::outbox.state ELSE m.state END AS state,
        m.effect_key,
        m.ordering_key,
-       m.attempts,
+       m.attempts + (w.message_id IS NOT NULL)::int AS attempts,
        outbox._option_int(c.options, '{retry,max_attempts}') AS max_attempts,
        -- queued: the next send; uncertain on a channel that can reconcile: the next lookup.
-       CASE WHEN m.state = 'queued'
+       CASE WHEN (m.state = 'queued' AND w.message_id IS NULL)
               OR (m.state = 'uncertain' AND outbox._can_look_up(c.options))
             THEN m.next_attempt_at END AS next_attempt_at,
        m.last_error_class,
@@ -365,13 +410,14 @@ SELECT m.id,
        m.external_id,
        m.owner,
        m.created_at,
-       m.updated_at,
+       greatest(m.updated_at, w.started_at) AS updated_at,
        m.delivered_at,
        m.not_before,
-       m.lease_until,
+       coalesce(w.lease_until, m.lease_until) AS lease_until,
        m.payload,
        m.headers
   FROM outbox._messages m
+  LEFT JOIN outbox._under_way w ON w.message_id = m.id
   LEFT JOIN outbox.channels c ON c.id = m.channel_id
 UNION ALL
 -- Delivered messages: moved into their ledger entries by the record that confirmed them.
@@ -684,9 +730,9 @@ SELECT a.message_id,
   FROM outbox._attempts a
 UNION ALL
 SELECT m.id,
-       m.attempts,
+       m.attempts + 1,
        'send'::text,
-       coalesce(m.attempt_started_at, m.updated_at),
+       w.started_at,
        NULL::timestamptz,
        NULL::text,
        NULL::outbox.error_class,
@@ -695,13 +741,13 @@ SELECT m.id,
        NULL::bigint,
        NULL::text,
        outbox._provider_key(m.tenant, m.effect_key),
-       m.attempt_pid,
+       w.worker_pid,
        NULL::bigint,
        m.tenant
-  FROM outbox._messages m
- WHERE m.state = 'sending'
-   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
-                    WHERE o.message_id = m.id AND o.attempt = m.attempts AND o.kind = 'send')
+  FROM outbox._under_way w
+  JOIN outbox._messages m ON m.id = w.message_id
+ WHERE NOT EXISTS (SELECT 1 FROM outbox._attempts o
+                    WHERE o.message_id = m.id AND o.attempt = m.attempts + 1 AND o.kind = 'send')
 UNION ALL
 -- A send that delivered its message in the attempt the message still counts, and whose
 -- row the record did not write: the delivered message is that row (src/ledger.rs,
@@ -811,6 +857,20 @@ BEGIN
     SELECT * INTO v FROM outbox._messages m
      WHERE m.id = _lock_message.id AND outbox._tenant_visible(m.tenant)
        FOR UPDATE;
+    -- A message in a claim is being sent, in the attempt after those its row counts. The
+    -- lock above waited for a claim that held it; this statement sees that claim, when its
+    -- snapshot is taken now (READ COMMITTED). A transaction that keeps an older snapshot
+    -- may not see a claim made since, so it may not act on a queued message.
+    IF FOUND AND v.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w) THEN
+        v.state := 'sending';
+        v.attempts := v.attempts + 1;
+    ELSIF FOUND AND v.state = 'queued'
+          AND pg_catalog.current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'message % is queued: an operator action on it needs a READ COMMITTED transaction, not %',
+                        v.id, pg_catalog.current_setting('transaction_isolation')
+            USING ERRCODE = '0A000',
+                  HINT = 'A worker may have claimed it after this transaction''s snapshot was taken; run the action in a READ COMMITTED transaction (the default).';
+    END IF;
     IF NOT FOUND THEN
         SELECT l.message_id, l.tenant, l.channel_id, 'delivered', l.effect_key, l.ordering_key,
                l.payload, l.headers, l.not_before, l.recorded_at, l.attempts, 0, NULL, 0, NULL,
@@ -863,307 +923,10 @@ COMMENT ON FUNCTION outbox.assign(bigint, text) IS
 
 
 
--- Attempts under way as claims (sql/schema.sql, outbox._claims): a claim writes one row per
--- channel and no message row. A message in flight at the update, `sending` in 0.1.0, stays
--- as it is: the first sweep of a worker adopts it into a claim whose lease has ended and
--- takes it back as an interrupted attempt, closing the row 0.1.0 opened for it.
--- Attempts under way. A claim writes one row for each channel it took messages of: their
--- ids, their lease and the worker that sends them. It locks the messages but does not write
--- them: a message row is written once its outcome is known, so that a delivery writes its
--- queue row twice (the enqueue, the record's deletion) and not a second version besides.
--- A message is `sending` while its id is in a row here, in the attempt after the ones its
--- row counts (attempts + 1). The record of an outcome takes the message's id out of its
--- row (and deletes a row left empty); recovery takes back the ids of a row whose lease ran
--- out. A handful of rows (at most a few batches per worker): every reader scans it whole.
-CREATE SEQUENCE outbox._claims_id_seq AS bigint;
-CREATE TABLE outbox._claims (
-    id          bigint      NOT NULL DEFAULT nextval('outbox._claims_id_seq') PRIMARY KEY,
-    channel_id  integer     NOT NULL,
-    -- The index of the worker's slot (outbox.worker_status), and its process.
-    lease_owner integer     NOT NULL,
-    worker_pid  integer     NOT NULL,
-    lease_until timestamptz NOT NULL,
-    started_at  timestamptz NOT NULL,
-    message_ids bigint[]    NOT NULL
-) WITH (fillfactor = 50, autovacuum_vacuum_threshold = 500, autovacuum_vacuum_scale_factor = 0);
-ALTER SEQUENCE outbox._claims_id_seq OWNED BY outbox._claims.id;
-COMMENT ON TABLE outbox._claims IS 'Attempts under way, one row per claim and channel (private; read outbox.messages and outbox.attempts).';
 
-SELECT pg_catalog.pg_extension_config_dump('outbox._claims', '');
-SELECT pg_catalog.pg_extension_config_dump('outbox._claims_id_seq', '');
-GRANT SELECT, INSERT, UPDATE, DELETE ON outbox._claims TO outbox_worker;
-GRANT USAGE ON SEQUENCE outbox._claims_id_seq TO outbox_worker;
-DROP INDEX outbox._messages_sending_idx;
-CREATE INDEX _messages_sending_idx ON outbox._messages (id) WHERE state = 'sending';
 
-CREATE VIEW outbox._under_way AS
-SELECT u.message_id, c.channel_id, c.lease_owner, c.worker_pid, c.lease_until, c.started_at,
-       c.id AS claim_id
-  FROM outbox._claims c
- CROSS JOIN LATERAL pg_catalog.unnest(c.message_ids) AS u(message_id)
- WHERE (SELECT r.rolsuper FROM pg_catalog.pg_roles r WHERE r.rolname = current_user)
-    OR EXISTS (SELECT 1 FROM outbox._messages m
-                WHERE m.id = u.message_id AND m.tenant = ANY (outbox._visible_tenants()));
-COMMENT ON VIEW outbox._under_way IS 'Messages in flight, one row each, with their claim (private).';
-GRANT SELECT ON outbox._under_way TO outbox_writer, outbox_operator, outbox_admin;
 
-CREATE OR REPLACE VIEW outbox.messages AS
-SELECT m.id,
-       m.tenant,
-       c.name AS channel,
-       -- A message in flight is `sending`, in the attempt after those its row counts.
-       CASE WHEN w.message_id IS NOT NULL THEN 'sending'::outbox.state ELSE m.state END AS state,
-       m.effect_key,
-       m.ordering_key,
-       m.attempts + (w.message_id IS NOT NULL)::int AS attempts,
-       outbox._option_int(c.options, '{retry,max_attempts}') AS max_attempts,
-       -- queued: the next send; uncertain on a channel that can reconcile: the next lookup.
-       CASE WHEN (m.state = 'queued' AND w.message_id IS NULL)
-              OR (m.state = 'uncertain' AND outbox._can_look_up(c.options))
-            THEN m.next_attempt_at END AS next_attempt_at,
-       m.last_error_class,
-       m.last_error,
-       m.last_http_status,
-       m.external_id,
-       m.owner,
-       m.created_at,
-       greatest(m.updated_at, w.started_at) AS updated_at,
-       m.delivered_at,
-       m.not_before,
-       coalesce(w.lease_until, m.lease_until) AS lease_until,
-       m.payload,
-       m.headers
-  FROM outbox._messages m
-  LEFT JOIN outbox._under_way w ON w.message_id = m.id
-  LEFT JOIN outbox.channels c ON c.id = m.channel_id
-UNION ALL
--- Delivered messages: moved into their ledger entries by the record that confirmed them.
-SELECT l.message_id,
-       l.tenant,
-       c.name,
-       'delivered'::outbox.state,
-       l.effect_key,
-       l.ordering_key,
-       l.attempts,
-       outbox._option_int(c.options, '{retry,max_attempts}'),
-       NULL::timestamptz,
-       l.last_error_class,
-       l.last_error,
-       l.last_http_status,
-       l.external_id,
-       l.owner,
-       l.created_at,
-       l.recorded_at,
-       l.recorded_at,
-       l.not_before,
-       NULL::timestamptz,
-       l.payload,
-       l.headers
-  FROM outbox._ledger l
-  LEFT JOIN outbox.channels c ON c.id = l.channel_id
- WHERE l.channel_id IS NOT NULL;
--- The caller's rights and row-level security apply; channels are read through the masked view.
-ALTER VIEW outbox.messages SET (security_invoker = true);
-COMMENT ON VIEW outbox.messages IS
-    'Every message: state, attempts and budget, next attempt, last classified error, external id, owner; delivered messages are read from their ledger entries.';
 
-CREATE OR REPLACE VIEW outbox.attempts AS
-SELECT a.message_id,
-       a.attempt,
-       a.kind,
-       a.started_at,
-       a.finished_at,
-       a.outcome,
-       a.error_class,
-       a.http_status,
-       a.error,
-       a.retry_after_ms,
-       a.external_id,
-       a.effect_key_sent,
-       a.worker_pid,
-       a.id AS attempt_id,
-       a.tenant
-  FROM outbox._attempts a
-UNION ALL
-SELECT m.id,
-       m.attempts + 1,
-       'send'::text,
-       w.started_at,
-       NULL::timestamptz,
-       NULL::text,
-       NULL::outbox.error_class,
-       NULL::integer,
-       NULL::text,
-       NULL::bigint,
-       NULL::text,
-       outbox._provider_key(m.tenant, m.effect_key),
-       w.worker_pid,
-       NULL::bigint,
-       m.tenant
-  FROM outbox._under_way w
-  JOIN outbox._messages m ON m.id = w.message_id
- WHERE NOT EXISTS (SELECT 1 FROM outbox._attempts o
-                    WHERE o.message_id = m.id AND o.attempt = m.attempts + 1 AND o.kind = 'send')
-UNION ALL
--- A send that delivered its message in the attempt the message still counts, and whose
--- row the record did not write: the delivered message is that row (src/ledger.rs,
--- RECORD_SENT). Any row of that attempt (a recovery's, a late answer's) is the row instead.
-SELECT m.id,
-       m.attempts,
-       'send'::text,
-       m.attempt_started_at,
-       m.delivered_at,
-       'delivered'::text,
-       NULL::outbox.error_class,
-       m.last_http_status,
-       NULL::text,
-       NULL::bigint,
-       m.external_id,
-       outbox._provider_key(m.tenant, m.effect_key),
-       m.attempt_pid,
-       NULL::bigint,
-       m.tenant
-  FROM outbox._messages m
- WHERE m.state = 'delivered' AND m.attempts > 0 AND m.attempt_started_at IS NOT NULL
-   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
-                    WHERE o.message_id = m.id AND o.attempt = m.attempts)
-UNION ALL
--- The same, for a delivered message moved into its ledger entry.
-SELECT l.message_id,
-       l.attempts,
-       'send'::text,
-       l.attempt_started_at,
-       l.recorded_at,
-       'delivered'::text,
-       NULL::outbox.error_class,
-       l.last_http_status,
-       NULL::text,
-       NULL::bigint,
-       l.external_id,
-       outbox._provider_key(l.tenant, l.effect_key),
-       l.attempt_pid,
-       NULL::bigint,
-       l.tenant
-  FROM outbox._ledger l
- WHERE l.channel_id IS NOT NULL AND l.attempts > 0 AND l.attempt_started_at IS NOT NULL
-   AND NOT EXISTS (SELECT 1 FROM outbox._attempts o
-                    WHERE o.message_id = l.message_id AND o.attempt = l.attempts);
-ALTER VIEW outbox.attempts SET (security_invoker = true);
-COMMENT ON VIEW outbox.attempts IS
-    'Attempt history: one row per send, reconcile lookup or recovery decision, with its classified outcome; a send in progress has no outcome and no finished_at yet; a send that delivered is shown from its delivered message.';
-
-CREATE OR REPLACE FUNCTION outbox._record_delivered(
-    message_ids bigint[], external_ids text[], http_statuses integer[], recorder text,
-    leave_sending boolean)
-RETURNS SETOF bigint
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-BEGIN
-    IF recorder IS NULL OR recorder NOT IN ('worker', 'reconcile', 'operator') THEN
-        RAISE EXCEPTION 'recorder must be worker, reconcile or operator, not %', coalesce(quote_literal(recorder), 'NULL')
-            USING ERRCODE = '22023';
-    END IF;
-    RETURN QUERY
-    WITH d AS (
-        SELECT * FROM unnest(message_ids, external_ids, http_statuses) AS d(id, external_id, http_status)
-    ), moved AS (
-        -- The usual case: the message leaves the queue for its ledger entry. The ledger is
-        -- probed through outbox._ledger_entry: one index probe per message, never a hash of
-        -- the whole ledger, which grows with every delivery.
-        DELETE FROM outbox._messages m
-         USING d
-         WHERE m.id = d.id AND m.id = ANY (message_ids) AND m.state <> 'delivered'
-           AND NOT (leave_sending AND m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w))
-           AND NOT EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
-     RETURNING m.*, d.external_id AS confirmed_external_id, d.http_status AS confirmed_http_status
-    ), kept AS (
-        -- An effect recorded already (by an earlier message of the key) keeps its first
-        -- entry; the message stays, delivered, until retention removes it. Only the
-        -- messages the deletion did not take are looked up again.
-        UPDATE outbox._messages m
-           SET state = 'delivered',
-               delivered_at = now(),
-               updated_at = now(),
-               external_id = coalesce(d.external_id, m.external_id),
-               last_http_status = coalesce(d.http_status, m.last_http_status),
-               lease_until = NULL,
-               lease_owner = NULL
-          FROM d
-         WHERE m.id = d.id AND m.id = ANY (message_ids) AND m.state <> 'delivered'
-           AND NOT (leave_sending AND m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w))
-           AND NOT EXISTS (SELECT 1 FROM moved WHERE moved.id = d.id)
-           AND EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
-     RETURNING m.id
-    ), l AS (
-        INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by,
-                                    channel_id, ordering_key, payload, headers, not_before,
-                                    attempts, last_error_class, last_error, last_http_status,
-                                    owner, created_at, attempt_started_at, attempt_pid, generation)
-        SELECT m.tenant, m.effect_key, m.id, coalesce(m.confirmed_external_id, m.external_id), recorder,
-               m.channel_id, m.ordering_key, m.payload, m.headers, m.not_before,
-               m.attempts, m.last_error_class, m.last_error,
-               coalesce(m.confirmed_http_status, m.last_http_status),
-               m.owner, m.created_at, m.attempt_started_at, m.attempt_pid,
-               -- The current generation, read once for the whole statement.
-               (SELECT coalesce((SELECT g.generation FROM outbox._ledger_generations g
-                                  WHERE g.closed_at IS NULL), 0::smallint))
-          FROM moved m
-    )
-    SELECT moved.id FROM moved
-    UNION ALL
-    SELECT kept.id FROM kept;
-END
-$fn$;
-COMMENT ON FUNCTION outbox._record_delivered(bigint[], text[], integer[], text, boolean) IS
-    'Confirms effects: moves each message (unless it is delivered already, or is being sent and leave_sending is set) out of the queue into its ledger entry; a message whose effect is in the ledger already stays, marked delivered, and the entry keeps its first message. Returns the messages it confirmed.';
-
-CREATE OR REPLACE FUNCTION outbox._lock_message(id bigint) RETURNS outbox._messages
-LANGUAGE plpgsql VOLATILE
-AS $fn$
-DECLARE
-    v outbox._messages;
-BEGIN
-    IF id IS NULL THEN
-        RAISE EXCEPTION 'id must not be NULL' USING ERRCODE = '22023';
-    END IF;
-    SELECT * INTO v FROM outbox._messages m
-     WHERE m.id = _lock_message.id AND outbox._tenant_visible(m.tenant)
-       FOR UPDATE;
-    -- A message in a claim is being sent, in the attempt after those its row counts. The
-    -- lock above waited for a claim that held it; this statement sees that claim, when its
-    -- snapshot is taken now (READ COMMITTED). A transaction that keeps an older snapshot
-    -- may not see a claim made since, so it may not act on a queued message.
-    IF FOUND AND v.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w) THEN
-        v.state := 'sending';
-        v.attempts := v.attempts + 1;
-    ELSIF FOUND AND v.state = 'queued'
-          AND pg_catalog.current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'message % is queued: an operator action on it needs a READ COMMITTED transaction, not %',
-                        v.id, pg_catalog.current_setting('transaction_isolation')
-            USING ERRCODE = '0A000',
-                  HINT = 'A worker may have claimed it after this transaction''s snapshot was taken; run the action in a READ COMMITTED transaction (the default).';
-    END IF;
-    IF NOT FOUND THEN
-        SELECT l.message_id, l.tenant, l.channel_id, 'delivered', l.effect_key, l.ordering_key,
-               l.payload, l.headers, l.not_before, l.recorded_at, l.attempts, 0, NULL, 0, NULL,
-               NULL, NULL, l.last_error_class, l.last_error, l.last_http_status, l.external_id,
-               l.owner, l.created_at, l.recorded_at, l.recorded_at, l.attempt_started_at,
-               l.attempt_pid
-          INTO v
-          FROM outbox._ledger l
-         WHERE l.message_id = _lock_message.id AND l.channel_id IS NOT NULL
-           AND outbox._tenant_visible(l.tenant)
-           FOR UPDATE;
-    END IF;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'message % does not exist', _lock_message.id
-            USING ERRCODE = '02000',
-                  HINT = 'Find messages in outbox.messages or outbox.work_queue; delivered messages older than outbox.retention are removed.';
-    END IF;
-    RETURN v;
-END
-$fn$;
 
 CREATE OR REPLACE FUNCTION outbox.status(id bigint) RETURNS outbox.state
 LANGUAGE sql STABLE

@@ -88,8 +88,8 @@ SELECT m.id, m.tenant, o.attempt, 'send', m.attempt_started_at, now(), o.outcome
 );
 
 /// Takes messages (`$1`) out of their claims, once their outcomes are recorded: out of the
-/// claims of the worker `$2` (the recording worker's own), or of the claims `$3` (those
-/// recovery took them back from). A claim left empty is deleted. Each claim's ids are read
+/// recording worker's own claims, or of the claims `$2` (those recovery took them back
+/// from). A claim left empty is deleted. Each claim's ids are read
 /// from the version the statement writes, so that a claim changed meanwhile by another
 /// worker's recovery loses nothing that recovery took out of it. (A hash of `$1` for each
 /// claim, through `NOT IN` subqueries, cost three times as much as these comparisons.)
@@ -97,11 +97,11 @@ static RELEASE_CLAIMED: Statement = Statement::planned_once(
     "
 WITH emptied AS (
     DELETE FROM outbox._claims w
-     WHERE (w.worker_pid = $2 OR w.id = ANY ($3::int8[])) AND w.message_ids <@ $1::int8[]
+     WHERE (w.worker_pid = pg_catalog.pg_backend_pid() OR w.id = ANY ($2::int8[])) AND w.message_ids <@ $1::int8[]
 )
 UPDATE outbox._claims w
    SET message_ids = ARRAY(SELECT x FROM pg_catalog.unnest(w.message_ids) AS x WHERE x <> ALL ($1::int8[]))
- WHERE (w.worker_pid = $2 OR w.id = ANY ($3::int8[])) AND w.message_ids && $1::int8[]
+ WHERE (w.worker_pid = pg_catalog.pg_backend_pid() OR w.id = ANY ($2::int8[])) AND w.message_ids && $1::int8[]
    AND NOT (w.message_ids <@ $1::int8[])",
 );
 
@@ -315,12 +315,11 @@ pub fn release_claimed(
     if ids.is_empty() {
         return Ok(());
     }
-    let pid = unsafe { pgrx::pg_sys::MyProcPid };
     spi::run(
         client,
         &RELEASE_CLAIMED,
         None,
-        &[ids.into(), pid.into(), claims.to_vec().into()],
+        &[ids.into(), claims.to_vec().into()],
     )?;
     Ok(())
 }

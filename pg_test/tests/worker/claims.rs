@@ -6,10 +6,10 @@
 use super::*;
 
 /// The SQLSTATE of `sql` run in `c`, or None when it succeeds.
-fn sqlstate_of(c: &mut impl postgres::GenericClient, sql: &str) -> Option<String> {
+fn sqlstate_of(c: &mut Client, sql: &str) -> Option<String> {
     c.batch_execute(sql)
         .err()
-        .and_then(|e| e.code().map(|s| s.code().to_string()))
+        .map(|e| outbox_e2e::helpers::code_of(&e))
 }
 
 #[test]
