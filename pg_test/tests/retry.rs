@@ -486,10 +486,22 @@ fn backoff_survives_a_server_crash_restart() {
     let mut c = cluster.connect();
     let restarted_at = db_now_ms(&mut c);
     let after = message(&mut c, id);
-    assert_eq!(
-        after.next_attempt_ms, before.next_attempt_ms,
-        "next_attempt_at changed across the restart"
-    );
+    if after.state == "queued" {
+        assert_eq!(
+            after.next_attempt_ms, before.next_attempt_ms,
+            "next_attempt_at changed across the restart"
+        );
+    } else {
+        // A slow restart: a worker took the message again before it was read. A queued
+        // message is taken only once due, so the due time must have passed by now.
+        let read_at = db_now_ms(&mut c);
+        assert!(
+            read_at >= before.next_attempt_ms,
+            "{} {:.1} ms before next_attempt_at: {after:?}",
+            after.state,
+            before.next_attempt_ms - read_at
+        );
+    }
     if restarted_at + 200.0 < before.next_attempt_ms {
         // Back before the due time: the restarted workers must leave it waiting.
         assert_eq!(after.state, "queued", "{after:?}");
