@@ -129,6 +129,8 @@ pub struct Worker {
     claim_at: Option<Instant>,
     /// What the sends ring when a batch's first and last answers arrive.
     bell: Arc<Bell>,
+    /// Claims that took messages, since the worker started.
+    claims_made: u64,
     /// The role every transaction of the worker runs as (`outbox.role`).
     pub role: pgrx::pg_sys::Oid,
 }
@@ -174,6 +176,7 @@ impl Worker {
             claim_wanted: true,
             claim_at: None,
             bell,
+            claims_made: 0,
             role,
         }
     }
@@ -181,6 +184,11 @@ impl Worker {
     /// The worker's slot.
     pub fn index(&self) -> usize {
         self.index
+    }
+
+    /// Claims that took messages, since the worker started.
+    pub fn claims_made(&self) -> u64 {
+        self.claims_made
     }
 
     /// Claimed messages not yet recorded.
@@ -269,6 +277,7 @@ impl Worker {
             slots::wake_idle_peer(self.index);
         }
         let claimed = jobs.len() as i64;
+        self.claims_made += 1;
         crash_if(FaultPoint::CrashAfterClaim, fault, &jobs);
         let send::Sorted {
             outcomes,

@@ -6,6 +6,7 @@
 
 pub mod claim;
 pub mod claim_cursor;
+pub mod claims_upkeep;
 pub mod cycle;
 pub mod decide;
 pub mod descriptors;
@@ -352,6 +353,8 @@ fn deliver(mut worker: cycle::Worker) -> ! {
     let index = worker.index();
     let database = database_of(index);
     let mut last_retention = Instant::now() - RETENTION_EVERY;
+    let mut upkeep = claims_upkeep::Upkeep::default();
+    let upkeep_memory = claims_upkeep::Workspace::create();
     loop {
         if reload_config_if_asked(index) {
             // The batches under way are recorded as the role they were claimed as.
@@ -366,6 +369,12 @@ fn deliver(mut worker: cycle::Worker) -> ! {
         if last_retention.elapsed() >= RETENTION_EVERY {
             guarded(index, &database, "retention", || worker.retention());
             last_retention = Instant::now();
+        }
+        if upkeep.due(Instant::now(), worker.claims_made()) {
+            guarded(index, &database, "vacuum of the claims", || {
+                claims_upkeep::vacuum_claims(&upkeep_memory)
+            });
+            upkeep.done(Instant::now(), worker.claims_made());
         }
         if report.busy {
             // Batches are under way, or more may be due: the next cycle waits for them,

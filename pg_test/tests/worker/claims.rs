@@ -97,3 +97,45 @@ fn a_message_in_flight_is_sending_everywhere_and_no_operator_acts_on_it() {
     assert_eq!(left, 0, "the record took the message out of its claim");
     assert_eq!(sim.stored(&ch).len(), 1, "sent once");
 }
+
+/// The workers vacuum the claims themselves (src/worker/claims_upkeep.rs): a claim and its
+/// record leave dead row versions, which autovacuum, looking at a table at most once a
+/// minute, would leave to pile up at the end of the table while every claim reads it whole.
+/// A VACUUM command counts in `vacuum_count`, autovacuum's in `autovacuum_count`.
+#[test]
+fn the_workers_vacuum_the_claims_they_leave_behind() {
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let _ = with_two_workers();
+    let guard = SettingsGuard::new(&cluster, &["outbox.batch_size"]);
+    set_setting(&mut c, "outbox.batch_size", "1");
+    // Both workers take a claim of one before the backlog comes: they read the new size.
+    std::thread::sleep(Duration::from_millis(700));
+    let vacuums_before: i64 = one(
+        &mut c,
+        "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'outbox._claims'::regclass",
+        &[],
+    );
+    let ch = sim_channel(&mut c, &sim, "claims_upkeep", "{}");
+    c.execute("SELECT outbox.pause_channel($1, 'loading')", &[&ch])
+        .unwrap();
+    enqueue_backlog(&mut c, &ch, 300);
+    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
+        .unwrap();
+    assert!(
+        no_message_left(&cluster, &ch, "state <> 'delivered'"),
+        "the backlog was not delivered: {:?}",
+        states_of(&mut c, &ch)
+    );
+    assert_eq!(sim.stored(&ch).len(), 300, "each message sent once");
+    // 300 claims of one message: each worker made at least the claims that start a vacuum.
+    let ok = outbox_e2e::cluster::wait_until(SETTLE, || {
+        let now: i64 = one(
+            &mut cluster.connect(),
+            "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'outbox._claims'::regclass",
+            &[],
+        );
+        now > vacuums_before
+    });
+    assert!(ok, "no VACUUM of outbox._claims after 300 claims");
+    drop(guard);
+}
