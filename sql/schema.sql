@@ -135,7 +135,7 @@ CREATE INDEX _messages_finished_idx ON outbox._messages (updated_at)
 -- row (and deletes a row left empty); recovery takes back the ids of a row whose lease ran
 -- out. A handful of rows (at most a few batches per worker): every reader scans it whole.
 -- Each claim and record leaves dead versions of its rows; a worker that claims vacuums the
--- table itself every quarter of a second or so (src/worker/claims_upkeep.rs), so that it
+-- table itself every two seconds or so (src/worker/claims_upkeep.rs), so that it
 -- stays a few pages long between the runs of autovacuum.
 CREATE SEQUENCE outbox._claims_id_seq AS bigint;
 CREATE TABLE outbox._claims (

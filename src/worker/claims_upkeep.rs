@@ -20,8 +20,12 @@ use std::time::{Duration, Instant};
 /// The statement; it reads no parameter.
 const VACUUM_CLAIMS: &CStr = c"VACUUM (SKIP_LOCKED, TRUNCATE false) outbox._claims";
 
-/// The shortest time between two vacuums of one worker.
-pub const VACUUM_EVERY: Duration = Duration::from_millis(250);
+/// The shortest time between two vacuums of one worker. A vacuum is not free (its own
+/// transactions, the database's frozen-xid horizon computed again, the table's statistics
+/// in `pg_class` updated), and in drains of 20,000 one every 250 ms gave lower rates than
+/// one every two seconds (BENCHMARKS.md); two seconds of growth are a few dozen pages in
+/// a fast drain.
+pub const VACUUM_EVERY: Duration = Duration::from_millis(2000);
 
 /// The claims a worker makes before it vacuums: an idle or nearly idle worker leaves the
 /// table to autovacuum.
