@@ -110,17 +110,16 @@ fn the_workers_vacuum_the_claims_they_leave_behind() {
     set_setting(&mut c, "outbox.batch_size", "1");
     // Both workers take a claim of one before the backlog comes: they read the new size.
     std::thread::sleep(Duration::from_millis(700));
-    let vacuums_before: i64 = one(
-        &mut c,
-        "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'outbox._claims'::regclass",
-        &[],
-    );
+    let vacuums = |c: &mut Client| -> i64 {
+        one(
+            c,
+            "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'outbox._claims'::regclass",
+            &[],
+        )
+    };
+    let vacuums_before = vacuums(&mut c);
     let ch = sim_channel(&mut c, &sim, "claims_upkeep", "{}");
-    c.execute("SELECT outbox.pause_channel($1, 'loading')", &[&ch])
-        .unwrap();
     enqueue_backlog(&mut c, &ch, 300);
-    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
-        .unwrap();
     assert!(
         no_message_left(&cluster, &ch, "state <> 'delivered'"),
         "the backlog was not delivered: {:?}",
@@ -129,12 +128,7 @@ fn the_workers_vacuum_the_claims_they_leave_behind() {
     assert_eq!(sim.stored(&ch).len(), 300, "each message sent once");
     // 300 claims of one message: each worker made at least the claims that start a vacuum.
     let ok = outbox_e2e::cluster::wait_until(SETTLE, || {
-        let now: i64 = one(
-            &mut cluster.connect(),
-            "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'outbox._claims'::regclass",
-            &[],
-        );
-        now > vacuums_before
+        vacuums(&mut cluster.connect()) > vacuums_before
     });
     assert!(ok, "no VACUUM of outbox._claims after 300 claims");
     drop(guard);
