@@ -5,11 +5,11 @@
 //! attempt's row of `outbox._attempts` are written once, with the outcome, by the record or
 //! by recovery.
 
-use super::claim_cursor::{ClaimCursors, Floors, Position};
+use super::claim_cursor::{channels_cut, ClaimCursors, Floors, Position};
 use crate::channels::options::ChannelOptions;
 use crate::spi::{self, Statement};
 use pgrx::spi::{SpiClient, SpiResult};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 /// Every channel; a handful of rows, read once per batch.
 static LOAD_CHANNELS: Statement = Statement::planned_once(
@@ -64,7 +64,9 @@ WITH flying AS MATERIALIZED (
              LIMIT 1)
      ORDER BY random()
 ), due AS MATERIALIZED (
-    SELECT d.*
+    -- share: the most this claim could take of the channel; a channel that got all of it
+    -- may have more due past what was taken (claim_cursor).
+    SELECT d.*, least(ready.room, ceil($1::numeric / ready.sharing)::int) AS share
       FROM ready CROSS JOIN LATERAL (
            SELECT m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers,
                   -- The attempt under way: the one after those the row counts. Saturates:
@@ -104,7 +106,8 @@ SELECT d.id, (extract(epoch FROM c.started_at) * 1000000)::int8, d.attempt, d.te
        l.message_id, l.external_id, d.attempt::int8 - d.budget_base,
        -- NULL for a due time outside the range of positions (one set by hand).
        CASE WHEN d.next_attempt_at BETWEEN timestamptz '1900-01-01' AND timestamptz '2200-01-01'
-            THEN (extract(epoch FROM d.next_attempt_at) * 1000000)::int8 END
+            THEN (extract(epoch FROM d.next_attempt_at) * 1000000)::int8 END,
+       d.share
   FROM due d
   JOIN claimed c ON c.channel_id = d.channel_id
   -- The barrier: one ledger probe per claimed message (crate::ledger).
@@ -287,8 +290,10 @@ pub fn claim_due(
         &[CLAIM_LOCK.0.into(), CLAIM_LOCK.1.into()],
     )?;
     let floors = cursors.floors(now_ms);
-    let mut from_head = floors.is_empty();
-    let mut jobs = claim_from(
+    // Only a claim that starts with no cursor reads every channel from its head: the rest
+    // of a short batch is read from the heads of the channels with room left.
+    let from_head = floors.is_empty();
+    let (mut jobs, mut cut) = claim_from(
         client,
         batch_size,
         lease_ms,
@@ -306,7 +311,7 @@ pub fn claim_due(
                 (*id, cap.saturating_sub(taken))
             })
             .collect();
-        jobs.extend(claim_from(
+        let (more, more_cut) = claim_from(
             client,
             rest,
             lease_ms,
@@ -314,14 +319,16 @@ pub fn claim_due(
             pid,
             Floors::default(),
             &left,
-        )?);
-        from_head = true;
+        )?;
+        jobs.extend(more);
+        cut.extend(more_cut);
     }
     cursors.after_claim(
         now_ms,
         from_head,
         batch_size.max(0) as usize,
         jobs.iter().map(|j| (j.channel_id, j.position)),
+        &cut,
     );
     Ok(jobs)
 }
@@ -334,7 +341,7 @@ fn claim_from(
     pid: i32,
     floors: Floors,
     caps: &HashMap<i32, u32>,
-) -> SpiResult<Vec<Job>> {
+) -> SpiResult<(Vec<Job>, BTreeSet<i32>)> {
     let (cap_ids, cap_values): (Vec<i32>, Vec<i32>) = caps
         .iter()
         .map(|(id, cap)| (*id, (*cap).min(i32::MAX as u32) as i32))
@@ -356,11 +363,14 @@ fn claim_from(
         ],
     )?;
     let mut jobs = Vec::with_capacity(rows.len());
+    let mut shares = Vec::with_capacity(rows.len());
     for row in rows {
         let (Some(message_id), Some(started_at_us)) = (row.get::<i64>(1)?, row.get::<i64>(2)?)
         else {
             continue;
         };
+        let channel_id = row.get::<i32>(5)?.unwrap_or_default();
+        shares.push((channel_id, row.get::<i32>(15)?.unwrap_or(i32::MAX)));
         let ledger = match row.get::<i64>(11)? {
             Some(recorded_by) => Some((recorded_by, row.get::<String>(12)?)),
             None => None,
@@ -370,7 +380,7 @@ fn claim_from(
             started_at_us,
             attempt: row.get::<i32>(3)?.unwrap_or(1),
             tenant: row.get::<String>(4)?.unwrap_or_default(),
-            channel_id: row.get::<i32>(5)?.unwrap_or_default(),
+            channel_id,
             effect_key: row.get::<String>(6)?.unwrap_or_default(),
             payload: row.get::<String>(7)?.unwrap_or_else(|| "null".into()),
             headers: row.get::<String>(8)?,
@@ -384,7 +394,7 @@ fn claim_from(
             }),
         });
     }
-    Ok(jobs)
+    Ok((jobs, channels_cut(shares)))
 }
 
 pub fn next_due_ms(client: &SpiClient<'_>) -> SpiResult<Option<i64>> {

@@ -259,11 +259,30 @@ fn a_deep_backlog_on_one_channel_does_not_starve_another() {
 /// the head at least every second must still find it while the backlog drains.
 #[test]
 fn a_message_committed_late_with_an_older_due_time_is_claimed_during_a_backlog() {
+    late_message_is_claimed_during_a_backlog(5000);
+}
+
+/// The same with the channel at its bound of attempts open at once (`max_in_flight` 250
+/// against two workers' batches of 200): its claims are short, each as large as the room
+/// left, and keep their cursor; the rest of such a batch, read from the head, finds no
+/// room. The claim from the head at least every second must still come.
+#[test]
+fn a_message_committed_late_is_claimed_during_a_backlog_drained_at_the_channels_bound() {
+    late_message_is_claimed_during_a_backlog(250);
+}
+
+fn late_message_is_claimed_during_a_backlog(max_in_flight: i64) {
     const BACKLOG: i64 = 12_000;
     let (cluster, mut c, sim) = cluster_and_sim();
     wait_for_workers(&cluster, &[]);
     // 100 ms a request: a batch lasts at least that long, and the backlog some seconds.
-    let busy = slow_channel(&mut c, &sim, "w_late", Duration::from_millis(100), 5000);
+    let busy = slow_channel(
+        &mut c,
+        &sim,
+        "w_late",
+        Duration::from_millis(100),
+        max_in_flight,
+    );
     c.execute(
         "SELECT outbox.pause_channel($1, 'loading a backlog')",
         &[&busy],
