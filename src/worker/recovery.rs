@@ -14,20 +14,29 @@ use pgrx::spi::{SpiClient, SpiResult};
 /// started (`$1`, `$2`), or made on an old primary before this server was promoted (`$4`
 /// ms, 0: it was not): their attempt under way (the one after those their rows count), when
 /// it started and by which worker, and the claim it is taken back from.
-static FIND_LOST_LEASES: Statement = Statement::planned_each_run(
+/// The claims are read first and their messages reached by id (`= ANY`, one probe of the
+/// primary key each): joined to the claims, the message table was read whole in id order,
+/// for the `ORDER BY … LIMIT`, whenever the planner expected a lost lease early in it
+/// (0.4 s a sweep at a backlog of 1,000,000, four sweeps a second, BENCHMARKS.md).
+pub(crate) static FIND_LOST_LEASES: Statement = Statement::planned_each_run(
     "
+WITH lost AS MATERIALIZED (
+    SELECT w.id AS claim_id, w.started_at, w.worker_pid, u.id
+      FROM outbox._claims w
+     CROSS JOIN LATERAL pg_catalog.unnest(w.message_ids) AS u(id)
+     WHERE w.lease_until < now()
+        OR ($1 AND w.lease_owner = $2 AND w.worker_pid <> pg_catalog.pg_backend_pid())
+        OR ($4 > 0 AND w.started_at < pg_catalog.to_timestamp($4::float8 / 1000))
+)
 SELECT m.id, m.channel_id, m.attempts + 1,
        outbox._epoch_ms(coalesce(m.budget_started_at, m.created_at)),
-       outbox._epoch_ms(coalesce(m.first_attempt_at, w.started_at, m.created_at)),
+       outbox._epoch_ms(coalesce(m.first_attempt_at, l.started_at, m.created_at)),
        m.attempts::int8 + 1 - m.budget_base,
-       (extract(epoch FROM w.started_at) * 1000000)::int8, w.worker_pid, w.id
-  FROM outbox._claims w
- CROSS JOIN LATERAL pg_catalog.unnest(w.message_ids) AS u(id)
-  JOIN outbox._messages m ON m.id = u.id
- WHERE m.state = 'queued'
-   AND (w.lease_until < now()
-        OR ($1 AND w.lease_owner = $2 AND w.worker_pid <> pg_catalog.pg_backend_pid())
-        OR ($4 > 0 AND w.started_at < pg_catalog.to_timestamp($4::float8 / 1000)))
+       (extract(epoch FROM l.started_at) * 1000000)::int8, l.worker_pid, l.claim_id
+  FROM outbox._messages m
+  JOIN lost l ON l.id = m.id
+ WHERE m.id = ANY (ARRAY(SELECT lost.id FROM lost))
+   AND m.state = 'queued'
  ORDER BY m.id
  LIMIT $3
    FOR UPDATE OF m SKIP LOCKED",
@@ -36,7 +45,7 @@ SELECT m.id, m.channel_id, m.attempts + 1,
 /// Ids left in claims whose lease ran out that stand for no attempt under way: their
 /// message was recorded otherwise (an operator's `resolve`) or is gone. Messages locked
 /// by another transaction (one recovering them right now) stay.
-static PRUNE_LOST_CLAIMS: Statement = Statement::planned_each_run(
+pub(crate) static PRUNE_LOST_CLAIMS: Statement = Statement::planned_each_run(
     "
 WITH lost AS MATERIALIZED (
     SELECT w.id
