@@ -52,7 +52,10 @@ WITH flying AS MATERIALIZED (
       LEFT JOIN unnest($8::int4[], $9::int4[]) AS g(channel_id, cap) ON g.channel_id = c.id
      WHERE NOT c.paused
 ), ready AS (
-    SELECT ch.id, ch.room, ch.floor_at, ch.floor_id, count(*) OVER () AS sharing
+    -- share: the most this claim takes of the channel, its room or its part of the batch;
+    -- a channel that got all of it may have more due past what was taken (claim_cursor).
+    SELECT ch.id, ch.floor_at, ch.floor_id,
+           least(ch.room, ceil($1::numeric / count(*) OVER ())::int) AS share
       FROM ch
      WHERE ch.room > 0
        -- A scalar subquery, one probe of the head of the due index per channel: an EXISTS
@@ -64,9 +67,7 @@ WITH flying AS MATERIALIZED (
              LIMIT 1)
      ORDER BY random()
 ), due AS MATERIALIZED (
-    -- share: the most this claim could take of the channel; a channel that got all of it
-    -- may have more due past what was taken (claim_cursor).
-    SELECT d.*, least(ready.room, ceil($1::numeric / ready.sharing)::int) AS share
+    SELECT d.*, ready.share
       FROM ready CROSS JOIN LATERAL (
            SELECT m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers,
                   -- The attempt under way: the one after those the row counts. Saturates:
@@ -85,7 +86,7 @@ WITH flying AS MATERIALIZED (
                       WHERE e.tenant = m.tenant AND e.ordering_key = m.ordering_key
                         AND e.id < m.id AND e.state IN ('queued', 'uncertain')))
             ORDER BY m.next_attempt_at, m.id
-            LIMIT least(ready.room, ceil($1::numeric / ready.sharing)::int)
+            LIMIT ready.share
               FOR UPDATE OF m SKIP LOCKED) d
      LIMIT $1
 ), claimed AS (
