@@ -53,6 +53,11 @@ sample_server_cpu() {
         *) kind=other ;;
       esac
       echo "$p $kind $t"
+      # A worker's send threads apart: the worker's figure above counts every thread.
+      if [ "$kind" = workers ]; then
+        echo "$p-http http $(awk '$2 == "(outbox-http)" {t += $14 + $15} END {print t + 0}' \
+                               /proc/"$p"/task/*/stat 2>/dev/null)"
+      fi
     done
     sleep 1
   done
@@ -136,8 +141,9 @@ for run in $(seq 1 "${RUNS:-1}"); do
     !($1 in first) { first[$1] = $3; kind[$1] = $2 } { last[$1] = $3 }
     END {
       for (p in last) cpu[kind[p]] += (last[p] - first[p]) / hz
-      printf "cpu s during the drain (of %.1f on 2 cores): workers %.1f (%.0f us a message), autovacuum %.1f, other server processes %.1f, sink %.1f\n",
-             2 * ns / 1e9, cpu["workers"], cpu["workers"] / n * 1e6, cpu["autovacuum"], cpu["other"], k / hz
+      printf "cpu s during the drain (of %.1f on 2 cores): workers %.1f (%.0f us a message: %.0f in the backend, %.0f in its send threads), autovacuum %.1f, other server processes %.1f, sink %.1f\n",
+             2 * ns / 1e9, cpu["workers"], cpu["workers"] / n * 1e6, (cpu["workers"] - cpu["http"]) / n * 1e6,
+             cpu["http"] / n * 1e6, cpu["autovacuum"], cpu["other"], k / hz
     }' "$OUTBOX_BASE/cpu.samples"
   psql -F ' ' -c "SELECT 'writes ' || relname, 'inserts ' || n_tup_ins, 'updates ' || n_tup_upd, 'hot ' || n_tup_hot_upd
                     FROM pg_stat_user_tables WHERE schemaname = 'outbox' AND relname IN ('_messages', '_attempts', '_ledger', '_ledger_0', '_ledger_1', '_ledger_2')

@@ -62,6 +62,9 @@ pub struct Outgoing {
     pub channel_id: i32,
     pub method: String,
     pub url: String,
+    /// `url` parsed once for its channel (`remote::HttpChannel`); `None`: parsed for this
+    /// request, and a parse error fails it.
+    pub parsed_url: Option<reqwest::Url>,
     /// Already merged: message headers, then channel headers, then the idempotency header.
     pub headers: Vec<(String, String)>,
     pub body: String,
@@ -288,8 +291,11 @@ fn build(client: &reqwest::Client, out: &Outgoing) -> Result<reqwest::Request, S
             .map_err(|_| format!("header \"{name}\" has a value HTTP cannot carry"))?;
         headers.insert(n, v);
     }
-    client
-        .request(method, &out.url)
+    let request = match &out.parsed_url {
+        Some(url) => client.request(method, url.clone()),
+        None => client.request(method, &out.url),
+    };
+    request
         .headers(headers)
         .timeout(out.timeout)
         .body(out.body.clone())
@@ -443,6 +449,7 @@ mod tests {
             channel_id: 1,
             method: "POST".into(),
             url: url.into(),
+            parsed_url: None,
             headers: vec![],
             body: "{}".into(),
             timeout: Duration::from_secs(2),

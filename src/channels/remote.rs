@@ -58,6 +58,9 @@ pub trait Channel: Send + Sync {
 pub struct HttpChannel {
     pub client: reqwest::Client,
     pub endpoint: String,
+    /// `endpoint` parsed once, not for every request; `None` when it does not parse (each
+    /// request then fails with the parser's error).
+    pub url: Option<reqwest::Url>,
     pub options: Arc<ChannelOptions>,
     /// Requests under way on `client`'s pool.
     pub demand: Arc<Demand>,
@@ -70,6 +73,7 @@ impl Channel for HttpChannel {
         allowed: Arc<AllowList>,
     ) -> Result<Pending<Sent>, String> {
         let mut out = request::outgoing(message, &self.endpoint, &self.options)?;
+        out.parsed_url = self.url.clone();
         if let Some(signing) = &self.options.signing {
             let now_s = (crate::clock::now_ms() / 1000) as u64;
             signing.sign(
@@ -170,6 +174,7 @@ pub fn open(
         Kind::Http => Ok(Arc::new(HttpChannel {
             client: transport.client(channel_id, version, options, batch_size)?,
             endpoint: endpoint.to_string(),
+            url: reqwest::Url::parse(endpoint).ok(),
             options: Arc::new(options.clone()),
             demand: Arc::new(Demand::default()),
         })),

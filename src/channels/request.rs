@@ -48,6 +48,7 @@ pub fn outgoing(
         channel_id: message.channel_id,
         method: options.method.clone(),
         url: endpoint.to_string(),
+        parsed_url: None,
         headers,
         body: message.payload.to_string(),
         timeout: Duration::from_millis(options.timeout_ms),

@@ -355,6 +355,11 @@ fn deliver(mut worker: cycle::Worker) -> ! {
     let mut last_retention = Instant::now() - RETENTION_EVERY;
     let mut upkeep = claims_upkeep::Upkeep::default();
     let upkeep_memory = claims_upkeep::Workspace::create();
+    // The worker looks around after a cycle, at most once a second: the look is a
+    // transaction of its own, which before a cycle would sit between a commit that woke the
+    // worker and the request. A step that fails because the extension was dropped looks at
+    // once (`guarded`); an idle worker looks every second of its sleep (`idle`).
+    let mut last_look = Instant::now();
     loop {
         if reload_config_if_asked(index) {
             // The batches under way are recorded as the role they were claimed as.
@@ -364,8 +369,11 @@ fn deliver(mut worker: cycle::Worker) -> ! {
         if stop_requested() {
             break;
         }
-        served_database::leave_if_gone(index, &database, served_database::look_around());
         let report = guarded(index, &database, "delivery cycle", || worker.run_once());
+        if last_look.elapsed() >= LOOK_AROUND_EVERY {
+            served_database::leave_if_gone(index, &database, served_database::look_around());
+            last_look = Instant::now();
+        }
         if last_retention.elapsed() >= RETENTION_EVERY {
             guarded(index, &database, "retention", || worker.retention());
             last_retention = Instant::now();
