@@ -271,15 +271,23 @@ const CLAIM_LOCK: (i32, i32) = (0x6f62_6f78, 1); // "obox", 1
 static LOCK_CLAIMS: Statement =
     Statement::planned_once("SELECT pg_catalog.pg_advisory_xact_lock($1, $2)");
 
-/// Claims up to `batch_size` due messages, reading each channel from its cursor when the
-/// worker has one; a claim under cursors that comes back short claims the rest from the
-/// heads of the due indexes, in the same transaction.
+/// Who claims, and for how long: the lease its claims hold (ms), the worker's slot and its
+/// process.
+#[derive(Debug, Clone, Copy)]
+pub struct Claimant {
+    pub lease_ms: i64,
+    pub worker_index: i32,
+    pub pid: i32,
+}
+
+/// Claims up to `batch_size` due messages for `claimant`, at most `caps` of a channel with
+/// flow control, reading each channel from its cursor when the worker has one; a claim
+/// under cursors that comes back short claims the rest from the heads of the due indexes,
+/// in the same transaction.
 pub fn claim_due(
     client: &mut SpiClient<'_>,
+    claimant: Claimant,
     batch_size: i32,
-    lease_ms: i64,
-    worker_index: i32,
-    pid: i32,
     cursors: &mut ClaimCursors,
     now_ms: i64,
     caps: &HashMap<i32, u32>,
@@ -294,15 +302,7 @@ pub fn claim_due(
     // Only a claim that starts with no cursor reads every channel from its head: the rest
     // of a short batch is read from the heads of the channels with room left.
     let from_head = floors.is_empty();
-    let (mut jobs, mut cut) = claim_from(
-        client,
-        batch_size,
-        lease_ms,
-        worker_index,
-        pid,
-        floors,
-        caps,
-    )?;
+    let (mut jobs, mut cut) = claim_from(client, claimant, batch_size, floors, caps)?;
     if !from_head && (jobs.len() as i32) < batch_size {
         let rest = batch_size - jobs.len() as i32;
         let left: HashMap<i32, u32> = caps
@@ -312,15 +312,7 @@ pub fn claim_due(
                 (*id, cap.saturating_sub(taken))
             })
             .collect();
-        let (more, more_cut) = claim_from(
-            client,
-            rest,
-            lease_ms,
-            worker_index,
-            pid,
-            Floors::default(),
-            &left,
-        )?;
+        let (more, more_cut) = claim_from(client, claimant, rest, Floors::default(), &left)?;
         jobs.extend(more);
         cut.extend(more_cut);
     }
@@ -336,10 +328,8 @@ pub fn claim_due(
 
 fn claim_from(
     client: &mut SpiClient<'_>,
+    claimant: Claimant,
     batch_size: i32,
-    lease_ms: i64,
-    worker_index: i32,
-    pid: i32,
     floors: Floors,
     caps: &HashMap<i32, u32>,
 ) -> SpiResult<(Vec<Job>, BTreeSet<i32>)> {
@@ -353,9 +343,9 @@ fn claim_from(
         None,
         &[
             batch_size.into(),
-            (lease_ms as f64).into(),
-            worker_index.into(),
-            pid.into(),
+            (claimant.lease_ms as f64).into(),
+            claimant.worker_index.into(),
+            claimant.pid.into(),
             floors.channel_ids.into(),
             floors.due_at_us.into(),
             floors.ids.into(),

@@ -444,12 +444,15 @@ impl Worker {
                     }
                     let at = self.started.elapsed().as_millis() as i64;
                     let gates = flow::gate(client, &channels, batch_size.max(0) as u32)?;
+                    let claimant = claim::Claimant {
+                        lease_ms,
+                        worker_index: index as i32,
+                        pid,
+                    };
                     let jobs = claim::claim_due(
                         client,
+                        claimant,
                         batch_size,
-                        lease_ms,
-                        index as i32,
-                        pid,
                         &mut self.cursors,
                         at,
                         &gates.caps,
