@@ -2,7 +2,8 @@
 # Benchmarks, side by side with their baselines in the same run, on a throwaway cluster:
 #   1. enqueue: outbox.enqueue() vs a plain INSERT ... ON CONFLICT DO NOTHING into a table of the same shape and
 #      indexes (pgbench, 1 and 8 clients; simple and prepared protocol);
-#   2. the claim-only baseline: a hand-written SKIP LOCKED claim loop in plain SQL;
+#   2. the claim-only baseline: a hand-written SKIP LOCKED claim loop in plain SQL, three
+#      rounds spread over the run (before the deliveries, after them, after the anchors);
 #   3. delivery: deliveries/s for a backlog to a loopback sink, the sink's own ceiling
 #      (wrk), and COMMIT -> request latency idle and under load;
 #   4. worker RSS and table/index sizes;
@@ -138,20 +139,31 @@ psql -c "TRUNCATE outbox._messages" >/dev/null
 psql -c "VACUUM ANALYZE outbox._messages" >/dev/null
 
 # 2. Claim-only baseline: what a user would write (claim 100 with SKIP LOCKED, mark done) --
-psql <<SQL
-TRUNCATE public.plain_outbox;
-INSERT INTO public.plain_outbox (tenant, channel_id, effect_key, payload, next_attempt_at)
-SELECT 'default', 1, 'k' || g, '{"text": "benchmark message"}', now() FROM generate_series(1, 2000000) g;
-VACUUM ANALYZE public.plain_outbox;
-SQL
+#    Three rounds, each on 2,000,000 fresh rows: before the deliveries, between them and the
+#    anchors, and after the anchors. The loop moves by a third from one run to the next on
+#    this machine; its rounds spread over the run, like the drains of ours they are compared
+#    with (anchor_ratios).
 cat >"$WORK/claim.sql" <<'SQL'
 WITH c AS (SELECT id FROM public.plain_outbox WHERE channel_id = 1 AND state = 'queued' AND next_attempt_at <= now()
             ORDER BY next_attempt_at, id LIMIT 100 FOR UPDATE SKIP LOCKED)
 UPDATE public.plain_outbox p SET state = 'delivered', updated_at = now() FROM c WHERE p.id = c.id;
 SQL
-claims=$(pgb -c 1 -j 1 -T "$DURATION" -f "$WORK/claim.sql" | tps)
-echo "claim_only_loop $((claims * 100)) msg/s (plain SQL, 100 per claim, 1 connection, no HTTP)"
-psql -c "DROP TABLE public.plain_outbox; DROP SEQUENCE public.plain_outbox_seq;"
+# One round: prints "claim_only_loop_round N msg/s (WHEN)" and adds the rate to CLAIM_ROUNDS.
+CLAIM_ROUNDS=""
+claim_only_round() {
+  psql >/dev/null <<SQL
+TRUNCATE public.plain_outbox;
+INSERT INTO public.plain_outbox (tenant, channel_id, effect_key, payload, next_attempt_at)
+SELECT 'default', 1, 'k' || g, '{"text": "benchmark message"}', now() FROM generate_series(1, 2000000) g;
+VACUUM ANALYZE public.plain_outbox;
+SQL
+  local rate
+  rate=$(( $(pgb -c 1 -j 1 -T "$DURATION" -f "$WORK/claim.sql" | tps) * 100 ))
+  psql -c "TRUNCATE public.plain_outbox" >/dev/null
+  CLAIM_ROUNDS="$CLAIM_ROUNDS $rate"
+  echo "claim_only_loop_round $rate msg/s ($1; plain SQL, 100 per claim, 1 connection, no HTTP)"
+}
+claim_only_round "before the deliveries"
 
 # 3. The sink's own ceiling (wrk, keep-alive POSTs to the simulator) ----------------------
 SINK_PORT=${BENCH_SINK_PORT:-18799}
@@ -176,6 +188,8 @@ kill $SINK_PID 2>/dev/null || true
 "$BIN/bench" --sim-port "${BENCH_SIM_PORT:-0}" --backlog "$BACKLOG" --large-backlog "$LARGE_BACKLOG" --latency-samples 1000 \
   --steady-seconds "${BENCH_STEADY_SECONDS:-120}" | tee "$WORK/delivery.out"
 
+claim_only_round "after the deliveries"
+
 # 5. Footprint ----------------------------------------------------------------------------
 for pid in $(psql -Atc "SELECT pid FROM outbox.worker_status() WHERE pid IS NOT NULL"); do
   # Private memory (RssAnon) is the worker's own; RssShmem is shared_buffers pages it touched.
@@ -185,6 +199,9 @@ done
 # 6. The anchors: the hand-written outbox and PgQ's consumer, and the ratios of this run ---
 handwritten_anchors "$BACKLOG" 3 | tee "$WORK/anchors.out"
 pgq_consume "$BACKLOG" 3
-anchor_ratios "$WORK/delivery.out" "$WORK/anchors.out" "$((claims * 100))" "$PGQ_CONSUME" \
-  "${enqueue_tps[8c_prepared]}" "${pgq_tps[8c_prepared]}"
+claim_only_round "after the anchors"
+psql -c "DROP TABLE public.plain_outbox; DROP SEQUENCE public.plain_outbox_seq;" >/dev/null
+echo "claim_only_loop $(echo $CLAIM_ROUNDS | median) msg/s (median of 3 rounds: $(echo $CLAIM_ROUNDS | sed 's/ / \/ /g'))"
+anchor_ratios "$WORK/delivery.out" "$WORK/anchors.out" "$CLAIM_ROUNDS" "$PGQ_CONSUME" \
+  "${enqueue_tps[8c_prepared]}" "${pgq_tps[8c_prepared]}" "$BACKLOG"
 rm -rf "$WORK"

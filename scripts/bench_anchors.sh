@@ -110,16 +110,35 @@ handwritten_anchors() {
 }
 
 # The ratios of one run of scripts/bench.sh, from the lines of its delivery part ($1) and of
-# handwritten_anchors ($2), the claim-only loop's rate ($3), PgQ's consume rate ($4), and
-# the 8-client prepared tps of enqueue ($5) and of pgq.insert_event ($6).
+# handwritten_anchors ($2), the claim-only loop's rounds ($3, their rates separated by
+# spaces), PgQ's consume rate ($4), the 8-client prepared tps of enqueue ($5) and of
+# pgq.insert_event ($6), and the backlog of the drains ($7).
 anchor_ratios() {
-  awk -v claim="$3" -v pgq="$4" -v e="$5" -v q="$6" '
-    FILENAME == ARGV[1] && /^deliveries_per_s_backlog_[0-9]+ / && ours == "" { ours = $2 }
+  # Ours against the claim-only loop: the median of every drain of BACKLOG ($7) in the run
+  # (three before the large backlog, three after it, three alternated with the hand-written
+  # outbox) over the median of the loop's three rounds ($3), which are spread over the run
+  # too; then the first three drains over the first round alone, as measured before.
+  awk -v rounds="$3" -v pgq="$4" -v e="$5" -v q="$6" -v backlog="$7" '
+    function median(list,    v, n, i, j, t) {
+      n = split(list, v, " ")
+      for (i = 2; i <= n; i++) for (j = i; j > 1 && v[j - 1] + 0 > v[j] + 0; j--) { t = v[j]; v[j] = v[j - 1]; v[j - 1] = t }
+      return n ? v[int((n + 1) / 2)] : 0
+    }
+    function drains(line,    d) {
+      d = line; sub(/.*drains: /, "", d); sub(/\).*/, "", d); gsub(/ \/ /, " ", d)
+      return d
+    }
+    FILENAME == ARGV[1] && $1 == "deliveries_per_s_backlog_" backlog { first = $2; all = all " " drains($0) }
+    FILENAME == ARGV[1] && $1 == "deliveries_per_s_backlog_" backlog "_after_large" { all = all " " drains($0) }
     FILENAME == ARGV[1] && /^wal_per_delivery / { wd = $2 }
     FILENAME == ARGV[1] && /^wal_per_enqueue / { we = $2 }
+    FILENAME == ARGV[2] && $1 == "anchors_outbox_delivery_backlog_" backlog { all = all " " drains($0) }
     FILENAME == ARGV[2] && /^handwritten_outbox_/ { hand = hand sprintf(", %s %s", $1, $10) }
     END {
-      printf "ratios: outbox/claim_only_loop %.2fx (%d / %d msg/s) | outbox/pgq_consume %.2fx (PgQ %d msg/s; claim_only_loop/pgq_consume %.2fx)", ours / claim, ours, claim, ours / pgq, pgq, claim / pgq
+      n = split(all, ignored, " "); split(rounds, r, " ")
+      ours = median(all); claim = median(rounds)
+      printf "ratios: outbox/claim_only_loop %.2fx (the median of our %d drains of %d, %d msg/s, over the loop'"'"'s median of 3 rounds, %d msg/s; the first three drains over the first round: %.2fx, %d / %d)", ours / claim, n, backlog, ours, claim, first / r[1], first, r[1]
+      printf " | outbox/pgq_consume %.2fx (PgQ %d msg/s; claim_only_loop/pgq_consume %.2fx)", ours / pgq, pgq, claim / pgq
       printf " | outbox/handwritten (alternated rounds)%s | enqueue/pgq_insert_8c_prepared %.2fx (%d / %d tps)", hand, e / q, e, q
       printf " | wal_per_delivery %s B, wal_per_enqueue %s B\n", wd, we
     }' "$1" "$2"
