@@ -248,3 +248,61 @@ fn a_channel_at_its_bound_is_due_now_and_one_with_room_when_its_first_message_is
     Spi::run("SELECT outbox.pause_channel('due_bound', 'paused channels wait')").unwrap();
     assert_eq!(next_due_ms(), epoch_ms("now() + interval '1 day'"), "a paused channel is not due");
 }
+
+/// Scans of the message table that ran in `plan` (EXPLAIN ANALYZE's JSON): their node and
+/// index, and how often.
+fn message_scans_run(plan: &serde_json::Value, found: &mut Vec<String>) {
+    if let Some(node) = plan.as_object() {
+        let loops = node.get("Actual Loops").and_then(|l| l.as_i64()).unwrap_or(0);
+        if node.get("Relation Name").and_then(|r| r.as_str()) == Some("_messages")
+            && node["Node Type"] != "ModifyTable"
+            && loops > 0
+        {
+            let index = node.get("Index Name").and_then(|i| i.as_str()).unwrap_or("");
+            found.push(format!("{} {index} ({loops} loops)", node["Node Type"]));
+        }
+        for child in node.values() {
+            message_scans_run(child, found);
+        }
+    } else if let Some(items) = plan.as_array() {
+        for item in items {
+            message_scans_run(item, found);
+        }
+    }
+}
+
+#[pg_test]
+fn a_claim_reads_nothing_of_the_queue_of_a_channel_at_its_bound() {
+    // A channel with a backlog and as many messages in flight as its bound allows, and
+    // statistics that make its due messages look cheap to reach: the claim, from the
+    // head of every channel (no cursor), must rule the channel out by its room before it
+    // looks at its queue, which a drain leaves full of dead entries until a VACUUM.
+    Spi::run("SELECT outbox.create_channel('bound_full', 'http://127.0.0.1:9/x', '{\"max_in_flight\": 5, \"max_unverifiable_in_flight\": 5}')").unwrap();
+    Spi::run("SELECT count(outbox.enqueue('bound_full', '{\"n\": 1}', 'f' || g)) FROM generate_series(1, 5000) g").unwrap();
+    Spi::run("ANALYZE outbox._messages").unwrap();
+    Spi::run(
+        "INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
+         SELECT channel_id, 0, 1, now() + interval '1 minute', now(), (array_agg(id ORDER BY id))[1:5]
+           FROM outbox._messages GROUP BY channel_id",
+    )
+    .unwrap();
+    Spi::run("ANALYZE outbox._claims").unwrap();
+    let claim = &crate::worker::claim::CLAIM_DUE;
+    let mode = claim.plan.plan_cache_mode().to_str().unwrap();
+    Spi::run(&format!("SET LOCAL plan_cache_mode = {mode}")).unwrap();
+    Spi::run(&format!(
+        "PREPARE claim_statement(int4, float8, int4, int4, int4[], int8[], int8[], int4[], int4[]) AS {}",
+        claim.sql
+    ))
+    .unwrap();
+    let plan = Spi::get_one::<pgrx::Json>(
+        "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim_statement(200, 60000, 0, 1, '{}', '{}', '{}', '{}', '{}')",
+    )
+    .unwrap()
+    .expect("a plan")
+    .0;
+    Spi::run("DEALLOCATE claim_statement").unwrap();
+    let mut run = Vec::new();
+    message_scans_run(&plan, &mut run);
+    assert!(run.is_empty(), "the claim read the queue of a channel without room: {run:?}\n{plan:#}");
+}

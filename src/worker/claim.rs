@@ -57,14 +57,18 @@ WITH flying AS MATERIALIZED (
     SELECT ch.id, ch.floor_at, ch.floor_id,
            least(ch.room, ceil($1::numeric / count(*) OVER ())::int) AS share
       FROM ch
-     WHERE ch.room > 0
        -- A scalar subquery, one probe of the head of the due index per channel: an EXISTS
-       -- becomes a semi-join that reads every due message of the backlog.
-       AND (SELECT true FROM outbox._messages q
-             WHERE q.channel_id = ch.id AND q.state = 'queued' AND q.next_attempt_at <= now()
-               AND (q.next_attempt_at, q.id) >= (ch.floor_at, ch.floor_id)
-               AND q.id NOT IN (SELECT flying.id FROM flying)
-             LIMIT 1)
+       -- becomes a semi-join that reads every due message of the backlog. Only a channel
+       -- with room is probed: the CASE keeps the planner from running the probe first (it
+       -- did, on a channel at its bound, over every entry a drain had left since the last
+       -- VACUUM, before its room ruled it out).
+     WHERE CASE WHEN ch.room > 0
+                THEN (SELECT true FROM outbox._messages q
+                       WHERE q.channel_id = ch.id AND q.state = 'queued' AND q.next_attempt_at <= now()
+                         AND (q.next_attempt_at, q.id) >= (ch.floor_at, ch.floor_id)
+                         AND q.id NOT IN (SELECT flying.id FROM flying)
+                       LIMIT 1)
+           END
      ORDER BY random()
 ), due AS MATERIALIZED (
     SELECT d.*, ready.share
