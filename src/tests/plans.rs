@@ -3,9 +3,23 @@
 // planned once is planned for any values, and a plan that reads the whole message table
 // to meet a batch costs more with every message queued.
 
+/// Calls `visit` on every node of `plan` (EXPLAIN's JSON), its plan nodes and their fields.
+fn each_node(plan: &serde_json::Value, visit: &mut dyn FnMut(&serde_json::Map<String, serde_json::Value>)) {
+    if let Some(node) = plan.as_object() {
+        visit(node);
+        for child in node.values() {
+            each_node(child, visit);
+        }
+    } else if let Some(items) = plan.as_array() {
+        for item in items {
+            each_node(item, visit);
+        }
+    }
+}
+
 /// Scans of the message table in `plan` (EXPLAIN's JSON) that no condition bounds.
 fn unbounded_message_scans(plan: &serde_json::Value, found: &mut Vec<String>) {
-    if let Some(node) = plan.as_object() {
+    each_node(plan, &mut |node| {
         if node.get("Relation Name").and_then(|r| r.as_str()) == Some("_messages") {
             let kind = node["Node Type"].as_str().unwrap_or("?");
             let index = node.get("Index Name").and_then(|i| i.as_str()).unwrap_or("");
@@ -29,14 +43,7 @@ fn unbounded_message_scans(plan: &serde_json::Value, found: &mut Vec<String>) {
         {
             found.push(format!("Bitmap Index Scan {}", node["Index Name"]));
         }
-        for child in node.values() {
-            unbounded_message_scans(child, found);
-        }
-    } else if let Some(items) = plan.as_array() {
-        for item in items {
-            unbounded_message_scans(item, found);
-        }
-    }
+    });
 }
 
 /// Scans of the partial index of queued messages in `plan`: a statement that names its
@@ -44,18 +51,11 @@ fn unbounded_message_scans(plan: &serde_json::Value, found: &mut Vec<String>) {
 /// every queued message of a channel (its whole backlog, the messages in flight among them)
 /// and compare each with the whole array of ids.
 fn due_index_scans(plan: &serde_json::Value, found: &mut Vec<String>) {
-    if let Some(node) = plan.as_object() {
+    each_node(plan, &mut |node| {
         if node.get("Index Name").and_then(|i| i.as_str()) == Some("_messages_due_idx") {
             found.push(format!("{} {}", node["Node Type"], node.get("Filter").unwrap_or(&serde_json::Value::Null)));
         }
-        for child in node.values() {
-            due_index_scans(child, found);
-        }
-    } else if let Some(items) = plan.as_array() {
-        for item in items {
-            due_index_scans(item, found);
-        }
-    }
+    });
 }
 
 /// EXPLAIN of `statement` as the worker plans it, for the arguments `args` (SQL text, of
@@ -252,7 +252,7 @@ fn a_channel_at_its_bound_is_due_now_and_one_with_room_when_its_first_message_is
 /// Scans of the message table that ran in `plan` (EXPLAIN ANALYZE's JSON): their node and
 /// index, and how often.
 fn message_scans_run(plan: &serde_json::Value, found: &mut Vec<String>) {
-    if let Some(node) = plan.as_object() {
+    each_node(plan, &mut |node| {
         let loops = node.get("Actual Loops").and_then(|l| l.as_i64()).unwrap_or(0);
         if node.get("Relation Name").and_then(|r| r.as_str()) == Some("_messages")
             && node["Node Type"] != "ModifyTable"
@@ -261,14 +261,7 @@ fn message_scans_run(plan: &serde_json::Value, found: &mut Vec<String>) {
             let index = node.get("Index Name").and_then(|i| i.as_str()).unwrap_or("");
             found.push(format!("{} {index} ({loops} loops)", node["Node Type"]));
         }
-        for child in node.values() {
-            message_scans_run(child, found);
-        }
-    } else if let Some(items) = plan.as_array() {
-        for item in items {
-            message_scans_run(item, found);
-        }
-    }
+    });
 }
 
 #[pg_test]
