@@ -5,8 +5,9 @@
 # P/lib/postgresql/15/bin/pg_config). Round by round, the builds alternate: a fresh cluster
 # on the build's prefix, a backlog enqueued on a paused channel to the provider simulator,
 # VACUUM ANALYZE, CHECKPOINT, statistics reset, then the channel resumed and drained by the
-# workers. Per drain: deliveries/s, WAL bytes and full-page images per message (the drain
-# starts right after a CHECKPOINT: every page's first change writes a full-page image),
+# workers. Per drain: deliveries/s, the workers' CPU a message (their backends and their send
+# threads apart), WAL bytes and full-page images per message (the drain starts right after a
+# CHECKPOINT: every page's first change writes a full-page image),
 # the rows each table took (inserts, updates, HOT updates) and the autovacuums it had, and
 # the load average of the machine at its end. Figures only; nothing is asserted.
 #
@@ -62,7 +63,8 @@ drain() {
   psql -c "VACUUM ANALYZE outbox._messages" >/dev/null
   psql -c "CHECKPOINT" >/dev/null
   psql -c "SELECT pg_stat_reset(), pg_stat_reset_shared('wal'), pg_stat_reset_shared('bgwriter')" >/dev/null
-  local t0 t1
+  local t0 t1 cpu0 cpu1 b0 s0 b1 s1
+  cpu0=$(workers_cpu_ticks)
   t0=$(date +%s%N)
   psql -c "SELECT outbox.resume_channel('drain')" >/dev/null
   local every=${EVERY:-5} done0=0 done1 rates=""
@@ -76,12 +78,17 @@ drain() {
     fi
   done
   t1=$(date +%s%N)
+  cpu1=$(workers_cpu_ticks)
   [ -z "$rates" ] || echo "rate_each_${every}s $rates"
   local delivered
   delivered=$(psql -c "SELECT count(*) FROM outbox.messages WHERE state = 'delivered'")
   [ "$delivered" = "$N" ] || echo "warning: $delivered of $N delivered" >&2
   sleep 1  # the workers report their table statistics before they sleep
   echo "deliveries_per_s $(( N * 1000000000 / (t1 - t0) ))"
+  # The workers' CPU a message, in µs: their backends and their send threads.
+  read -r b0 s0 <<<"$cpu0"; read -r b1 s1 <<<"$cpu1"
+  echo "worker_backend_us_per_message $(( (b1 - b0) * 1000000 / $(getconf CLK_TCK) / N ))"
+  echo "worker_send_threads_us_per_message $(( (s1 - s0) * 1000000 / $(getconf CLK_TCK) / N ))"
   psql -F ' ' -c "SELECT 'wal_bytes_per_message', round(wal_bytes / $N) FROM pg_stat_wal"
   psql -F ' ' -c "SELECT 'wal_records_per_message', round(wal_records::numeric / $N, 2) FROM pg_stat_wal"
   psql -F ' ' -c "SELECT 'full_page_images_per_message', round(wal_fpi::numeric / $N, 2) FROM pg_stat_wal"

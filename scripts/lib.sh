@@ -22,3 +22,18 @@ median() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{ v[NR] = $1 } END { prin
 # backlog of a million.
 DRAINING="EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'queued')
           OR EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'sending')"
+
+# The CPU ticks used so far by the delivery workers of the running cluster: "backends
+# send_threads", the send threads being each worker's `outbox-http` threads and the backend
+# the rest of its process.
+workers_cpu_ticks() {
+  local postmaster pid all http backends=0 sends=0
+  postmaster=$(head -1 "$OUTBOX_BASE/pgdata/postmaster.pid" 2>/dev/null || echo 0)
+  for pid in $(pgrep -P "$postmaster" -f 'outbox_delivery worker' || true); do
+    all=$(awk '{ print $14 + $15 }' "/proc/$pid/stat" 2>/dev/null || echo 0)
+    http=$(awk '$2 == "(outbox-http)" { t += $14 + $15 } END { print t + 0 }' /proc/"$pid"/task/*/stat 2>/dev/null || echo 0)
+    backends=$((backends + all - http))
+    sends=$((sends + http))
+  done
+  echo "$backends $sends"
+}
