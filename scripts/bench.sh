@@ -5,11 +5,13 @@
 #   2. the claim-only baseline: a hand-written SKIP LOCKED claim loop in plain SQL, three
 #      rounds spread over the run (before the deliveries, after them, after the anchors);
 #   3. delivery: deliveries/s for a backlog to a loopback sink, the sink's own ceiling
-#      (wrk), and COMMIT -> request latency idle and under load;
+#      (wrk), and COMMIT -> request latency idle and under load (from the COMMIT call and
+#      from its return), beside what one flush of this disk costs after a rest;
 #   4. worker RSS and table/index sizes;
 #   5. the anchors (scripts/bench_anchors.sh): PgQ's insert rate as a third lane of the
 #      enqueue rounds, the hand-written outbox's drains alternated with ours, PgQ's consume
-#      rate; WAL per message of each; and the ratios of the run.
+#      rate; WAL per message of each; and the ratios of the run;
+#   6. the share of the run's CPU time the hypervisor took (steal).
 # Figures only; nothing is asserted.
 # Usage: scripts/bench.sh [backlog=10000] [large_backlog=1000000]   (large_backlog 0: skip it)
 # BENCH_SECONDS: length of each pgbench run (10); BENCH_STEADY_SECONDS: the steady load
@@ -40,6 +42,7 @@ pgb() { runuser -u postgres -- /usr/lib/postgresql/15/bin/pgbench -h "$SOCK" -p 
 tps() { awk '/^tps/ {print int($3)}'; }
 
 echo "machine: $(nproc) cores, $(free -g | awk '/Mem/ {print $2}') GiB, load average $(cut -d' ' -f1-3 /proc/loadavg); PostgreSQL $(/usr/lib/postgresql/15/bin/postgres --version | awk '{print $3}'); $OUTBOX_WORKERS delivery worker(s)"
+read -r RUN_TICKS RUN_STEAL <<<"$(machine_ticks)"
 
 # 1. Enqueue vs a plain INSERT ... ON CONFLICT DO NOTHING (the conflict check an enqueue
 #    must make too) into a table of the same shape and indexes ------------------------------------------------------------
@@ -204,4 +207,5 @@ psql -c "DROP TABLE public.plain_outbox; DROP SEQUENCE public.plain_outbox_seq;"
 echo "claim_only_loop $(echo $CLAIM_ROUNDS | median) msg/s (median of 3 rounds: $(echo $CLAIM_ROUNDS | sed 's/ / \/ /g'))"
 anchor_ratios "$WORK/delivery.out" "$WORK/anchors.out" "$CLAIM_ROUNDS" "$PGQ_CONSUME" \
   "${enqueue_tps[8c_prepared]}" "${pgq_tps[8c_prepared]}" "$BACKLOG"
+echo "machine_steal $(steal_percent_since "$RUN_TICKS" "$RUN_STEAL") % of the CPU time of the run (taken by the hypervisor: a run with much of it measured a slower machine)"
 rm -rf "$WORK"

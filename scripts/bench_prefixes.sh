@@ -63,8 +63,9 @@ drain() {
   psql -c "VACUUM ANALYZE outbox._messages" >/dev/null
   psql -c "CHECKPOINT" >/dev/null
   psql -c "SELECT pg_stat_reset(), pg_stat_reset_shared('wal'), pg_stat_reset_shared('bgwriter')" >/dev/null
-  local t0 t1 cpu0 cpu1 b0 s0 b1 s1
+  local t0 t1 cpu0 cpu1 b0 s0 b1 s1 m0 st0
   cpu0=$(workers_cpu_ticks)
+  read -r m0 st0 <<<"$(machine_ticks)"
   t0=$(date +%s%N)
   psql -c "SELECT outbox.resume_channel('drain')" >/dev/null
   local every=${EVERY:-5} done0=0 done1 rates=""
@@ -88,6 +89,7 @@ drain() {
   # The workers' CPU a message, in µs: their backends and their send threads.
   read -r b0 s0 <<<"$cpu0"; read -r b1 s1 <<<"$cpu1"
   echo "worker_backend_us_per_message $(( (b1 - b0) * 1000000 / $(getconf CLK_TCK) / N ))"
+  echo "machine_steal_percent $(steal_percent_since "$m0" "$st0")"
   echo "worker_send_threads_us_per_message $(( (s1 - s0) * 1000000 / $(getconf CLK_TCK) / N ))"
   psql -F ' ' -c "SELECT 'wal_bytes_per_message', round(wal_bytes / $N) FROM pg_stat_wal"
   psql -F ' ' -c "SELECT 'wal_records_per_message', round(wal_records::numeric / $N, 2) FROM pg_stat_wal"

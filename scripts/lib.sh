@@ -37,3 +37,13 @@ workers_cpu_ticks() {
   done
   echo "$backends $sends"
 }
+
+# The machine's CPU ticks so far, from /proc/stat: "all steal". Steal is the time the
+# hypervisor ran something else while this machine had work: a run with much of it
+# measures a slower machine.
+machine_ticks() { awk '/^cpu / { t = 0; for (i = 2; i <= 9; i++) t += $i; print t, $9 }' /proc/stat; }
+
+# The share of the CPU time since `machine_ticks` printed $1 $2 that was stolen, in %.
+steal_percent_since() {
+  machine_ticks | awk -v t0="$1" -v s0="$2" '{ d = $1 - t0; printf "%.1f\n", d > 0 ? 100 * ($2 - s0) / d : 0 }'
+}
