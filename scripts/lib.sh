@@ -45,5 +45,5 @@ machine_ticks() { awk '/^cpu / { t = 0; for (i = 2; i <= 9; i++) t += $i; print 
 
 # The share of the CPU time since `machine_ticks` printed $1 $2 that was stolen, in %.
 steal_percent_since() {
-  machine_ticks | awk -v t0="$1" -v s0="$2" '{ d = $1 - t0; printf "%.1f\n", d > 0 ? 100 * ($2 - s0) / d : 0 }'
+  machine_ticks | awk -v t0="$1" -v s0="$2" '{ d = $1 - t0; printf "%.1f\n", (d > 0 ? 100 * ($2 - s0) / d : 0) }'
 }
