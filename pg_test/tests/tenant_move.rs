@@ -240,13 +240,10 @@ fn a_moved_tenant_sends_nothing_twice_and_the_other_is_untouched() {
     enqueue_as(&source, "other_app", "other_orders", &["o4"]);
     wait_state(&source, "other", "delivered", 4);
     assert_eq!(sim.send_count("other_orders"), 4);
-    assert_eq!(
-        one_bool(
-            &mut s,
-            "SELECT NOT paused FROM outbox._channels WHERE name = 'other_orders'"
-        ),
-        true
-    );
+    assert!(one_bool(
+        &mut s,
+        "SELECT NOT paused FROM outbox._channels WHERE name = 'other_orders'"
+    ));
 }
 
 fn one_bool(c: &mut Client, sql: &str) -> bool {

@@ -180,7 +180,6 @@ fn writers_operators_and_roles_without_grants_are_refused_what_they_are_not_gran
         ),
     ];
     expect_refused(&mut nogrant, "role without outbox grants", &reader_calls);
-    drop(expect_refused);
 
     // Undo what a wrongly accepted call may have changed.
     let _ = su.execute("SELECT outbox.resume_channel($1)", &[&fx.ok_ch]);

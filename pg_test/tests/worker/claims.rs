@@ -1,4 +1,4 @@
-//! 8. Claims: a message in flight is a queued row in a claim (`outbox._claims`), written by
+//! Claims: a message in flight is a queued row in a claim (`outbox._claims`), written by
 //! the claim without a new version of the message. The views show it `sending`, the
 //! operator actions refuse it, and an operator transaction that keeps an older snapshot
 //! than the claim is not allowed to act on a queued message at all.

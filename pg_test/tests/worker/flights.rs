@@ -1,4 +1,4 @@
-//! 7. Batches under way: a provider that hangs holds back its own messages only. A worker
+//! Batches under way: a provider that hangs holds back its own messages only. A worker
 //! claims and sends the next batch while one is in flight, and records what has arrived
 //! without waiting for the slowest request of its batch (src/worker/flight.rs). The
 //! connections its batches leave idle are held to a budget across channels
