@@ -37,14 +37,9 @@ trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true; kill $SINK
 
 # CPU time (ms) of the delivery workers of the running cluster so far.
 worker_cpu_ms() {
-  local total=0 pid t
-  local postmaster
-  postmaster=$(head -1 "$OUTBOX_BASE/pgdata/postmaster.pid" 2>/dev/null || echo 0)
-  for pid in $(pgrep -P "$postmaster" -f 'outbox_delivery worker' || true); do
-    t=$(awk '{ print $14 + $15 }' "/proc/$pid/stat" 2>/dev/null || echo 0)
-    total=$((total + t))
-  done
-  echo $((total * 1000 / $(getconf CLK_TCK)))
+  local backends sends
+  read -r backends sends <<<"$(workers_cpu_ticks)"
+  echo $(((backends + sends) * 1000 / $(getconf CLK_TCK)))
 }
 
 psql() { bash scripts/cluster.sh psql -qAtX "$@"; }

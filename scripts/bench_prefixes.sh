@@ -88,9 +88,10 @@ drain() {
   echo "deliveries_per_s $(( N * 1000000000 / (t1 - t0) ))"
   # The workers' CPU a message, in µs: their backends and their send threads.
   read -r b0 s0 <<<"$cpu0"; read -r b1 s1 <<<"$cpu1"
-  echo "worker_backend_us_per_message $(( (b1 - b0) * 1000000 / $(getconf CLK_TCK) / N ))"
+  local us_a_tick=$((1000000 / $(getconf CLK_TCK)))
+  echo "worker_backend_us_per_message $(( (b1 - b0) * us_a_tick / N ))"
+  echo "worker_send_threads_us_per_message $(( (s1 - s0) * us_a_tick / N ))"
   echo "machine_steal_percent $(steal_percent_since "$m0" "$st0")"
-  echo "worker_send_threads_us_per_message $(( (s1 - s0) * 1000000 / $(getconf CLK_TCK) / N ))"
   psql -F ' ' -c "SELECT 'wal_bytes_per_message', round(wal_bytes / $N) FROM pg_stat_wal"
   psql -F ' ' -c "SELECT 'wal_records_per_message', round(wal_records::numeric / $N, 2) FROM pg_stat_wal"
   psql -F ' ' -c "SELECT 'full_page_images_per_message', round(wal_fpi::numeric / $N, 2) FROM pg_stat_wal"

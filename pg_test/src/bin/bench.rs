@@ -496,6 +496,18 @@ struct Latency {
     after_commit_p99: f64,
 }
 
+impl Latency {
+    /// The lines `latency_{label}_p50`, `_p99` and `_after_commit_p50` (with its p99).
+    fn print(&self, label: &str) {
+        println!("latency_{label}_p50 {:.2} ms", self.p50);
+        println!("latency_{label}_p99 {:.2} ms", self.p99);
+        println!(
+            "latency_{label}_after_commit_p50 {:.2} ms (from the COMMIT's return; p99 {:.2} ms)",
+            self.after_commit_p50, self.after_commit_p99
+        );
+    }
+}
+
 fn latency(cluster: &Cluster, sim: &Simulator, samples: usize) -> Latency {
     let arrivals: Arc<Mutex<HashMap<String, SystemTime>>> = Arc::default();
     let seen = arrivals.clone();
@@ -924,13 +936,7 @@ fn main() {
     // that the checkpointer would otherwise write out, spread over minutes, under the
     // samples, each of which waits for two WAL flushes.
     cluster.connect().batch_execute("CHECKPOINT").unwrap();
-    let idle = latency(&cluster, &sim, samples);
-    println!("latency_idle_p50 {:.2} ms", idle.p50);
-    println!("latency_idle_p99 {:.2} ms", idle.p99);
-    println!(
-        "latency_idle_after_commit_p50 {:.2} ms (from the COMMIT's return; p99 {:.2} ms)",
-        idle.after_commit_p50, idle.after_commit_p99
-    );
+    latency(&cluster, &sim, samples).print("idle");
     // The floor under the idle figures: two flushes of this disk after a rest.
     let (f50, f90, f99) = disk_flush_after_rest(&cluster.base, samples.min(400));
     println!("disk_flush_after_rest_p50 {f50:.2} ms (8 kB + fdatasync every 5 ms; p90 {f90:.2} ms, p99 {f99:.2} ms)");
@@ -980,12 +986,7 @@ fn main() {
     let busy = latency(&cluster, &sim, samples.min(500));
     bg.join().unwrap();
     let offered = loaded.lock().unwrap().unwrap_or(0);
-    println!("latency_loaded_p50 {:.2} ms", busy.p50);
-    println!("latency_loaded_p99 {:.2} ms", busy.p99);
-    println!(
-        "latency_loaded_after_commit_p50 {:.2} ms (from the COMMIT's return; p99 {:.2} ms)",
-        busy.after_commit_p50, busy.after_commit_p99
-    );
+    busy.print("loaded");
     println!("loaded_background_enqueued {offered} msgs");
 
     let seconds = arg("--steady-seconds", 0) as u64;
