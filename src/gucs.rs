@@ -313,7 +313,8 @@ pub fn max_payload_bytes() -> i32 {
 /// Threads of a worker's runtime for its sends (`outbox.http_threads`, 1 by default, never
 /// 0). One thread carries a worker's batches: its sends wait on the network, not on a core,
 /// and a second thread cost the worker 6–8 % more CPU a delivery in hand-overs and wake-ups
-/// between the two (BENCHMARKS.md).
+/// between the two (BENCHMARKS.md). One thread runs tokio's current-thread scheduler
+/// (`runtime::IoRuntime`), which costs a send less CPU than the multi-thread one.
 pub fn http_threads() -> usize {
     (HTTP_THREADS.get().max(1) as usize).min(MAX_HTTP_THREADS)
 }

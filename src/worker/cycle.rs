@@ -107,7 +107,7 @@ struct Landing {
 pub struct Worker {
     index: usize,
     pid: i32,
-    runtime: tokio::runtime::Runtime,
+    runtime: crate::runtime::IoRuntime,
     /// The remote channels (HTTP pools, NATS connections).
     remotes: Remotes,
     /// The random source of retry jitter, seeded per worker process.
@@ -157,7 +157,7 @@ impl Worker {
     pub fn new(
         index: usize,
         pid: i32,
-        runtime: tokio::runtime::Runtime,
+        runtime: crate::runtime::IoRuntime,
         bell: Arc<Bell>,
         role: pgrx::pg_sys::Oid,
     ) -> Worker {
@@ -289,7 +289,7 @@ impl Worker {
             jobs,
             known: outcomes,
             effects,
-            sends: Sends::start(&self.runtime, &self.bell, requests),
+            sends: Sends::start(self.runtime.handle(), &self.bell, requests),
             claimed_at: Instant::now(),
         });
         let outstanding = self.outstanding() as i32;

@@ -144,7 +144,7 @@ impl Sends {
     /// Starts every send on `runtime`; they run while the worker does other things, and
     /// ring `bell` when the first and the last of them end.
     pub fn start(
-        runtime: &tokio::runtime::Runtime,
+        runtime: &tokio::runtime::Handle,
         bell: &Arc<Bell>,
         sends: Vec<(usize, Pending<Sent>)>,
     ) -> Sends {
@@ -288,7 +288,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
             answered(201)
         });
-        let mut sends = Sends::start(&rt, &bell, vec![(0, slow), (1, fast), (2, third)]);
+        let mut sends = Sends::start(rt.handle(), &bell, vec![(0, slow), (1, fast), (2, third)]);
         let started = Instant::now();
         while !rung(&bell) {
             assert!(
@@ -371,7 +371,7 @@ mod tests {
             answered(500)
         });
         let fast: Pending<Sent> = Box::pin(async { answered(200) });
-        let mut sends = Sends::start(&rt, &bell(), vec![(0, slow), (1, fast)]);
+        let mut sends = Sends::start(rt.handle(), &bell(), vec![(0, slow), (1, fast)]);
         assert_eq!(sends.outstanding(), 2);
         let started = Instant::now();
         while sends.oldest_arrival(Instant::now()).is_none() {
@@ -401,7 +401,7 @@ mod tests {
     fn the_oldest_arrival_is_kept_while_later_ones_join_it() {
         let rt = runtime();
         let first: Pending<Sent> = Box::pin(async { answered(200) });
-        let mut sends = Sends::start(&rt, &bell(), vec![(3, first)]);
+        let mut sends = Sends::start(rt.handle(), &bell(), vec![(3, first)]);
         sends.collect_all();
         std::thread::sleep(Duration::from_millis(2));
         sends.collect(Instant::now());
@@ -415,7 +415,7 @@ mod tests {
     fn a_send_that_panics_arrives_as_a_failure_without_an_answer() {
         let rt = runtime();
         let panics: Pending<Sent> = Box::pin(async { panic!("boom") });
-        let mut sends = Sends::start(&rt, &bell(), vec![(0, panics)]);
+        let mut sends = Sends::start(rt.handle(), &bell(), vec![(0, panics)]);
         sends.collect_all();
         match sends.take_arrived().pop() {
             Some((0, Sent::Http(Transmission::Failed { phase, error, .. }))) => {

@@ -302,7 +302,7 @@ fn connect(index: usize, database: &str) {
 fn prepare_session(
     index: usize,
     database: &str,
-) -> (tokio::runtime::Runtime, std::sync::Arc<flight::Bell>) {
+) -> (runtime::IoRuntime, std::sync::Arc<flight::Bell>) {
     // Many short statements: a JIT compilation (triggered by a misestimate on a large
     // table) would cost more than any query it speeds up.
     unsafe {
@@ -330,7 +330,7 @@ fn prepare_session(
         index,
         (flight::FLIGHTS as u64 + 1) * gucs::batch_size() as u64,
     );
-    let runtime = match runtime::build_with_threads(gucs::http_threads()) {
+    let runtime = match runtime::IoRuntime::build(gucs::http_threads()) {
         Ok(r) => r,
         Err(e) => {
             log!("outbox_delivery worker {index}: could not start its HTTP runtime: {e}");
