@@ -115,20 +115,28 @@ pub fn record_delivered(
 /// Its first three steps are those of `outbox._record_delivered` (sql/ledger.sql), which
 /// reconcile, `resolve` and late answers go through, with the worker's own guard (the same
 /// attempt still open) and the attempt row in the same statement: a change to what
-/// "delivered" writes is made in both.
+/// "delivered" writes is made in both. Unlike it, the deletion does not look the key up in
+/// the ledger again for a message whose claim found it unrecorded
+/// (`Delivery::key_unrecorded_at_claim`): three index probes a delivery fewer.
 pub(crate) static RECORD_SENT: Statement = Statement::planned_once(
     "
 WITH d AS (
     SELECT d.*, coalesce(timestamptz 'epoch' + d.started_at_us * interval '1 microsecond', now()) AS started_at
-      FROM unnest($1::int8[], $2::int4[], $3::text[], $4::int4[], $5::text[], $6::bool[], $7::int8[])
-        AS d(id, attempt, external_id, http_status, outcome, row_written, started_at_us)
+      FROM unnest($1::int8[], $2::int4[], $3::text[], $4::int4[], $5::text[], $6::bool[], $7::int8[],
+                  $8::bool[])
+        AS d(id, attempt, external_id, http_status, outcome, row_written, started_at_us,
+             key_unrecorded_at_claim)
 ), moved AS (
     -- The ledger probed through outbox._ledger_entry: one index probe per message, never a
-    -- hash of the whole ledger, which grows with every delivery.
+    -- hash of the whole ledger, which grows with every delivery; and only for a message
+    -- whose claim did not find its key unrecorded ($8: the message is still in the attempt
+    -- that claim opened, and its queue row, the key's only one, is what an entry of the key
+    -- would have moved).
     DELETE FROM outbox._messages m
      USING d
      WHERE m.id = d.id AND m.state::text = 'queued' AND m.attempts = d.attempt - 1
-       AND NOT EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
+       AND (d.key_unrecorded_at_claim
+            OR NOT EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key)))
  RETURNING m.*, coalesce(d.external_id, m.external_id) AS confirmed_external_id,
            coalesce(d.http_status, m.last_http_status) AS confirmed_http_status,
            d.attempt AS sent_attempt, d.started_at AS sent_at
@@ -235,6 +243,11 @@ pub fn record_sent(
             delivered
                 .iter()
                 .map(|x| x.started_at_us)
+                .collect::<Vec<_>>()
+                .into(),
+            delivered
+                .iter()
+                .map(|x| x.key_unrecorded_at_claim)
                 .collect::<Vec<_>>()
                 .into(),
         ],

@@ -163,6 +163,11 @@ pub struct Delivery {
     pub outcome: String,
     /// The attempt's row is written already (a send open at the update from 0.1.0).
     pub row_written: bool,
+    /// The claim that took the message for this attempt found no ledger entry of its key
+    /// (the barrier let it through). While the message stays in that attempt, its queue row
+    /// is the key's only one, and an entry is only ever written with the move of that row:
+    /// the ledger still holds none, and the record need not look again.
+    pub key_unrecorded_at_claim: bool,
 }
 
 /// One outcome other than a delivery.
@@ -215,8 +220,10 @@ impl Outcomes {
         self.push(message_id, attempt, verdict);
     }
 
-    /// Adds the outcome of a claimed job (see [`Outcomes::push_for`]).
+    /// Adds the outcome of a claimed job (see [`Outcomes::push_for`]). A delivery of a job
+    /// that was sent went through the claim's barrier ([`Delivery::key_unrecorded_at_claim`]).
     pub fn push_job(&mut self, job: &crate::worker::claim::Job, sent: bool, verdict: Verdict) {
+        let delivered_before = self.delivered.len();
         self.push_for(
             job.channel_id,
             sent,
@@ -228,6 +235,9 @@ impl Outcomes {
             },
             verdict,
         );
+        if let Some(d) = self.delivered.get_mut(delivered_before) {
+            d.key_unrecorded_at_claim = sent && job.ledger.is_none();
+        }
     }
 
     pub fn push(&mut self, message_id: i64, made: AttemptMade, verdict: Verdict) {
@@ -246,6 +256,7 @@ impl Outcomes {
                 http_status: verdict.http_status.map(i32::from),
                 outcome: verdict.outcome,
                 row_written: false,
+                key_unrecorded_at_claim: false,
             });
         } else {
             self.settled.push(Settlement {
@@ -636,4 +647,75 @@ pub fn record_stats(
         ],
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::claim::Job;
+
+    fn job(id: i64, ledger: Option<(i64, Option<String>)>) -> Job {
+        Job {
+            message_id: id,
+            started_at_us: 1,
+            attempt: 1,
+            tenant: "default".into(),
+            channel_id: 7,
+            effect_key: format!("k{id}"),
+            payload: "{}".into(),
+            headers: None,
+            budget_started_at_ms: 0,
+            first_attempt_at_ms: 0,
+            budget_attempt: 1,
+            ledger,
+            position: None,
+        }
+    }
+
+    fn delivered() -> Verdict {
+        Verdict {
+            state: State::Delivered,
+            next_at_ms: None,
+            class: None,
+            http_status: Some(200),
+            retry_after_ms: None,
+            external_id: None,
+            error: None,
+            outcome: "delivered".into(),
+        }
+    }
+
+    /// Only a delivery of a job that was sent after the claim's barrier found its key
+    /// unrecorded skips the record's ledger probe: not a barrier hit, not an outcome
+    /// recorded for another worker's attempt (recovery, a late answer).
+    #[test]
+    fn only_a_send_past_the_barrier_skips_the_records_ledger_probe() {
+        let mut o = Outcomes::default();
+        o.push_job(&job(1, None), true, delivered());
+        o.push_job(&job(2, Some((9, None))), false, delivered());
+        let failed = Verdict {
+            state: State::Failed,
+            ..delivered()
+        };
+        o.push_job(&job(3, None), true, failed);
+        o.push_for(
+            7,
+            true,
+            4,
+            AttemptMade {
+                attempt: 1,
+                started_at_us: None,
+                pid: Some(42),
+            },
+            delivered(),
+        );
+        o.push_job(&job(5, None), true, delivered());
+        let flags: Vec<(i64, bool)> = o
+            .delivered
+            .iter()
+            .map(|d| (d.message_id, d.key_unrecorded_at_claim))
+            .collect();
+        assert_eq!(flags, vec![(1, true), (2, false), (4, false), (5, true)]);
+        assert_eq!(o.settled.len(), 1);
+    }
 }
