@@ -123,8 +123,8 @@ fn check_worker_statements() {
         (&crate::worker::recovery::PRUNE_LOST_CLAIMS, "bool, int4, int8", "true, 0, 0"),
         (
             &crate::ledger::RECORD_SENT,
-            "int8[], int4[], text[], int4[], text[], bool[], int8[]",
-            "'{1,2}', '{1,1}', '{NULL,NULL}', '{200,200}', '{delivered,delivered}', '{f,f}', '{NULL,NULL}'",
+            "int8[], int4[], text[], int4[], text[], bool[], int8[], bool[]",
+            "'{1,2}', '{1,1}', '{NULL,NULL}', '{200,200}', '{delivered,delivered}', '{f,f}', '{NULL,NULL}', '{t,f}'",
         ),
         (
             &crate::worker::record::RECORD_LATE_DELIVERED_ATTEMPTS,
