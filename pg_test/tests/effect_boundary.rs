@@ -39,7 +39,7 @@ impl App {
             CREATE SCHEMA {s};
             CREATE ROLE {role} NOLOGIN IN ROLE outbox_writer;
             CREATE TABLE {s}.seen (key text, tenants text[], rows_seen int8, search_path text,
-                                   tenant_setting text, caller text);
+                                   tenant_setting text, caller text, plan_cache_mode text);
             GRANT USAGE ON SCHEMA {s} TO {role};
             GRANT INSERT ON {s}.seen TO {role};
             "#
@@ -101,12 +101,14 @@ impl App {
 }
 
 /// The body of an effect that records what it sees: the tenants of the messages row-level
-/// security shows it, the search path, `outbox.tenant` and the calling role.
+/// security shows it, the search path, `outbox.tenant`, the calling role and the plan cache
+/// mode.
 fn recorder(s: &str) -> String {
     format!(
         "INSERT INTO {s}.seen
          SELECT $2, array_agg(DISTINCT m.tenant ORDER BY m.tenant), count(*),
-                current_setting('search_path'), current_setting('outbox.tenant', true), current_user::text
+                current_setting('search_path'), current_setting('outbox.tenant', true), current_user::text,
+                current_setting('plan_cache_mode')
            FROM outbox.messages m;
          RETURN 'seen';"
     )
@@ -270,6 +272,7 @@ fn settings_an_effect_changes_do_not_outlive_its_call() {
              PERFORM set_config('outbox.tenant', 'elsewhere', false);
              PERFORM set_config('statement_timeout', '1', false);
              PERFORM set_config('enable_indexscan', 'off', false);
+             PERFORM set_config('plan_cache_mode', 'force_custom_plan', false);
              RETURN 'set';"
         ),
     );
@@ -331,6 +334,22 @@ fn settings_an_effect_changes_do_not_outlive_its_call() {
     );
     assert_eq!(tenant, "", "outbox.tenant was left behind");
     assert_eq!(caller, &app.role);
+    // The worker's session plans its own statements once, whatever the effects set; the
+    // effects plan under the database's mode.
+    let default_mode: String = one(
+        &mut c,
+        "SELECT reset_val FROM pg_settings WHERE name = 'plan_cache_mode'",
+        &[],
+    );
+    let mode: String = one(
+        &mut c,
+        &format!("SELECT plan_cache_mode FROM {}.seen", app.s),
+        &[],
+    );
+    assert_eq!(
+        mode, default_mode,
+        "the next effect ran under the database's plan cache mode"
+    );
     sim.shutdown();
 }
 

@@ -48,13 +48,19 @@ thread_local! {
     /// The search path effects run under: the database's own (its default, or what
     /// `ALTER DATABASE … SET search_path` made it), taken before the worker pinned its own.
     static EFFECT_SEARCH_PATH: RefCell<CString> = RefCell::new(CString::from(c"\"$user\", public"));
+    /// The same for `plan_cache_mode`.
+    static EFFECT_PLAN_CACHE_MODE: RefCell<CString> = RefCell::new(CString::from(c"auto"));
 }
 
-/// Remembers the search path effects run under (see [`EFFECT_SEARCH_PATH`]).
-pub fn set_effect_search_path(path: &str) {
-    if let Ok(path) = CString::new(path) {
-        EFFECT_SEARCH_PATH.with(|p| *p.borrow_mut() = path);
-    }
+/// Remembers a setting effects run under (see [`EFFECT_SEARCH_PATH`]): `search_path` or
+/// `plan_cache_mode`; any other name is ignored.
+pub fn set_effect_setting(name: &std::ffi::CStr, value: &std::ffi::CStr) {
+    let setting = match name.to_bytes() {
+        b"search_path" => &EFFECT_SEARCH_PATH,
+        b"plan_cache_mode" => &EFFECT_PLAN_CACHE_MODE,
+        _ => return,
+    };
+    setting.with(|s| *s.borrow_mut() = value.to_owned());
 }
 
 /// Calls `function(payload, effect_key)` as `run_as`, for `tenant` alone, in a
@@ -63,8 +69,8 @@ pub fn set_effect_search_path(path: &str) {
 ///
 /// The call has a GUC nest level of its own, closed as an abort closes it: no setting the
 /// effect changes outlives the call, not even one changed with `set_config(…, false)` or a
-/// plain `SET`. The effect runs under the database's search path (the worker's own is
-/// pinned), and the tenancy checks it reaches see `run_as` and `tenant`
+/// plain `SET`. The effect runs under the database's search path and plan cache mode (the
+/// worker's own are pinned), and the tenancy checks it reaches see `run_as` and `tenant`
 /// (`tenancy::within_effect`).
 pub fn call_effect(
     client: &mut SpiClient<'_>,
@@ -104,6 +110,7 @@ pub fn call_effect(
             || -> Result<EffectOutcome, (String, String)> {
                 set_in_nest(c"statement_timeout", &timeout);
                 EFFECT_SEARCH_PATH.with(|p| set_in_nest(c"search_path", &p.borrow()));
+                EFFECT_PLAN_CACHE_MODE.with(|m| set_in_nest(c"plan_cache_mode", &m.borrow()));
                 let outcome = within_effect(scope, || crate::identity::as_role(role, || {
                     let found = client.select(FIND_FUNCTION, Some(1), &[function.into()])?;
                     if found.is_empty() {

@@ -107,25 +107,31 @@ fn log_settings(index: usize, database: &str) {
 
 use crate::spi::PINNED_SEARCH_PATH;
 
-/// Pins the session's search path to [`PINNED_SEARCH_PATH`], after handing the database's
-/// own path (its default, or `ALTER DATABASE … SET search_path`) to the `sql` effects, which
-/// run under it. A session-level setting outranks the database's and the role's; effects
-/// cannot change it for longer than their call (`channels::sql_effect::call_effect`), and the kept
-/// statements set it again for every run (`spi::statement::run`).
-fn pin_search_path() {
+/// Pins the session's search path to [`PINNED_SEARCH_PATH`] and its `plan_cache_mode` to
+/// `force_generic_plan`, the settings the worker's kept statements run under, after handing
+/// the database's own (its defaults, or `ALTER DATABASE … SET`) to the `sql` effects, which
+/// run under them. A session-level setting outranks the database's and the role's; effects
+/// cannot change it for longer than their call (`channels::sql_effect::call_effect`), and a
+/// kept statement sets what the session does not hold for its own run
+/// (`spi::statement::run`): sequential scans off, and a plan made at every run for the few
+/// statements planned so.
+fn pin_session_settings() {
     unsafe {
-        let current = pg_sys::GetConfigOption(c"search_path".as_ptr(), true, false);
-        if !current.is_null() {
-            crate::channels::sql_effect::set_effect_search_path(
-                &CStr::from_ptr(current).to_string_lossy(),
+        for (name, pinned) in [
+            (c"search_path", PINNED_SEARCH_PATH),
+            (c"plan_cache_mode", c"force_generic_plan"),
+        ] {
+            let current = pg_sys::GetConfigOption(name.as_ptr(), true, false);
+            if !current.is_null() {
+                crate::channels::sql_effect::set_effect_setting(name, CStr::from_ptr(current));
+            }
+            pg_sys::SetConfigOption(
+                name.as_ptr(),
+                pinned.as_ptr(),
+                pg_sys::GucContext::PGC_USERSET,
+                pg_sys::GucSource::PGC_S_SESSION,
             );
         }
-        pg_sys::SetConfigOption(
-            c"search_path".as_ptr(),
-            PINNED_SEARCH_PATH.as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-        );
     }
 }
 
@@ -322,7 +328,7 @@ fn prepare_session(
             pg_sys::GucSource::PGC_S_OVERRIDE,
         );
     }
-    pin_search_path();
+    pin_session_settings();
 
     // Sockets to providers must not take the descriptors PostgreSQL counts on: the batches
     // under way, and as many idle connections as one batch uses kept for the next one.
