@@ -15,7 +15,7 @@
 #     epoll_wait), and to the request's write (its writev).
 # Medians and 90th percentiles over the claims seen, then the same steps of the record
 # transaction that follows. Figures only; nothing is asserted. Runs on a throwaway cluster
-# (port 54824); needs perf (scripts/setup.sh installs it) and root.
+# (port 54824); needs root, and perf (Debian's linux-perf, installed here when missing).
 # Usage: scripts/profile_idle_path.sh [seconds profiled = 3]
 #   OUTBOX_WORKERS (2), REST_MS (5), OUTBOX_PGBIN (the binaries of a private copy of
 #   PostgreSQL, scripts/pg_prefix.sh: the build installed there is profiled as it is).
@@ -30,7 +30,8 @@ SERVER=${OUTBOX_PGBIN:-/usr/lib/postgresql/15/bin}/postgres
 GROUP=outbox_idle_path
 
 bash scripts/setup.sh >/dev/null
-command -v perf >/dev/null || { echo "perf is not installed" >&2; exit 2; }
+command -v perf >/dev/null || apt-get install -y -qq linux-perf >/dev/null 2>&1 || true
+command -v perf >/dev/null || { echo "perf is not installed (apt-get install linux-perf)" >&2; exit 2; }
 # A private copy of PostgreSQL is profiled with the build installed in it; otherwise this
 # tree is built and installed.
 [ -n "${OUTBOX_PGBIN:-}" ] || bash scripts/cluster.sh install >/dev/null
