@@ -10,6 +10,7 @@ use crate::channels::options::ChannelOptions;
 use crate::spi::{self, Statement};
 use pgrx::pg_sys;
 use pgrx::spi::{SpiClient, SpiResult};
+use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 
 /// Every channel; a handful of rows, read once per batch.
@@ -175,6 +176,32 @@ pub struct Channels {
     pub by_id: HashMap<i32, Channel>,
 }
 
+/// A channel's options as parsed, with the text and the name they were parsed from.
+struct ParsedOptions {
+    name: String,
+    text: String,
+    options: Result<ChannelOptions, String>,
+}
+
+thread_local! {
+    /// Each channel's options as last parsed. Every claim reloads the channels, and the
+    /// options of each, parsed from their text again, were most of the worker's own time
+    /// between loading the channels and the claim statement. Parsing is a function of the
+    /// text alone (no setting, file or variable of the environment is read), so options
+    /// whose text did not change are taken from here.
+    static PARSED_OPTIONS: RefCell<HashMap<i32, ParsedOptions>> = RefCell::new(HashMap::new());
+}
+
+/// `text`, the options of the channel `name`, parsed; the error says which option is wrong.
+fn parse_options(name: &str, text: &str) -> Result<ChannelOptions, String> {
+    serde_json::from_str(text)
+        .map_err(|e| e.to_string())
+        .and_then(|v| {
+            ChannelOptions::from_json(&v).map_err(|e| format!("option {}: {}", e.option, e.message))
+        })
+        .map_err(|e| format!("channel \"{name}\" has invalid options ({e})"))
+}
+
 impl Channels {
     pub fn load(client: &SpiClient<'_>) -> SpiResult<Channels> {
         let mut by_id = HashMap::new();
@@ -184,15 +211,24 @@ impl Channels {
             };
             let name = row.get::<String>(2)?.unwrap_or_default();
             let endpoint = row.get::<String>(3)?.unwrap_or_default();
-            let raw = row.get::<String>(4)?.unwrap_or_default();
+            let text = row.get::<String>(4)?.unwrap_or_default();
             let version = row.get::<String>(6)?.unwrap_or_default();
-            let options = serde_json::from_str(&raw)
-                .map_err(|e| e.to_string())
-                .and_then(|v| {
-                    ChannelOptions::from_json(&v)
-                        .map_err(|e| format!("option {}: {}", e.option, e.message))
-                })
-                .map_err(|e| format!("channel \"{name}\" has invalid options ({e})"));
+            let options = PARSED_OPTIONS.with(|parsed| {
+                let mut parsed = parsed.borrow_mut();
+                match parsed.get(&id) {
+                    Some(p) if p.text == text && p.name == name => p.options.clone(),
+                    _ => {
+                        let options = parse_options(&name, &text);
+                        let kept = ParsedOptions {
+                            name: name.clone(),
+                            text,
+                            options: options.clone(),
+                        };
+                        parsed.insert(id, kept);
+                        options
+                    }
+                }
+            });
             by_id.insert(
                 id,
                 Channel {
@@ -203,6 +239,7 @@ impl Channels {
                 },
             );
         }
+        PARSED_OPTIONS.with(|parsed| parsed.borrow_mut().retain(|id, _| by_id.contains_key(id)));
         Ok(Channels { by_id })
     }
 
