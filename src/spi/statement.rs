@@ -111,8 +111,9 @@ pub fn run<'conn>(
     unsafe {
         // Only the settings the session does not hold already are set, each in a nest level
         // of the statement's own: the worker's session holds the search path and the plan
-        // cache mode of most statements (`worker::pin_session_settings`), and setting a GUC
-        // and restoring it took about a third of the time a short statement took to start.
+        // cache mode of most statements (`worker::pin_session_settings`); each setting set
+        // and restored was a part of the 16–31 µs a statement of an idle claim spent before
+        // it started (BENCHMARKS.md).
         let mode = statement.plan.plan_cache_mode();
         let set_mode = pg_sys::plan_cache_mode != statement.plan.plan_cache_mode_value();
         let set_seqscan = pg_sys::enable_seqscan;
