@@ -26,7 +26,7 @@ export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54824}
 export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
 export OUTBOX_EXTRA_CONF="outbox.batch_size = 200"
 SINK_PORT=18804
-SERVER=${OUTBOX_PGBIN:-/usr/lib/postgresql/15/bin}/postgres
+PGBIN=${OUTBOX_PGBIN:-/usr/lib/postgresql/15/bin}
 GROUP=outbox_idle_path
 
 bash scripts/setup.sh >/dev/null
@@ -57,11 +57,11 @@ for f in WaitEventSetWait%return StartTransactionCommand CommitTransactionComman
          XLogFlush%return; do
   name=${f%\%return}
   [ "$name" != "$f" ] && name=${name}_ret
-  perf probe -q -x "$SERVER" -a "$GROUP:$name=$f" >/dev/null
+  perf probe -q -x "$PGBIN/postgres" -a "$GROUP:$name=$f" >/dev/null
 done
 # The claim's own function marks a claim transaction: a probe on the extension's symbol,
 # placed by its offset in the file (perf cannot parse a Rust name).
-LIB=$("${OUTBOX_PGBIN:-/usr/lib/postgresql/15/bin}/pg_config" --pkglibdir)/outbox_delivery.so
+LIB=$("$PGBIN/pg_config" --pkglibdir)/outbox_delivery.so
 ADDR=$(nm "$LIB" | awk '/claim9claim_due17h/ && !found {print $1; found = 1}')
 read -r SEG_OFF SEG_VADDR < <(readelf -lW "$LIB" | awk '$1 == "LOAD" && /R E/ && !found {print $2, $3; found = 1}')
 perf probe -q -x "$LIB" -a "$GROUP:claim_due=$(printf '0x%x' $((16#$ADDR - SEG_VADDR + SEG_OFF)))" >/dev/null

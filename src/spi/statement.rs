@@ -114,7 +114,6 @@ pub fn run<'conn>(
         // cache mode of most statements (`worker::pin_session_settings`); each setting set
         // and restored was a part of the 16–31 µs a statement of an idle claim spent before
         // it started (BENCHMARKS.md).
-        let mode = statement.plan.plan_cache_mode();
         let set_mode = pg_sys::plan_cache_mode != statement.plan.plan_cache_mode_value();
         let set_seqscan = pg_sys::enable_seqscan;
         // Analysed again (after an invalidation) under this path alone, whatever the
@@ -123,7 +122,7 @@ pub fn run<'conn>(
             || CStr::from_ptr(pg_sys::namespace_search_path) != super::PINNED_SEARCH_PATH;
         let nest = (set_mode || set_seqscan || set_path).then(|| pg_sys::NewGUCNestLevel());
         if set_mode {
-            set_in_nest(c"plan_cache_mode", mode);
+            set_in_nest(c"plan_cache_mode", statement.plan.plan_cache_mode());
         }
         if set_seqscan {
             set_in_nest(c"enable_seqscan", c"off");
