@@ -17,7 +17,9 @@
 #   written before each drain, spread over the generations of a build that has them; 0),
 #   OLD_SQL / NEW_SQL (statements run in each drain's fresh cluster of that side before its
 #   backlog is enqueued, e.g. to try a storage setting on one side: give the same prefix
-#   twice), EVERY (seconds between the drain's rate samples, printed as rate_each; 5).
+#   twice), OLD_OPTIONS / NEW_OPTIONS (a JSON object merged into that side's channel options,
+#   e.g. '{"max_in_flight": 2048}'), EVERY (seconds between the drain's rate samples,
+#   printed as rate_each; 5).
 source "$(dirname "$0")/lib.sh"
 OLD=${1:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
 NEW=${2:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
@@ -39,13 +41,15 @@ SINK_PID=$!
 trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
 
-# One drain on the build installed in prefix $1, with the statements $2 run first; prints
+# One drain on the build installed in prefix $1, with the statements $2 run first and the
+# channel options $3 merged into the defaults; prints
 # "figure value" lines.
 drain() {
   export OUTBOX_PGBIN=$1/lib/postgresql/15/bin
+  local options=${3:-"{}"}
   fresh_cluster >/dev/null
   if [ -n "${2:-}" ]; then psql -c "$2" >/dev/null; fi
-  psql -c "SELECT outbox.create_channel('drain', 'http://127.0.0.1:$SINK_PORT/ch/drain', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb)" \
+  psql -c "SELECT outbox.create_channel('drain', 'http://127.0.0.1:$SINK_PORT/ch/drain', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb || '$options'::jsonb)" \
        -c "SELECT outbox.pause_channel('drain', 'loading the backlog')" >/dev/null
   psql -c "SELECT count(outbox.enqueue('drain', jsonb_build_object('n', g, 'text', 'benchmark message'), 'k:' || g)) FROM generate_series(1, $N) g" >/dev/null
   if [ "${PREFILL:-0}" -gt 0 ]; then
@@ -107,11 +111,14 @@ echo "old: $OLD"
 echo "new: $NEW"
 [ -z "${OLD_SQL:-}" ] || echo "old runs first: $OLD_SQL"
 [ -z "${NEW_SQL:-}" ] || echo "new runs first: $NEW_SQL"
+[ -z "${OLD_OPTIONS:-}" ] || echo "old channel options: $OLD_OPTIONS"
+[ -z "${NEW_OPTIONS:-}" ] || echo "new channel options: $NEW_OPTIONS"
 declare -A lines
 for round in $(seq "$ROUNDS"); do
   for side in old new; do
-    if [ "$side" = old ]; then prefix=$OLD sql=${OLD_SQL:-}; else prefix=$NEW sql=${NEW_SQL:-}; fi
-    out=$(drain "$prefix" "$sql")
+    if [ "$side" = old ]; then prefix=$OLD sql=${OLD_SQL:-} options=${OLD_OPTIONS:-}
+    else prefix=$NEW sql=${NEW_SQL:-} options=${NEW_OPTIONS:-}; fi
+    out=$(drain "$prefix" "$sql" "$options")
     while read -r name value; do
       [ -n "$name" ] || continue
       lines["$name $side"]="${lines["$name $side"]:-}${lines["$name $side"]:+, }$value"
