@@ -42,8 +42,7 @@ trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true; kill $SINK
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
 
 # One drain on the build installed in prefix $1, with the statements $2 run first and the
-# channel options $3 merged into the defaults; prints
-# "figure value" lines.
+# channel options $3 merged into the defaults; prints "figure value" lines.
 drain() {
   export OUTBOX_PGBIN=$1/lib/postgresql/15/bin
   local options=${3:-"{}"}
