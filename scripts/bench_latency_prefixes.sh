@@ -28,12 +28,10 @@ BACKLOG=${BACKLOG:-2000}
 for p in "$OLD" "$NEW"; do
   [ -x "$p/lib/postgresql/15/bin/postgres" ] || { echo "$p is not a PostgreSQL prefix (scripts/pg_prefix.sh create)" >&2; exit 2; }
 done
-cargo build -q --release -p outbox_e2e --bin bench --bin provider-sim
+cargo build -q --release -p outbox_e2e --bin bench
 BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release/bench
 SINK_PORT=${SINK_PORT:-18803}
-"${CARGO_TARGET_DIR:-$ROOT/target}"/release/provider-sim --port "$SINK_PORT" --quiet --no-record-requests --no-record-bodies >/dev/null 2>&1 &
-SINK_PID=$!
-trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
+start_quiet_sink "$SINK_PORT"
 
 # CPU time (ms) of the delivery workers of the running cluster so far.
 worker_cpu_ms() {

@@ -34,11 +34,7 @@ for p in "$OLD" "$NEW"; do
   [ -x "$p/lib/postgresql/15/bin/postgres" ] || { echo "$p is not a PostgreSQL prefix (scripts/pg_prefix.sh create)" >&2; exit 2; }
 done
 
-cargo build -q --release -p outbox_e2e --bin provider-sim
-SIM=${CARGO_TARGET_DIR:-$ROOT/target}/release/provider-sim
-"$SIM" --port "$SINK_PORT" --quiet --no-record-requests --no-record-bodies >/dev/null 2>&1 &
-SINK_PID=$!
-trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
+start_quiet_sink "$SINK_PORT"
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
 
 # One drain on the build installed in prefix $1, with the statements $2 run first and the

@@ -23,11 +23,7 @@ SINK_PORT=${SINK_PORT:-18831}
 
 bash scripts/setup.sh >/dev/null
 bash scripts/cluster.sh install >/dev/null
-cargo build -q --release -p outbox_e2e --bin provider-sim
-SIM=${CARGO_TARGET_DIR:-$ROOT/target}/release/provider-sim
-"$SIM" --port "$SINK_PORT" --quiet --no-record-requests --no-record-bodies >/dev/null 2>&1 &
-SINK_PID=$!
-trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
+start_quiet_sink "$SINK_PORT"
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
 TICK_US=$((1000000 / $(getconf CLK_TCK)))
 

@@ -13,6 +13,16 @@ fresh_cluster() {
   bash scripts/cluster.sh start "$@"
 }
 
+# The provider simulator on port $1, quiet and keeping no requests or bodies (for drains
+# measured by rate), in the background as SINK_PID; on exit the throwaway cluster is stopped
+# at once and the simulator killed.
+start_quiet_sink() {
+  cargo build -q --release -p outbox_e2e --bin provider-sim
+  "${CARGO_TARGET_DIR:-$ROOT/target}"/release/provider-sim --port "$1" --quiet --no-record-requests --no-record-bodies >/dev/null 2>&1 &
+  SINK_PID=$!
+  trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
+}
+
 # The median of the numbers on standard input (separated by spaces or lines; the upper one
 # of an even count).
 median() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
