@@ -11,7 +11,7 @@ use postgres::{Client, NoTls};
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A running PgBouncer.
 pub struct PgBouncer {
@@ -40,31 +40,57 @@ impl PgBouncer {
             .expect("write pgbouncer.ini");
         let userlist: String = users.iter().map(|u| format!("\"{u}\" \"\"\n")).collect();
         std::fs::write(dir.join("userlist.txt"), userlist).expect("write userlist.txt");
-        let mut command = Command::new("pgbouncer");
         if running_as_root() {
             // PgBouncer refuses to run as root; it switches to the cluster's user itself.
             let _ = Command::new("chown")
                 .args(["-R", "postgres"])
                 .arg(&dir)
                 .status();
-            command.args(["-u", "postgres"]);
         }
-        let child = command
-            .arg(&config)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start pgbouncer (scripts/setup.sh installs it)");
-        let bouncer = PgBouncer { port, dir, child };
-        let up = wait_until(Duration::from_secs(10), || {
-            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-        });
-        assert!(
-            up,
-            "PgBouncer did not listen on 127.0.0.1:{port}; see {}",
-            bouncer.log_path().display()
-        );
-        bouncer
+        // The port lies in the kernel's range of ephemeral ports: an outgoing connection that
+        // used it as its local port holds it for a minute after it closes (TIME_WAIT), and
+        // PgBouncer then exits at once. It is started again until the port is free, as
+        // scripts/cluster.sh does for the server.
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let mut command = Command::new("pgbouncer");
+            if running_as_root() {
+                command.args(["-u", "postgres"]);
+            }
+            let child = command
+                .arg(&config)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start pgbouncer (scripts/setup.sh installs it)");
+            let mut bouncer = PgBouncer {
+                port,
+                dir: dir.clone(),
+                child,
+            };
+            let up = wait_until(Duration::from_secs(10), || {
+                std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+                    || bouncer
+                        .child
+                        .try_wait()
+                        .is_ok_and(|exited| exited.is_some())
+            }) && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+            if up {
+                return bouncer;
+            }
+            let log = std::fs::read_to_string(bouncer.log_path()).unwrap_or_default();
+            if log.contains("Address already in use") && Instant::now() < deadline {
+                eprintln!("PgBouncer: port {port} is still held by a closed connection; starting again in 2 s");
+                drop(bouncer);
+                let _ = std::fs::remove_file(dir.join("pgbouncer.log"));
+                std::thread::sleep(Duration::from_secs(2));
+                continue;
+            }
+            panic!(
+                "PgBouncer did not listen on 127.0.0.1:{port}; see {}",
+                bouncer.log_path().display()
+            );
+        }
     }
 
     fn config(cluster: &Cluster, port: u16, dir: &std::path::Path, pools: &[Pool<'_>]) -> String {
