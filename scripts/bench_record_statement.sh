@@ -25,14 +25,14 @@ CHANNEL_ID=$(P -c "SELECT id FROM outbox._channels WHERE name = 'record'")
 
 DIR=$(mktemp -d)
 # The statement's text in src/ledger.rs (from `git show REV:src/ledger.rs`, or the tree's),
-# its parameters $1..$7 named for pgbench.
+# its parameters $1..$8 named for pgbench (the claims found every key unrecorded).
 statement() {
   python3 - "$1" <<'PY'
 import sys
 src = open(sys.argv[1]).read()
 start = src.index('static RECORD_SENT')
 body = src[src.index('"', start) + 1:src.index('",\n);', start)]
-for n, name in reversed(list(enumerate(['ids', 'attempts', 'external_ids', 'statuses', 'outcomes', 'written', 'started'], 1))):
+for n, name in reversed(list(enumerate(['ids', 'attempts', 'external_ids', 'statuses', 'outcomes', 'written', 'started', 'unrecorded'], 1))):
     body = body.replace(f'${n}::', f':{name}::')
 print(body.strip() + ';')
 PY
@@ -48,7 +48,8 @@ for which in rev tree; do
     echo "SELECT array_agg(id)::text AS ids, array_fill(1, ARRAY[200])::text AS attempts,"
     echo "       array_fill(NULL::text, ARRAY[200])::text AS external_ids, array_fill(200, ARRAY[200])::text AS statuses,"
     echo "       array_fill('delivered'::text, ARRAY[200])::text AS outcomes, array_fill(false, ARRAY[200])::text AS written,"
-    echo "       array_fill((extract(epoch FROM clock_timestamp()) * 1000000)::int8, ARRAY[200])::text AS started"
+    echo "       array_fill((extract(epoch FROM clock_timestamp()) * 1000000)::int8, ARRAY[200])::text AS started,"
+    echo "       array_fill(true, ARRAY[200])::text AS unrecorded"
     echo "  FROM ins \\gset"
     statement "$src"
   } >"$DIR/$which.sql"
@@ -56,7 +57,7 @@ done
 chmod -R a+rX "$DIR"
 SOCK=$OUTBOX_BASE/sock
 echo "record of 200 confirmed deliveries, $REV ($(git rev-parse --short "$REV")) beside the tree, alternated by pgbench for ${SECONDS_RUN} s:"
-runuser -u postgres -- /usr/lib/postgresql/15/bin/pgbench -h "$SOCK" -p "$OUTBOX_PGPORT" -n -M prepared -r \
+PGOPTIONS="-c plan_cache_mode=force_generic_plan" runuser -u postgres -- /usr/lib/postgresql/15/bin/pgbench -h "$SOCK" -p "$OUTBOX_PGPORT" -n -M prepared -r \
     -c 1 -T "$SECONDS_RUN" -f "$DIR/rev.sql@1" -f "$DIR/tree.sql@1" \
     outbox 2>&1 |
   awk '/^SQL script [0-9]+:/ { script = ($3 == "1:") ? "'"$REV"'" : "tree" }

@@ -143,7 +143,9 @@ WITH d AS (
 ), kept AS (
     -- Only the messages the deletion did not take (an effect recorded already, or a late
     -- answer) are looked up again: a moved message costs no second probe of the queue
-    -- table and of the ledger.
+    -- table and of the ledger. A message whose claim found its key unrecorded is never
+    -- kept (the deletion took it, or it is no longer in its attempt): such a batch, the
+    -- usual one, builds no hash of the moved messages.
     UPDATE outbox._messages m
        SET state = 'delivered',
            attempts = d.attempt,
@@ -158,6 +160,7 @@ WITH d AS (
            lease_owner = NULL
       FROM d
      WHERE m.id = d.id AND m.state::text = 'queued' AND m.attempts = d.attempt - 1
+       AND NOT d.key_unrecorded_at_claim
        AND NOT EXISTS (SELECT 1 FROM moved WHERE moved.id = d.id)
        AND EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))
  RETURNING m.id, m.tenant, m.effect_key, m.external_id, m.last_http_status, m.attempt_started_at,
