@@ -123,7 +123,11 @@ SELECT d.id, (extract(epoch FROM c.started_at) * 1000000)::int8, d.attempt, d.te
 
 /// When the earliest queued message of an unpaused channel is due (unix ms): a day ahead
 /// when none is queued or the earliest waits longer (until 'infinity', say); now when it
-/// is already due, also at '-infinity', a time with no number.
+/// is already due, also at '-infinity', a time with no number. Then whether it was due at
+/// the claim (the transaction's `now()`): a claim that came back empty although something
+/// was due could not take it (starved). A time after the claim's is not, even when it has
+/// passed by the time the worker sleeps: a channel's next token, set by the claim itself a
+/// few milliseconds before, or a retry's backoff ending meanwhile.
 /// A channel whose attempts open at once are at its bound counts as due now, without a
 /// look at its queue: a claim came back empty, so the worker waits as one that could not
 /// take what is due (`idle_wait`), until a record makes room and wakes it. Reading the head
@@ -133,7 +137,8 @@ SELECT d.id, (extract(epoch FROM c.started_at) * 1000000)::int8, d.attempt, d.te
 pub(crate) static NEXT_DUE: Statement = Statement::planned_once(
     "
 SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infinity'), now()),
-                                 now() + interval '1 day')) * 1000)::int8
+                                 now() + interval '1 day')) * 1000)::int8,
+       coalesce(min(n.next_attempt_at) <= now(), false)
   FROM outbox._channels c
   LEFT JOIN outbox._channel_flow f ON f.channel_id = c.id
   CROSS JOIN LATERAL (
@@ -442,10 +447,22 @@ fn claim_from(
     Ok((jobs, channels_cut(shares)))
 }
 
-pub fn next_due_ms(client: &SpiClient<'_>) -> SpiResult<Option<i64>> {
-    spi::run(client, &NEXT_DUE, Some(1), &[])?
-        .first()
-        .get_one::<i64>()
+/// When an idle worker's next message is due, as read after a claim that took nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NextDue {
+    /// Unix ms.
+    pub at_ms: i64,
+    /// It was due at the claim, which could not take it.
+    pub starved: bool,
+}
+
+pub fn next_due(client: &SpiClient<'_>) -> SpiResult<Option<NextDue>> {
+    let row = spi::run(client, &NEXT_DUE, Some(1), &[])?.first();
+    let (at_ms, starved) = (row.get::<i64>(1)?, row.get::<bool>(2)?);
+    Ok(at_ms.map(|at_ms| NextDue {
+        at_ms,
+        starved: starved.unwrap_or(false),
+    }))
 }
 
 /// Due `uncertain` messages on channels that can reconcile: their next read-only lookup.

@@ -4,7 +4,7 @@
 //! run the `sql` effects and record every outcome that arrived (one transaction). Up to
 //! [`flight::FLIGHTS`] batches are under way at once (`flight`).
 
-use super::claim::{self, Channels, Job, LookupJob};
+use super::claim::{self, Channels, Job, LookupJob, NextDue};
 use super::claim_cursor::ClaimCursors;
 use super::decide;
 use super::flight::{self, Bell, Sends};
@@ -41,7 +41,7 @@ const RETENTION_ROUNDS: usize = 20;
 pub struct CycleReport {
     /// Batches are under way, or more may be due: the worker goes on without sleeping.
     pub busy: bool,
-    pub next_due_ms: Option<i64>,
+    pub next_due: Option<NextDue>,
 }
 
 /// What the claim transaction hands to the rest of the cycle.
@@ -50,7 +50,7 @@ struct Claimed {
     lookups: Vec<LookupJob>,
     jobs: Vec<Job>,
     /// When the next message is due, for an idle worker's sleep.
-    next_due_ms: Option<i64>,
+    next_due: Option<NextDue>,
 }
 
 /// A claimed batch under way (`flight`): its sends run on the runtime, its other outcomes
@@ -201,21 +201,21 @@ impl Worker {
     pub fn run_once(&mut self) -> CycleReport {
         let fault = gucs::fault_injection();
         let batch_size = gucs::batch_size();
-        let mut next_due_ms = None;
+        let mut next_due = None;
         // With no batch under way the worker was idle until now: it claims.
         if (self.claim_wanted || self.flights.is_empty())
             && flight::may_claim(self.outstanding(), batch_size)
         {
-            next_due_ms = self.claim_and_send(batch_size, fault);
+            next_due = self.claim_and_send(batch_size, fault);
             // With batches under way, the claim after one that took all it could comes
             // when an idle worker's would: at the next due time, within the poll interval.
-            let (wait, _) = super::idle_wait(next_due_ms, now_ms(), gucs::poll_interval());
+            let (wait, _) = super::idle_wait(next_due, now_ms(), gucs::poll_interval());
             self.claim_at = Some(Instant::now() + wait);
         }
         if self.flights.is_empty() {
             return CycleReport {
                 busy: self.claim_wanted,
-                next_due_ms,
+                next_due,
             };
         }
         if self.wait_for_arrivals(batch_size) {
@@ -223,13 +223,13 @@ impl Worker {
         }
         CycleReport {
             busy: true,
-            next_due_ms: None,
+            next_due: None,
         }
     }
 
     /// Claims a batch and starts its sends; returns when the next message is due when
     /// nothing was claimed.
-    fn claim_and_send(&mut self, batch_size: usize, fault: FaultPoint) -> Option<i64> {
+    fn claim_and_send(&mut self, batch_size: usize, fault: FaultPoint) -> Option<NextDue> {
         self.refresh_allowed_hosts();
         // A commit from now on sets the latch again, and the wait for arrivals sees it; one
         // before is seen by this claim.
@@ -243,7 +243,7 @@ impl Worker {
             channels,
             lookups,
             jobs,
-            next_due_ms,
+            next_due,
         } = self.claim();
         self.longest_retry_horizon_ms = channels.longest_retry_horizon_ms();
         let live: Vec<i32> = self
@@ -271,7 +271,7 @@ impl Worker {
         // A full batch says more may be due; a partial one took all it could.
         self.claim_wanted = jobs.len() >= batch_size;
         if jobs.is_empty() {
-            return next_due_ms;
+            return next_due;
         }
         if self.claim_wanted {
             slots::wake_idle_peer(self.index);
@@ -459,8 +459,8 @@ impl Worker {
                     )?;
                     flow::give_back(client, &channels, &gates, &jobs)?;
                     // Only an idle worker sleeps until the next due time; one that claimed claims again.
-                    let next_due_ms = if jobs.is_empty() {
-                        claim::next_due_ms(client)?
+                    let next_due = if jobs.is_empty() {
+                        claim::next_due(client)?
                     } else {
                         None
                     };
@@ -468,7 +468,7 @@ impl Worker {
                         channels,
                         lookups,
                         jobs,
-                        next_due_ms,
+                        next_due,
                     })
                 })
                 .unwrap_or_else(|e| panic!("outbox_delivery worker: claim failed: {e}"))

@@ -399,7 +399,7 @@ fn deliver(mut worker: cycle::Worker) -> ! {
             }
             continue;
         }
-        let (timeout, starved) = idle_wait(report.next_due_ms, now_ms(), gucs::poll_interval());
+        let (timeout, starved) = idle_wait(report.next_due, now_ms(), gucs::poll_interval());
         slots::update(index, |s| {
             s.phase = slots::Phase::Idle;
             s.starved = starved;
@@ -414,21 +414,27 @@ fn deliver(mut worker: cycle::Worker) -> ! {
     stop(index);
 }
 
-/// How long an idle worker sleeps, and whether it is starved: messages are due (`next_due_ms`
-/// not after `now_ms`) that its claim, which came back empty, could not take. Then it
-/// sleeps until another worker's record or a commit wakes it, and at most
-/// [`sweep::SWEEP_EVERY_MS`]: claiming again a millisecond later would take nothing
-/// either, a thousand times a second for as long as an ordering key waits behind an
-/// uncertain message. Otherwise until the next message is due, within the poll interval.
-pub(super) fn idle_wait(next_due_ms: Option<i64>, now_ms: i64, poll: Duration) -> (Duration, bool) {
+/// How long an idle worker sleeps, and whether it is starved: messages were due at its claim,
+/// which came back empty, and it could not take them. Then it sleeps until another worker's
+/// record or a commit wakes it, and at most [`sweep::SWEEP_EVERY_MS`]: claiming again a
+/// millisecond later would take nothing either, a thousand times a second for as long as
+/// an ordering key waits behind an uncertain message. Otherwise until the next message is
+/// due, within the poll interval, and at least a millisecond: a time that was ahead at the
+/// claim and has passed since (a rate-limited channel's next token, a few milliseconds
+/// away) is claimed at once, not after a starved worker's wait.
+pub(super) fn idle_wait(
+    next_due: Option<claim::NextDue>,
+    now_ms: i64,
+    poll: Duration,
+) -> (Duration, bool) {
     let poll_ms = poll.as_millis().max(1) as i64;
-    match next_due_ms {
-        Some(due) if due <= now_ms => (
+    match next_due {
+        Some(due) if due.starved => (
             Duration::from_millis(sweep::SWEEP_EVERY_MS.min(poll_ms) as u64),
             true,
         ),
         Some(due) => (
-            Duration::from_millis((due - now_ms).clamp(1, poll_ms) as u64),
+            Duration::from_millis((due.at_ms - now_ms).clamp(1, poll_ms) as u64),
             false,
         ),
         None => (poll, false),
@@ -510,16 +516,48 @@ mod tests {
 
     const POLL: Duration = Duration::from_millis(1000);
 
+    fn ahead(at_ms: i64) -> Option<claim::NextDue> {
+        Some(claim::NextDue {
+            at_ms,
+            starved: false,
+        })
+    }
+
+    fn starved(at_ms: i64) -> Option<claim::NextDue> {
+        Some(claim::NextDue {
+            at_ms,
+            starved: true,
+        })
+    }
+
     #[test]
     fn an_idle_worker_sleeps_until_the_next_due_time_within_the_poll() {
         assert_eq!(idle_wait(None, 5_000, POLL), (POLL, false));
         assert_eq!(
-            idle_wait(Some(5_040), 5_000, POLL),
+            idle_wait(ahead(5_040), 5_000, POLL),
             (Duration::from_millis(40), false)
         );
-        assert_eq!(idle_wait(Some(9_000), 5_000, POLL), (POLL, false));
+        assert_eq!(idle_wait(ahead(9_000), 5_000, POLL), (POLL, false));
         assert_eq!(
-            idle_wait(Some(5_001), 5_000, POLL),
+            idle_wait(ahead(5_001), 5_000, POLL),
+            (Duration::from_millis(1), false)
+        );
+    }
+
+    #[test]
+    fn a_due_time_ahead_at_the_claim_and_passed_since_is_claimed_at_once() {
+        // A rate-limited channel's next token, 8 ms after its claim's gate, when the claim's
+        // commit took longer.
+        assert_eq!(
+            idle_wait(ahead(5_000), 5_000, POLL),
+            (Duration::from_millis(1), false)
+        );
+        assert_eq!(
+            idle_wait(ahead(4_990), 5_000, POLL),
+            (Duration::from_millis(1), false)
+        );
+        assert_eq!(
+            idle_wait(ahead(-1), 5_000, POLL),
             (Duration::from_millis(1), false)
         );
     }
@@ -527,10 +565,10 @@ mod tests {
     #[test]
     fn a_worker_whose_claim_could_take_nothing_due_waits_to_be_woken() {
         let wait = Duration::from_millis(sweep::SWEEP_EVERY_MS as u64);
-        assert_eq!(idle_wait(Some(5_000), 5_000, POLL), (wait, true));
-        assert_eq!(idle_wait(Some(-1), 5_000, POLL), (wait, true));
+        assert_eq!(idle_wait(starved(5_000), 5_000, POLL), (wait, true));
+        assert_eq!(idle_wait(starved(-1), 5_000, POLL), (wait, true));
         assert_eq!(
-            idle_wait(Some(4_000), 5_000, Duration::from_millis(10)),
+            idle_wait(starved(4_000), 5_000, Duration::from_millis(10)),
             (Duration::from_millis(10), true),
             "never longer than the poll interval"
         );
