@@ -79,6 +79,17 @@ fn six_hundred_messages_at_100_per_second_over_two_workers() {
         })
         .collect();
     let late = lags.iter().filter(|l| **l > ARRIVAL_SKEW_MS).count();
+    // Each request that came later than the allowance, for a run that shows some.
+    let first_arrival = arrivals.iter().min().unwrap();
+    for (r, l) in sends.iter().zip(&lags) {
+        if *l > ARRIVAL_SKEW_MS {
+            println!(
+                "request {} arrived {} ms after the first, {l} ms after its claim",
+                r.seq,
+                ms(r.received_at) - first_arrival
+            );
+        }
+    }
     let busiest_claims = busiest_window(&claims, 1000);
     let busiest = busiest_window(&arrivals, 1000);
     let span_s = (arrivals.iter().max().unwrap() - arrivals.iter().min().unwrap()) as f64 / 1000.0;
