@@ -133,6 +133,80 @@ fn effect_runs_as_its_least_privilege_role() {
     assert_eq!(by, "worker");
 }
 
+/// Puts the server's `synchronous_commit` back when the test ends, however it ends.
+struct ServerCommitLevel<'a>(&'a Cluster);
+
+impl Drop for ServerCommitLevel<'_> {
+    fn drop(&mut self) {
+        let mut c = self.0.connect();
+        let _ = c.batch_execute("ALTER SYSTEM RESET synchronous_commit");
+        let _ = c.batch_execute("SELECT pg_reload_conf()");
+    }
+}
+
+/// A claim is on disk before its request leaves, whatever the configuration says: with the
+/// server's `synchronous_commit` off, the worker commits with it on; a level that flushes,
+/// `local`, is kept. Seen by an effect's function, which runs in the worker's session.
+#[test]
+fn the_worker_commits_durably_when_the_server_turns_synchronous_commit_off() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let s = app_schema(&mut c);
+    c.batch_execute(&format!(
+        "CREATE FUNCTION {s}.commit_level(payload jsonb, effect_key text) RETURNS text LANGUAGE sql
+             AS $$ SELECT current_setting('synchronous_commit') $$;
+         GRANT EXECUTE ON FUNCTION {s}.commit_level(jsonb, text) TO {s}_effects;"
+    ))
+    .unwrap();
+    let ch = unique("fx_durable");
+    sql_channel(
+        &mut c,
+        &ch,
+        &format!("{s}.commit_level"),
+        &format!("{s}_effects"),
+    );
+    let workers = cluster.worker_pids(&mut c).len();
+    let _restore = ServerCommitLevel(&cluster);
+    let mut level_seen = |level: &str| -> Option<String> {
+        let mark = cluster.log_mark();
+        // Each its own statement: ALTER SYSTEM runs outside a transaction block.
+        c.batch_execute(&format!("ALTER SYSTEM SET synchronous_commit = {level}"))
+            .unwrap();
+        c.batch_execute("SELECT pg_reload_conf()").unwrap();
+        // Every worker has read the configuration again (it logs its settings).
+        assert!(
+            wait_until(T, || cluster
+                .log_since(mark)
+                .matches(" settings: database=")
+                .count()
+                >= workers),
+            "the {workers} workers reloaded their configuration"
+        );
+        let id: i64 = one(
+            &mut c,
+            "SELECT outbox.enqueue($1, '{}'::jsonb, $2)",
+            &[&ch, &unique("k")],
+        );
+        assert!(wait_for_state(&cluster, id, "delivered", T));
+        external_id_of(&mut c, id)
+    };
+    assert_eq!(
+        level_seen("off").as_deref(),
+        Some("on"),
+        "off is raised to on"
+    );
+    assert_eq!(
+        level_seen("local").as_deref(),
+        Some("local"),
+        "local is kept"
+    );
+    assert_eq!(
+        level_seen("off").as_deref(),
+        Some("on"),
+        "and raised again after it"
+    );
+}
+
 #[test]
 fn three_effect_turn_survives_every_crash_point_exactly_once() {
     let (cluster, mut c, sim) = cluster_and_sim();

@@ -94,15 +94,28 @@ unsafe extern "C-unwind" fn clear_slot(_code: i32, arg: pg_sys::Datum) {
 
 fn log_settings(index: usize, database: &str) {
     log!(
-        "outbox_delivery worker {index} settings: database={database} workers={} batch_size={} poll_interval_ms={} lease_ms={} retention={}s ledger_retention={}s fault_injection={}",
+        "outbox_delivery worker {index} settings: database={database} workers={} batch_size={} poll_interval_ms={} lease_ms={} retention={}s ledger_retention={}s fault_injection={} synchronous_commit={}",
         gucs::workers(),
         gucs::batch_size(),
         gucs::poll_interval().as_millis(),
         gucs::lease_ms(),
         gucs::retention_s(),
         gucs::ledger_retention_s(),
-        gucs::fault_injection().as_str()
+        gucs::fault_injection().as_str(),
+        current_setting(c"synchronous_commit")
     );
+}
+
+/// A setting's value in this session, as `SHOW` gives it.
+fn current_setting(name: &CStr) -> String {
+    unsafe {
+        let value = pg_sys::GetConfigOption(name.as_ptr(), true, false);
+        if value.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr(value).to_string_lossy().into_owned()
+        }
+    }
 }
 
 use crate::spi::PINNED_SEARCH_PATH;
@@ -135,10 +148,45 @@ fn pin_session_settings() {
     }
 }
 
+/// The `synchronous_commit` a worker commits with, given the one its configuration sets
+/// (the server's, its database's or its role's): that one, except `off`. A claim must be on
+/// disk before its request leaves: a claim lost in a crash after its send would let the
+/// message go out again as if it had never been tried. `local` and the levels that wait for
+/// standbys already flush the claim here first.
+fn durable_commit_level(configured: &str) -> &str {
+    if configured.eq_ignore_ascii_case("off") {
+        "on"
+    } else {
+        configured
+    }
+}
+
+/// Sets the session's `synchronous_commit` to [`durable_commit_level`] of the configured one
+/// (the value `RESET` would restore, which a reload of the configuration updates under the
+/// session's setting).
+fn pin_durable_commits() {
+    unsafe {
+        let configured = pg_sys::GetConfigOptionResetString(c"synchronous_commit".as_ptr());
+        let configured = if configured.is_null() {
+            "on".to_string()
+        } else {
+            CStr::from_ptr(configured).to_string_lossy().into_owned()
+        };
+        let level = std::ffi::CString::new(durable_commit_level(&configured)).unwrap_or_default();
+        pg_sys::SetConfigOption(
+            c"synchronous_commit".as_ptr(),
+            level.as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+        );
+    }
+}
+
 /// Reloads the configuration after SIGHUP; true when it did.
 fn reload_config_if_asked(index: usize) -> bool {
     if BackgroundWorker::sighup_received() {
         unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+        pin_durable_commits();
         log_settings(index, &database_of(index));
         return true;
     }
@@ -329,6 +377,7 @@ fn prepare_session(
         );
     }
     pin_session_settings();
+    pin_durable_commits();
 
     // Sockets to providers must not take the descriptors PostgreSQL counts on: the batches
     // under way, and as many idle connections as one batch uses kept for the next one.
@@ -560,6 +609,15 @@ mod tests {
             idle_wait(ahead(-1), 5_000, POLL),
             (Duration::from_millis(1), false)
         );
+    }
+
+    #[test]
+    fn a_worker_commits_durably_at_the_level_configured_unless_it_is_off() {
+        assert_eq!(durable_commit_level("off"), "on");
+        assert_eq!(durable_commit_level("OFF"), "on");
+        for kept in ["on", "local", "remote_write", "remote_apply"] {
+            assert_eq!(durable_commit_level(kept), kept);
+        }
     }
 
     #[test]
