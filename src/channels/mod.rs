@@ -3,10 +3,12 @@
 //! to `outbox.allowed_hosts`; `remote` is the `Channel` trait that the HTTP (`http`,
 //! `request`, `lookup`) and NATS JetStream (`nats`, `nats_subject`) transports implement;
 //! `sql_effect` runs a `sql` channel's function in the record transaction; `pool_budget`
-//! bounds the idle HTTP connections a worker keeps across its channels.
+//! bounds the idle HTTP connections a worker keeps across its channels, `connection_slots`
+//! the requests it sends to one channel at once.
 
 pub mod admin;
 pub mod circuit;
+pub mod connection_slots;
 pub mod guard;
 pub mod http;
 pub mod json_pointer;

@@ -10,6 +10,7 @@
 //! channels no longer in use once they hold more than the worker's budget of idle
 //! connections (`pool_budget`).
 
+use super::connection_slots::ConnectionSlots;
 use super::guard::{self, AllowList};
 use super::http::{self, Transmission, Transport};
 use super::lookup::{self, Lookup, Subject};
@@ -64,6 +65,9 @@ pub struct HttpChannel {
     pub options: Arc<ChannelOptions>,
     /// Requests under way on `client`'s pool.
     pub demand: Arc<Demand>,
+    /// The requests sent at once on `client`'s pool before one goes on a connection of
+    /// its own (`connection_slots`).
+    pub slots: Arc<ConnectionSlots>,
 }
 
 impl Channel for HttpChannel {
@@ -83,8 +87,11 @@ impl Channel for HttpChannel {
                 out.body.as_bytes(),
             );
         }
-        let (client, demand) = (self.client.clone(), self.demand.clone());
+        let (client, demand, slots) =
+            (self.client.clone(), self.demand.clone(), self.slots.clone());
         Ok(Box::pin(async move {
+            // Taken before the request is built: its timeout starts once it is written.
+            let _slot = slots.take().await;
             let _under_way = demand.start();
             Sent::Http(http::transmit(client, out, allowed).await)
         }))
@@ -161,22 +168,26 @@ fn ready<T: Send + 'static>(value: T) -> Pending<T> {
 }
 
 /// Builds the channel object of one channel; `Err` for a `sql` channel or a client that
-/// cannot be built. `transport` holds the HTTP pools.
+/// cannot be built. `transport` holds the HTTP pools; `connections` is what the worker's
+/// batches under way may send at once.
 pub fn open(
     transport: &mut Transport,
     channel_id: i32,
     version: &str,
     endpoint: &str,
     options: &ChannelOptions,
-    batch_size: usize,
+    connections: usize,
 ) -> Result<Arc<dyn Channel>, String> {
     match &options.kind {
         Kind::Http => Ok(Arc::new(HttpChannel {
-            client: transport.client(channel_id, version, options, batch_size)?,
+            client: transport.client(channel_id, version, options, connections)?,
             endpoint: endpoint.to_string(),
             url: reqwest::Url::parse(endpoint).ok(),
             options: Arc::new(options.clone()),
             demand: Arc::new(Demand::default()),
+            slots: Arc::new(ConnectionSlots::new(
+                (options.in_flight_bound().limit() as usize).min(connections),
+            )),
         })),
         Kind::Nats(target) => Ok(Arc::new(NatsChannel {
             connection: Arc::new(NatsConnection::new(
@@ -221,14 +232,15 @@ impl Remotes {
         self.transport.allowed()
     }
 
-    /// The channel object for a channel at `version` of its options.
+    /// The channel object for a channel at `version` of its options (`connections`: see
+    /// [`open`]).
     pub fn channel(
         &mut self,
         channel_id: i32,
         version: &str,
         endpoint: &str,
         options: &ChannelOptions,
-        batch_size: usize,
+        connections: usize,
     ) -> Result<Arc<dyn Channel>, String> {
         if let Some(o) = self.open.get(&channel_id) {
             if o.version == version {
@@ -241,7 +253,7 @@ impl Remotes {
             version,
             endpoint,
             options,
-            batch_size,
+            connections,
         )?;
         self.open.insert(
             channel_id,

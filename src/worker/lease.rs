@@ -7,7 +7,9 @@
 //! attempt is still open. So a lease lasts `outbox.lease_ms`, and never less than the
 //! longest `timeout_ms` of any channel plus `MARGIN_MS` for the claim and the record
 //! around the request. A batch sends its HTTP requests side by side (a claim takes no
-//! more of a channel than its `max_in_flight` allows), so one timeout bounds them all.
+//! more of a channel than its `max_in_flight` allows), each after waiting at most
+//! `connection_slots::OVERFLOW_AFTER` for one of its channel's connection slots, so one
+//! timeout and that wait bound them all.
 
 /// Time allowed around the longest request: the claim before it, the record after it.
 pub const MARGIN_MS: u64 = 5_000;
@@ -35,6 +37,12 @@ mod tests {
         assert_eq!(lease_ms(60_000, 55_001), 60_001);
         assert_eq!(lease_ms(1_000, 4_000), 9_000);
         assert_eq!(lease_ms(60_000, 3_600_000), 3_605_000);
+    }
+
+    #[test]
+    fn the_margin_covers_the_wait_for_a_connection_slot() {
+        let wait = crate::channels::connection_slots::OVERFLOW_AFTER.as_millis() as u64;
+        assert!(wait * 100 <= MARGIN_MS, "{wait} ms of {MARGIN_MS}");
     }
 
     #[test]

@@ -3,13 +3,15 @@
 //!
 //! ```text
 //! provider-sim [--port 8788] [--dedupe-header Idempotency-Key]
-//!              [--random drop=0.05,503=0.05,429=0.02,retry_after=1,seed=7 | --answer-bytes N]
+//!              [--random drop=0.05,503=0.05,429=0.02,retry_after=1,seed=7 | --answer-bytes N
+//!               | --answer-after-ms N]
 //!              [--no-record-bodies] [--no-record-requests] [--quiet]
 //! ```
 //!
 //! Every channel gets the default given on the command line (`Accept`, the random faults,
 //! or with `--answer-bytes N` `AcceptLarge(N)`: accepts answered with a JSON body of `N`
-//! bytes, the id first, for the response-size benchmarks). Prints
+//! bytes, the id first, for the response-size benchmarks; with `--answer-after-ms N`
+//! `AcceptAfter(N ms)`: a slow provider, for the benchmarks of connection slots). Prints
 //! `listening on 127.0.0.1:PORT` first (flushed, so scripts can wait for it), then one
 //! line per request unless `--quiet`, and runs until SIGTERM or SIGINT.
 //! `GET /_stats` and `GET /_requests?channel=X` show what it has seen.
@@ -20,7 +22,7 @@ use std::process::ExitCode;
 use outbox_e2e::sim::{Action, RandomFaults, Received, Simulator};
 
 const USAGE: &str = "usage: provider-sim [--port PORT] [--dedupe-header NAME] \
-[--random drop=P,503=P,429=P,retry_after=S,seed=N | --answer-bytes N] [--no-record-bodies] \
+[--random drop=P,503=P,429=P,retry_after=S,seed=N | --answer-bytes N | --answer-after-ms N] [--no-record-bodies] \
 [--no-record-requests] [--quiet]";
 
 struct Args {
@@ -29,6 +31,8 @@ struct Args {
     random: Option<RandomFaults>,
     /// `--answer-bytes N`: the default is `AcceptLarge(N)`.
     answer_bytes: Option<usize>,
+    /// `--answer-after-ms N`: the default is `AcceptAfter(N ms)`.
+    answer_after_ms: Option<u64>,
     record_bodies: bool,
     record_requests: bool,
     quiet: bool,
@@ -40,6 +44,7 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, Stri
         dedupe_header: None,
         random: None,
         answer_bytes: None,
+        answer_after_ms: None,
         record_bodies: true,
         record_requests: true,
         quiet: false,
@@ -81,6 +86,13 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, Stri
                         .map_err(|_| format!("--answer-bytes: not a byte count: {v:?}"))?,
                 );
             }
+            "--answer-after-ms" => {
+                let v = value("--answer-after-ms")?;
+                a.answer_after_ms = Some(
+                    v.parse()
+                        .map_err(|_| format!("--answer-after-ms: not a count of ms: {v:?}"))?,
+                );
+            }
             "--no-record-bodies" => a.record_bodies = false,
             "--no-record-requests" => a.record_requests = false,
             "--quiet" | "-q" => a.quiet = true,
@@ -88,8 +100,16 @@ fn parse_args(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, Stri
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
-    if a.random.is_some() && a.answer_bytes.is_some() {
-        return Err("--random and --answer-bytes are exclusive (both set the default)".into());
+    let defaults = [
+        a.random.is_some(),
+        a.answer_bytes.is_some(),
+        a.answer_after_ms.is_some(),
+    ];
+    if defaults.iter().filter(|d| **d).count() > 1 {
+        return Err(
+            "--random, --answer-bytes and --answer-after-ms are exclusive (each sets the default)"
+                .into(),
+        );
     }
     Ok(Some(a))
 }
@@ -145,6 +165,9 @@ fn main() -> ExitCode {
     }
     if let Some(n) = args.answer_bytes {
         sim.set_default_all(Action::AcceptLarge(n));
+    }
+    if let Some(ms) = args.answer_after_ms {
+        sim.set_default_all(Action::AcceptAfter(std::time::Duration::from_millis(ms)));
     }
     if !args.quiet {
         sim.set_observer(|r| {
@@ -236,5 +259,17 @@ mod tests {
         assert!(args("--answer-bytes -1").is_err());
         assert!(args("--answer-bytes 10MB").is_err());
         assert!(args("--answer-bytes 100 --random drop=0.1").is_err());
+    }
+
+    #[test]
+    fn parses_answer_after_ms() {
+        let a = args("--answer-after-ms 20 --quiet").unwrap().unwrap();
+        assert_eq!(a.answer_after_ms, Some(20));
+        assert_eq!(args("--port 1").unwrap().unwrap().answer_after_ms, None);
+        assert!(args("--answer-after-ms").is_err());
+        assert!(args("--answer-after-ms -5").is_err());
+        assert!(args("--answer-after-ms 20ms").is_err());
+        assert!(args("--answer-after-ms 20 --answer-bytes 100").is_err());
+        assert!(args("--answer-after-ms 20 --random drop=0.1").is_err());
     }
 }

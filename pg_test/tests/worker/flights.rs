@@ -2,7 +2,8 @@
 //! claims and sends the next batch while one is in flight, and records what has arrived
 //! without waiting for the slowest request of its batch (src/worker/flight.rs). The
 //! connections its batches leave idle are held to a budget across channels
-//! (src/channels/pool_budget.rs).
+//! (src/channels/pool_budget.rs). A batch larger than the connection slots still reaches a
+//! slow provider at once (src/channels/connection_slots.rs).
 
 use super::*;
 
@@ -122,6 +123,58 @@ fn a_hanging_provider_holds_back_no_other_channels_messages() {
         "each slow message was sent once"
     );
     assert_eq!(sim.send_count(&fast), ids.len());
+}
+
+/// A batch larger than a worker's connection slots to a provider that answers slowly:
+/// the requests beyond the slots wait for one only briefly (`connection_slots`), then go
+/// side by side with the others, each on a connection of its own. Every request of the
+/// batch reaches the provider while the first ones still wait for their answers.
+#[test]
+fn a_slow_provider_gets_a_whole_batch_at_once_beyond_the_connection_slots() {
+    const N: usize = 150;
+    /// Longer than any request may wait for a slot, many times over.
+    const ANSWER_AFTER: Duration = Duration::from_secs(3);
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
+        &mut c,
+        &sim,
+        "fl_slots",
+        &format!(
+            r#"{{"timeout_ms": 20000, "max_in_flight": {N}, "max_unverifiable_in_flight": {N}}}"#
+        ),
+    );
+    sim.set_default(&ch, Action::AcceptAfter(ANSWER_AFTER));
+    let mut tx = c.transaction().unwrap();
+    let ids = enqueue_fast(&mut tx, &ch, N, "fl-slot");
+    tx.commit().unwrap();
+
+    // Without the overflow, a worker would send its first 32 and the rest only as their
+    // answers came back, ANSWER_AFTER later.
+    assert!(
+        sim.wait_for_sends(&ch, N, ANSWER_AFTER - Duration::from_millis(500)),
+        "{} of {N} requests reached the provider before the first answers",
+        sim.send_count(&ch)
+    );
+    let sends = sim.sends(&ch);
+    let first = sends.iter().map(|r| r.received_at).min().unwrap();
+    let last = sends.iter().map(|r| r.received_at).max().unwrap();
+    let spread = last.duration_since(first).unwrap_or_default();
+    assert!(
+        spread < Duration::from_secs(1),
+        "the batch's requests arrived over {spread:?}"
+    );
+    assert!(
+        wait_for_count(
+            &cluster,
+            Duration::from_secs(30),
+            DELIVERED_OF,
+            &[&ids],
+            |n| { n == N as i64 }
+        ),
+        "{} of {N} delivered",
+        delivered(&mut c, &ids)
+    );
+    assert_eq!(sim.send_count(&ch), N, "each message was sent once");
 }
 
 /// A slow and several fast messages claimed in one batch: the fast ones are recorded
