@@ -19,7 +19,8 @@
 #   backlog is enqueued, e.g. to try a storage setting on one side: give the same prefix
 #   twice), OLD_OPTIONS / NEW_OPTIONS (a JSON object merged into that side's channel options,
 #   e.g. '{"max_in_flight": 2048}'), EVERY (seconds between the drain's rate samples,
-#   printed as rate_each; 5).
+#   printed as rate_each; 5), SINK_ARGS (more arguments of the simulator, e.g.
+#   "--answer-after-ms 20" for a provider that answers in 20 ms).
 source "$(dirname "$0")/lib.sh"
 OLD=${1:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
 NEW=${2:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
@@ -102,6 +103,7 @@ drain() {
 }
 
 echo "machine: $(nproc) cores; $OUTBOX_WORKERS delivery workers, batch ${BATCH:-200}; backlog $N; $ROUNDS rounds, builds alternating"
+[ -z "${SINK_ARGS:-}" ] || echo "simulator: $SINK_ARGS"
 echo "old: $OLD"
 echo "new: $NEW"
 [ -z "${OLD_SQL:-}" ] || echo "old runs first: $OLD_SQL"

@@ -15,10 +15,12 @@ fresh_cluster() {
 
 # The provider simulator on port $1, quiet and keeping no requests or bodies (for drains
 # measured by rate), in the background as SINK_PID; on exit the throwaway cluster is stopped
-# at once and the simulator killed.
+# at once and the simulator killed. SINK_ARGS: more of its arguments (e.g.
+# "--answer-after-ms 20", a provider that answers in 20 ms).
 start_quiet_sink() {
   cargo build -q --release -p outbox_e2e --bin provider-sim
-  "${CARGO_TARGET_DIR:-$ROOT/target}"/release/provider-sim --port "$1" --quiet --no-record-requests --no-record-bodies >/dev/null 2>&1 &
+  # shellcheck disable=SC2086  # SINK_ARGS is split into arguments
+  "${CARGO_TARGET_DIR:-$ROOT/target}"/release/provider-sim --port "$1" --quiet --no-record-requests --no-record-bodies ${SINK_ARGS:-} >/dev/null 2>&1 &
   SINK_PID=$!
   trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
 }
