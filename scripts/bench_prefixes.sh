@@ -19,8 +19,12 @@
 #   backlog is enqueued, e.g. to try a storage setting on one side: give the same prefix
 #   twice), OLD_OPTIONS / NEW_OPTIONS (a JSON object merged into that side's channel options,
 #   e.g. '{"max_in_flight": 2048}'), EVERY (seconds between the drain's rate samples,
-#   printed as rate_each; 5), SINK_ARGS (more arguments of the simulator, e.g.
-#   "--answer-after-ms 20" for a provider that answers in 20 ms).
+#   printed as rate_each, each taken by a psql of its own while another psql every 0.1 s
+#   asks whether the drain ended; unset: no samples, and one session asks every 5 ms, so
+#   that no psql starts beside the drain), SINK_ARGS (more arguments of the simulator,
+#   e.g. "--answer-after-ms 20" for a provider that answers in 20 ms).
+# Besides deliveries/s from the resume to the end seen, each drain prints the rate from its
+# first claim to its last record (the ledger's times) and the simulator's CPU a message.
 source "$(dirname "$0")/lib.sh"
 OLD=${1:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
 NEW=${2:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
@@ -63,24 +67,33 @@ drain() {
   psql -c "VACUUM ANALYZE outbox._messages" >/dev/null
   psql -c "CHECKPOINT" >/dev/null
   psql -c "SELECT pg_stat_reset(), pg_stat_reset_shared('wal'), pg_stat_reset_shared('bgwriter')" >/dev/null
-  local t0 t1 cpu0 cpu1 b0 s0 b1 s1 m0 st0
+  local t0 t1 cpu0 cpu1 b0 s0 b1 s1 m0 st0 sim0 sim1
   cpu0=$(workers_cpu_ticks)
+  sim0=$(awk '{ print $14 + $15 }' "/proc/$SINK_PID/stat")
   read -r m0 st0 <<<"$(machine_ticks)"
   t0=$(date +%s%N)
   psql -c "SELECT outbox.resume_channel('drain')" >/dev/null
-  local every=${EVERY:-5} done0=0 done1 rates=""
-  local next=$((SECONDS + every))
-  while [ "$(psql -c "SELECT $DRAINING")" != f ]; do
-    sleep 0.1
-    if [ $SECONDS -ge $next ]; then
-      done1=$(psql -c "SELECT coalesce(sum(delivered_total), 0) FROM outbox._channel_stats")
-      rates="$rates${rates:+/}$(( (done1 - done0) / every ))"
-      done0=$done1; next=$((next + every))
-    fi
-  done
+  local every=${EVERY:-} done0=0 done1 rates=""
+  if [ -z "$every" ]; then
+    # Each statement of the loop sees what committed before it (READ COMMITTED).
+    psql -c "DO \$\$ BEGIN WHILE $DRAINING LOOP PERFORM pg_sleep(0.005); END LOOP; END \$\$"
+  else
+    local next=$((SECONDS + every))
+    while [ "$(psql -c "SELECT $DRAINING")" != f ]; do
+      sleep 0.1
+      if [ $SECONDS -ge $next ]; then
+        done1=$(psql -c "SELECT coalesce(sum(delivered_total), 0) FROM outbox._channel_stats")
+        rates="$rates${rates:+/}$(( (done1 - done0) / every ))"
+        done0=$done1; next=$((next + every))
+      fi
+    done
+  fi
   t1=$(date +%s%N)
   cpu1=$(workers_cpu_ticks)
+  sim1=$(awk '{ print $14 + $15 }' "/proc/$SINK_PID/stat")
   [ -z "$rates" ] || echo "rate_each_${every}s $rates"
+  psql -F ' ' -c "SELECT 'deliveries_per_s_first_claim_to_last_record', round($N / extract(epoch FROM max(recorded_at) - min(attempt_started_at)))
+                    FROM outbox._ledger WHERE recorded_by = 'worker'" 2>/dev/null || true
   local delivered
   delivered=$(psql -c "SELECT count(*) FROM outbox.messages WHERE state = 'delivered'")
   [ "$delivered" = "$N" ] || echo "warning: $delivered of $N delivered" >&2
@@ -91,6 +104,7 @@ drain() {
   local us_a_tick=$((1000000 / $(getconf CLK_TCK)))
   echo "worker_backend_us_per_message $(( (b1 - b0) * us_a_tick / N ))"
   echo "worker_send_threads_us_per_message $(( (s1 - s0) * us_a_tick / N ))"
+  echo "simulator_us_per_message $(( (sim1 - sim0) * us_a_tick / N ))"
   echo "machine_steal_percent $(steal_percent_since "$m0" "$st0")"
   psql -F ' ' -c "SELECT 'wal_bytes_per_message', round(wal_bytes / $N) FROM pg_stat_wal"
   psql -F ' ' -c "SELECT 'wal_records_per_message', round(wal_records::numeric / $N, 2) FROM pg_stat_wal"

@@ -3,9 +3,10 @@
 //! A batch's requests are started together, but each waits for one of its channel's
 //! connection slots before it is written. A provider that answers fast then serves a
 //! batch over a few keep-alive connections, one request after another on each, instead of
-//! one connection per request: on loopback, 32 slots a worker cost the worker's send
-//! thread and the provider about a fifth less CPU a request than 200 requests side by
-//! side (BENCHMARKS.md).
+//! one connection per request. On loopback, with the machine otherwise quiet, 32 slots a
+//! worker took its send thread about 25 µs a request against 30 with every request of a
+//! batch at once, and the provider 14 against 16; beside other load on the same cores the
+//! difference was within the drains' spread (BENCHMARKS.md).
 //!
 //! A slower provider must not pay for it. A request waits at most [`OVERFLOW_AFTER`] for
 //! a slot; then it goes on without one, on a connection of its own, as every request did
