@@ -69,7 +69,7 @@ drain() {
   psql -c "SELECT pg_stat_reset(), pg_stat_reset_shared('wal'), pg_stat_reset_shared('bgwriter')" >/dev/null
   local t0 t1 cpu0 cpu1 b0 s0 b1 s1 m0 st0 sim0 sim1
   cpu0=$(workers_cpu_ticks)
-  sim0=$(awk '{ print $14 + $15 }' "/proc/$SINK_PID/stat")
+  sim0=$(process_ticks "$SINK_PID")
   read -r m0 st0 <<<"$(machine_ticks)"
   t0=$(date +%s%N)
   psql -c "SELECT outbox.resume_channel('drain')" >/dev/null
@@ -90,7 +90,7 @@ drain() {
   fi
   t1=$(date +%s%N)
   cpu1=$(workers_cpu_ticks)
-  sim1=$(awk '{ print $14 + $15 }' "/proc/$SINK_PID/stat")
+  sim1=$(process_ticks "$SINK_PID")
   [ -z "$rates" ] || echo "rate_each_${every}s $rates"
   psql -F ' ' -c "SELECT 'deliveries_per_s_first_claim_to_last_record', round($N / extract(epoch FROM max(recorded_at) - min(attempt_started_at)))
                     FROM outbox._ledger WHERE recorded_by = 'worker'" 2>/dev/null || true

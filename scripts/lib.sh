@@ -35,6 +35,10 @@ median() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{ v[NR] = $1 } END { prin
 DRAINING="EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'queued')
           OR EXISTS (SELECT 1 FROM outbox._messages WHERE state = 'sending')"
 
+# The CPU ticks (user and system) used so far by the process $1, all its threads; 0 when it
+# is gone.
+process_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat" 2>/dev/null || echo 0; }
+
 # The CPU ticks used so far by the delivery workers of the running cluster: "backends
 # send_threads", the send threads being each worker's `outbox-http` threads and the backend
 # the rest of its process.
@@ -42,7 +46,7 @@ workers_cpu_ticks() {
   local postmaster pid all http backends=0 sends=0
   postmaster=$(head -1 "$OUTBOX_BASE/pgdata/postmaster.pid" 2>/dev/null || echo 0)
   for pid in $(pgrep -P "$postmaster" -f 'outbox_delivery worker' || true); do
-    all=$(awk '{ print $14 + $15 }' "/proc/$pid/stat" 2>/dev/null || echo 0)
+    all=$(process_ticks "$pid")
     http=$(awk '$2 == "(outbox-http)" { t += $14 + $15 } END { print t + 0 }' /proc/"$pid"/task/*/stat 2>/dev/null || echo 0)
     backends=$((backends + all - http))
     sends=$((sends + http))

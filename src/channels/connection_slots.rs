@@ -392,6 +392,15 @@ mod tests {
         assert_eq!(s.released(5_000, 1, 1 + SETTLE), 1);
     }
 
+    /// `n` slots taken one after another, held until the vector is dropped or emptied.
+    async fn take_n(slots: &Arc<ConnectionSlots>, n: usize) -> Vec<Slot> {
+        let mut held = Vec::with_capacity(n);
+        for _ in 0..n {
+            held.push(slots.take().await);
+        }
+        held
+    }
+
     fn runtime() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread()
             .enable_time()
@@ -403,12 +412,8 @@ mod tests {
     fn a_request_without_a_free_slot_goes_on_after_the_wait_and_the_slots_grow() {
         runtime().block_on(async {
             let slots = Arc::new(ConnectionSlots::new(4 * FLOOR));
-            let mut held = Vec::new();
-            for _ in 0..FLOOR {
-                let slot = slots.take().await;
-                assert!(slot.held(), "a free slot is taken at once");
-                held.push(slot);
-            }
+            let held = take_n(&slots, FLOOR).await;
+            assert!(held.iter().all(Slot::held), "a free slot is taken at once");
             let started = Instant::now();
             assert!(!slots.take().await.held(), "no slot came free");
             let waited = started.elapsed();
@@ -425,16 +430,11 @@ mod tests {
         runtime().block_on(async {
             let slots = Arc::new(ConnectionSlots::new(4 * FLOOR));
             // The first holds teach: FLOOR answers of about 5 ms.
-            let mut held = Vec::new();
-            for _ in 0..FLOOR {
-                held.push(slots.take().await);
-            }
+            let held = take_n(&slots, FLOOR).await;
             tokio::time::sleep(Duration::from_millis(5)).await;
-            held.clear();
+            drop(held);
             assert_eq!(slots.limit(), FLOOR, "nobody waited");
-            for _ in 0..FLOOR {
-                held.push(slots.take().await);
-            }
+            let mut held = take_n(&slots, FLOOR).await;
             let waiters: Vec<_> = (0..2)
                 .map(|_| {
                     let slots = slots.clone();
@@ -456,10 +456,7 @@ mod tests {
     fn a_waiting_request_takes_the_slot_another_gives_back() {
         runtime().block_on(async {
             let slots = Arc::new(ConnectionSlots::new(FLOOR));
-            let mut held = Vec::new();
-            for _ in 0..FLOOR {
-                held.push(slots.take().await);
-            }
+            let mut held = take_n(&slots, FLOOR).await;
             let waiter = {
                 let slots = slots.clone();
                 tokio::spawn(async move { slots.take().await.held() })
