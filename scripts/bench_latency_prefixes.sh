@@ -68,6 +68,7 @@ bound_64_drain() {
 round() {
   export OUTBOX_PGBIN=$1/lib/postgresql/15/bin
   fresh_cluster >/dev/null
+  workers_ready
   sleep 2
   local before out
   before=$(worker_cpu_ms)

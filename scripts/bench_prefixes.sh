@@ -23,7 +23,8 @@
 #   asks whether the drain ended; unset: no samples, and one session asks every 5 ms, so
 #   that no psql starts beside the drain), SINK_ARGS (more arguments of the simulator,
 #   e.g. "--answer-after-ms 20" for a provider that answers in 20 ms).
-# Besides deliveries/s from the resume to the end seen, each drain prints the rate from its
+# Each drain starts once the workers serve the database (workers_ready). Besides
+# deliveries/s from the resume to the end seen, each drain prints the rate from its
 # first claim to its last record (the ledger's times) and the simulator's CPU a message.
 source "$(dirname "$0")/lib.sh"
 OLD=${1:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
@@ -71,6 +72,7 @@ drain() {
   cpu0=$(workers_cpu_ticks)
   sim0=$(process_ticks "$SINK_PID")
   read -r m0 st0 <<<"$(machine_ticks)"
+  workers_ready
   t0=$(date +%s%N)
   psql -c "SELECT outbox.resume_channel('drain')" >/dev/null
   local every=${EVERY:-} done0=0 done1 rates=""

@@ -52,6 +52,7 @@ drain() {
 }
 
 fresh_cluster >/dev/null
+workers_ready
 echo "drains of $N, one after another in one cluster ($OUTBOX_WORKERS workers, batch ${BATCH:-200}); a drain of $LARGE and TRUNCATE in between"
 for i in $(seq "$EACH"); do drain "before_$i" "$N"; done
 drain large "$LARGE"

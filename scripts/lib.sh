@@ -13,6 +13,20 @@ fresh_cluster() {
   bash scripts/cluster.sh start "$@"
 }
 
+# Waits (30 s at most) until the cluster's $OUTBOX_WORKERS workers serve its database: a
+# worker started with the cluster looks for the extension once a second, so a drain resumed
+# right after fresh_cluster would otherwise measure up to a second of that wait.
+workers_ready() {
+  local i
+  for i in $(seq 300); do
+    [ "$(bash scripts/cluster.sh psql -qAt -c "SELECT count(*) FROM outbox.worker_status()
+           WHERE state IN ('idle', 'claiming', 'sending', 'recording')")" -ge "${OUTBOX_WORKERS:-2}" ] && return 0
+    sleep 0.1
+  done
+  echo "the workers did not start serving within 30 s" >&2
+  return 1
+}
+
 # The provider simulator on port $1, quiet and keeping no requests or bodies (for drains
 # measured by rate), in the background as SINK_PID; on exit the throwaway cluster is stopped
 # at once and the simulator killed. SINK_ARGS: more of its arguments (e.g.

@@ -425,4 +425,39 @@ mod tests {
             other => panic!("unexpected {other:?}"),
         }
     }
+
+    #[test]
+    fn a_batch_dropped_before_it_started_arrives_as_failures() {
+        // A runtime that no thread drives: the sends wait in its queue until it is dropped.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let batch: Vec<(usize, Pending<Sent>)> = (0..3)
+            .map(|i| (i, Box::pin(async { answered(200) }) as Pending<Sent>))
+            .collect();
+        let bell = bell();
+        let mut sends = Sends::start(rt.handle(), &bell, batch);
+        drop(rt);
+        sends.collect_all();
+        let mut arrived = sends.take_arrived();
+        arrived.sort_by_key(|(i, _)| *i);
+        assert_eq!(
+            arrived.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+            [0, 1, 2]
+        );
+        for (_, sent) in arrived {
+            assert!(
+                matches!(
+                    sent,
+                    Sent::Http(Transmission::Failed {
+                        phase: Phase::Wait,
+                        ..
+                    })
+                ),
+                "{sent:?}"
+            );
+        }
+        assert!(rung(&bell), "the last failure rings the bell");
+    }
 }
