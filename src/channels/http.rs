@@ -1,6 +1,8 @@
 //! The HTTP transport: one keep-alive connection pool per channel, requests of a batch sent
 //! concurrently, every failure described by the phase it happened in. Runs on the worker's
 //! tokio runtime and never touches Postgres: plain Rust data in, plain Rust data out.
+//! Through reqwest: `https://` endpoints and lookups; an `http://` endpoint's sends go on
+//! the channel's own connections (`wire`), which answer with the same [`Transmission`].
 //!
 //! Every request is held to `outbox.allowed_hosts` (see `guard`) twice: its URL's host is
 //! checked before it is sent (an IP literal is never resolved, so its address is checked
@@ -28,6 +30,14 @@ pub const RESPONSE_MEMORY_BYTES: usize = 16 * 1024 * 1024;
 static RESPONSE_MEMORY: tokio::sync::Semaphore =
     tokio::sync::Semaphore::const_new(RESPONSE_MEMORY_BYTES);
 
+/// Room for `limit` bytes of a response body in [`RESPONSE_MEMORY`], held until dropped.
+pub(crate) async fn response_room(limit: usize) -> Option<tokio::sync::SemaphorePermit<'static>> {
+    RESPONSE_MEMORY
+        .acquire_many(limit.clamp(1, RESPONSE_MEMORY_BYTES) as u32)
+        .await
+        .ok()
+}
+
 /// Reads at most `limit` bytes of `response`'s body, holding room for them in
 /// [`RESPONSE_MEMORY`] while it does. Returns the bytes read, whether the body went on past
 /// the limit (its rest is not read: the connection is closed rather than drained), and a
@@ -37,7 +47,7 @@ pub async fn read_body(
     limit: usize,
 ) -> (Vec<u8>, bool, Option<reqwest::Error>) {
     let limit = limit.clamp(1, RESPONSE_MEMORY_BYTES);
-    let _room = RESPONSE_MEMORY.acquire_many(limit as u32).await;
+    let _room = response_room(limit).await;
     let mut body = Vec::new();
     loop {
         match response.chunk().await {
@@ -166,7 +176,7 @@ pub fn refusal_in(e: &(dyn std::error::Error + 'static)) -> Option<Refusal> {
 
 /// The phase a refusal is recorded in: a literal address is refused where the connection
 /// would start; a name before or after it is resolved.
-fn refusal_phase(r: &Refusal) -> Phase {
+pub(crate) fn refusal_phase(r: &Refusal) -> Phase {
     match r.reason {
         guard::Reason::Sensitive { .. } => Phase::Connect,
         guard::Reason::NotListed | guard::Reason::OnlySensitiveAddresses { .. } => Phase::Dns,

@@ -28,3 +28,4 @@ pub mod secrets;
 pub mod signing;
 pub mod sql_effect;
 pub mod tls;
+pub mod wire;

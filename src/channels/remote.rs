@@ -19,11 +19,12 @@ use super::nats::{NatsConnection, Publication};
 use super::options::{ChannelOptions, Kind};
 use super::pool_budget::{self, Demand, PoolUse};
 use super::request;
+use super::wire::{self, Wire};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// A send or lookup under way, run on the worker's (or a backend's) runtime.
 pub type Pending<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
@@ -68,6 +69,9 @@ pub struct HttpChannel {
     /// The requests sent at once on `client`'s pool before one goes on a connection of
     /// its own (`connection_slots`).
     pub slots: Arc<ConnectionSlots>,
+    /// The channel's own HTTP/1.1 connections, for an `http://` endpoint (`wire`): its
+    /// sends go there, not through `client`, which still makes its lookups.
+    pub wire: Option<Arc<Wire>>,
 }
 
 impl Channel for HttpChannel {
@@ -87,8 +91,16 @@ impl Channel for HttpChannel {
                 out.body.as_bytes(),
             );
         }
-        let (client, demand, slots) =
-            (self.client.clone(), self.demand.clone(), self.slots.clone());
+        let (demand, slots) = (self.demand.clone(), self.slots.clone());
+        if let Some(wire) = &self.wire {
+            let wire = wire.clone();
+            return Ok(Box::pin(async move {
+                let _slot = slots.take().await;
+                let _under_way = demand.start();
+                Sent::Http(wire::transmit(wire, out, allowed).await)
+            }));
+        }
+        let client = self.client.clone();
         Ok(Box::pin(async move {
             // Taken before the request is built: its timeout starts once it is written.
             let _slot = slots.take().await;
@@ -183,6 +195,17 @@ pub fn open(
             client: transport.client(channel_id, version, options, connections)?,
             endpoint: endpoint.to_string(),
             url: reqwest::Url::parse(endpoint).ok(),
+            wire: reqwest::Url::parse(endpoint)
+                .ok()
+                .as_ref()
+                .and_then(wire::Endpoint::of)
+                .map(|e| {
+                    Arc::new(Wire::new(
+                        e,
+                        Duration::from_millis(options.connect_timeout_ms),
+                        (options.max_in_flight as usize).min(connections),
+                    ))
+                }),
             options: Arc::new(options.clone()),
             demand: Arc::new(Demand::default()),
             slots: Arc::new(ConnectionSlots::new(
