@@ -2,9 +2,11 @@
 //!
 //! Each channel has its own pool, and a pool keeps as many connections as the channel had
 //! requests under way at once: up to two batches (400 with the default batch size) for a
-//! fast provider. An idle connection costs the worker about 30 kB of private memory (the
-//! HTTP/1.1 read and write buffers and its task), so a worker that drained four channels one
-//! after the other held 1,600 connections and 66 MB for the minute they took to idle out.
+//! fast provider. An idle connection of reqwest's pools (`https://` channels) costs the
+//! worker about 30 kB of private memory (the HTTP/1.1 read and write buffers and its task),
+//! so a worker that drained four channels one after the other held 1,600 connections and
+//! 66 MB for the minute they took to idle out; one of an `http://` channel's own
+//! connections (`wire`) costs a few kB.
 //!
 //! The rule: the pools of channels used in the last [`GRACE`] are kept whatever their size.
 //! Beyond them, the estimated connections of all pools are held to [`budget`]; the pools
