@@ -1047,6 +1047,8 @@ mod tests {
                         let mut byte = [0u8; 1];
                         while !got.ends_with(b"\r\n\r\n") {
                             if stream.read(&mut byte).unwrap_or(0) == 0 {
+                                // The client closed: the connection is closed a little later.
+                                std::thread::sleep(Duration::from_millis(300));
                                 return;
                             }
                             got.push(byte[0]);
@@ -1137,6 +1139,32 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 3);
+    }
+
+    #[test]
+    fn a_request_that_could_not_leave_on_a_pooled_connection_goes_out_once_on_a_new_one() {
+        static REQUESTS: AtomicUsize = AtomicUsize::new(0);
+        let (port, accepted) = provider(|_, _| {
+            REQUESTS.fetch_add(1, Ordering::SeqCst);
+            Act::Answer(OK)
+        });
+        let (rt, wire) = (runtime(), wire_to(port));
+        assert_eq!(status(&send(&rt, &wire, outgoing(&[]))), 200);
+        {
+            // The pooled connection still reads as open, but takes no byte any more.
+            use std::os::fd::AsRawFd;
+            let idle = wire.idle.lock().unwrap();
+            let fd = idle.back().unwrap().connection.stream.as_raw_fd();
+            // SAFETY: shuts down the writing side of a socket the pool owns.
+            assert_eq!(unsafe { libc::shutdown(fd, libc::SHUT_WR) }, 0);
+        }
+        assert_eq!(status(&send(&rt, &wire, outgoing(&[]))), 200);
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        assert_eq!(
+            REQUESTS.load(Ordering::SeqCst),
+            2,
+            "each request reached the provider once"
+        );
     }
 
     #[test]
