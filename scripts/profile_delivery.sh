@@ -170,9 +170,10 @@ for run in $(seq 1 "${RUNS:-1}"); do
   fi
   if [ -n "${TIMELINE:-}" ]; then print_timeline "$OUTBOX_BASE/machine.samples"; fi
   if [ -n "${STATEMENTS:-}" ]; then
-    echo "statements by total time (ms; buffers per call):"
+    echo "statements by total time (ms; buffers and rows per call):"
     psql -F ' | ' -c "SELECT round(total_exec_time), calls, round((total_exec_time / calls)::numeric, 3) || ' ms a call', round((total_plan_time / calls)::numeric, 3) || ' ms planning',
                              round((shared_blks_hit + shared_blks_read)::numeric / calls) || ' buffers',
+                             round(rows::numeric / calls, 1) || ' rows',
                              regexp_replace(left(query, 110), '\s+', ' ', 'g')
                         FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat%'
                        ORDER BY total_exec_time DESC LIMIT 8"

@@ -5,7 +5,7 @@
 //! attempt's row of `outbox._attempts` are written once, with the outcome, by the record or
 //! by recovery.
 
-use super::claim_cursor::{channels_cut, ClaimCursors, Floors, Position};
+use super::claim_cursor::{channels_cut, rest_claim_may_take, ClaimCursors, Floors, Position};
 use crate::channels::options::ChannelOptions;
 use crate::spi::{self, Statement};
 use pgrx::pg_sys;
@@ -56,7 +56,7 @@ WITH flying AS MATERIALIZED (
 ), ready AS (
     -- share: the most this claim takes of the channel, its room or its part of the batch;
     -- a channel that got all of it may have more due past what was taken (claim_cursor).
-    SELECT ch.id, ch.floor_at, ch.floor_id,
+    SELECT ch.id, ch.floor_at, ch.floor_id, ch.room,
            least(ch.room, ceil($1::numeric / count(*) OVER ())::int) AS share
       FROM ch
        -- A scalar subquery, one probe of the head of the due index per channel: an EXISTS
@@ -73,7 +73,7 @@ WITH flying AS MATERIALIZED (
            END
      ORDER BY random()
 ), due AS MATERIALIZED (
-    SELECT d.*, ready.share
+    SELECT d.*, ready.share, ready.room
       FROM ready CROSS JOIN LATERAL (
            SELECT m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers,
                   -- The attempt under way: the one after those the row counts. Saturates:
@@ -114,7 +114,7 @@ SELECT d.id, (extract(epoch FROM c.started_at) * 1000000)::int8, d.attempt, d.te
        -- NULL for a due time outside the range of positions (one set by hand).
        CASE WHEN d.next_attempt_at BETWEEN timestamptz '1900-01-01' AND timestamptz '2200-01-01'
             THEN (extract(epoch FROM d.next_attempt_at) * 1000000)::int8 END,
-       d.share
+       d.share, d.room
   FROM due d
   JOIN claimed c ON c.channel_id = d.channel_id
   -- The barrier: one ledger probe per claimed message (crate::ledger).
@@ -361,17 +361,21 @@ pub fn claim_due(
     // Only a claim that starts with no cursor reads every channel from its head: the rest
     // of a short batch is read from the heads of the channels with room left.
     let from_head = floors.is_empty();
-    let (mut jobs, mut cut) = claim_from(client, claimant, batch_size, floors, caps)?;
-    if !from_head && (jobs.len() as i32) < batch_size {
+    let floor_channels = floors.channel_ids.clone();
+    let (mut jobs, mut cut, full) = claim_from(client, claimant, batch_size, floors, caps)?;
+    if !from_head && (jobs.len() as i32) < batch_size && rest_claim_may_take(&floor_channels, &full)
+    {
         let rest = batch_size - jobs.len() as i32;
-        let left: HashMap<i32, u32> = caps
+        let mut left: HashMap<i32, u32> = caps
             .iter()
             .map(|(id, cap)| {
                 let taken = jobs.iter().filter(|j| j.channel_id == *id).count() as u32;
                 (*id, cap.saturating_sub(taken))
             })
             .collect();
-        let (more, more_cut) = claim_from(client, claimant, rest, Floors::default(), &left)?;
+        // A channel that took all its room is not read again.
+        left.extend(full.iter().map(|id| (*id, 0)));
+        let (more, more_cut, _) = claim_from(client, claimant, rest, Floors::default(), &left)?;
         jobs.extend(more);
         cut.extend(more_cut);
     }
@@ -385,13 +389,16 @@ pub fn claim_due(
     Ok(jobs)
 }
 
+/// One claim statement: the jobs, the channels that got all the claim could take of them
+/// (`channels_cut`), and those that took all their room (the same count against the
+/// channel's room).
 fn claim_from(
     client: &mut SpiClient<'_>,
     claimant: Claimant,
     batch_size: i32,
     floors: Floors,
     caps: &HashMap<i32, u32>,
-) -> SpiResult<(Vec<Job>, BTreeSet<i32>)> {
+) -> SpiResult<(Vec<Job>, BTreeSet<i32>, BTreeSet<i32>)> {
     let (cap_ids, cap_values): (Vec<i32>, Vec<i32>) = caps
         .iter()
         .map(|(id, cap)| (*id, (*cap).min(i32::MAX as u32) as i32))
@@ -414,6 +421,7 @@ fn claim_from(
     )?;
     let mut jobs = Vec::with_capacity(rows.len());
     let mut shares = Vec::with_capacity(rows.len());
+    let mut rooms = Vec::with_capacity(rows.len());
     for row in rows {
         let (Some(message_id), Some(started_at_us)) = (row.get::<i64>(1)?, row.get::<i64>(2)?)
         else {
@@ -421,6 +429,7 @@ fn claim_from(
         };
         let channel_id = row.get::<i32>(5)?.unwrap_or_default();
         shares.push((channel_id, row.get::<i32>(15)?.unwrap_or(i32::MAX)));
+        rooms.push((channel_id, row.get::<i32>(16)?.unwrap_or(i32::MAX)));
         let ledger = match row.get::<i64>(11)? {
             Some(recorded_by) => Some((recorded_by, row.get::<String>(12)?)),
             None => None,
@@ -444,7 +453,7 @@ fn claim_from(
             }),
         });
     }
-    Ok((jobs, channels_cut(shares)))
+    Ok((jobs, channels_cut(shares), channels_cut(rooms)))
 }
 
 /// When an idle worker's next message is due, as read after a claim that took nothing.

@@ -143,9 +143,36 @@ pub fn channels_cut(claimed: impl IntoIterator<Item = (i32, i32)>) -> BTreeSet<i
         .collect()
 }
 
+/// Whether the rest of a short claim read under cursors, from the heads of the due
+/// indexes, may take anything: not when every channel read from a cursor (`floor_channels`)
+/// took all its room (`full`). Such a channel has nothing more to give this claim, wherever
+/// its due messages are; a channel without a cursor was read from its head already.
+pub fn rest_claim_may_take(floor_channels: &[i32], full: &BTreeSet<i32>) -> bool {
+    floor_channels.iter().any(|id| !full.contains(id))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rest_of_a_claim_is_read_while_a_channel_with_a_cursor_has_room() {
+        let full: BTreeSet<i32> = [1, 2].into();
+        assert!(
+            !rest_claim_may_take(&[1], &full),
+            "its only channel is at its bound"
+        );
+        assert!(!rest_claim_may_take(&[1, 2], &full));
+        assert!(
+            rest_claim_may_take(&[1, 3], &full),
+            "channel 3 may have room"
+        );
+        assert!(rest_claim_may_take(&[3], &BTreeSet::new()));
+        assert!(
+            !rest_claim_may_take(&[], &full),
+            "no cursor: read from the heads already"
+        );
+    }
 
     fn p(due_at_us: i64, id: i64) -> Position {
         Position { due_at_us, id }

@@ -271,6 +271,13 @@ impl Worker {
         // A full batch says more may be due; a partial one took all it could.
         self.claim_wanted = jobs.len() >= batch_size;
         if jobs.is_empty() {
+            if !self.flights.is_empty() {
+                // Back to its batches under way, no longer claiming: another worker's record
+                // wakes claiming workers (`slots::wake_starved_peers`), and this one claims
+                // again after its own record, which frees room, not beside every record of
+                // the others, where both would claim the same room and one of them nothing.
+                slots::update(self.index, |s| s.phase = slots::Phase::Sending);
+            }
             return next_due;
         }
         if self.claim_wanted {
