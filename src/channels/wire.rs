@@ -246,8 +246,14 @@ pub fn parse_head(
     } else {
         Framing::UntilClose
     };
-    let keep_alive =
-        !close && (!http10 || keep_alive_token) && framing != Framing::UntilClose && status != 101;
+    // An answer framed both ways is read by its chunks, and its connection is not trusted
+    // with another request (RFC 9112, section 6.3).
+    let framed_twice = transfer_encoded && content_length.is_some();
+    let keep_alive = !close
+        && !framed_twice
+        && (!http10 || keep_alive_token)
+        && framing != Framing::UntilClose
+        && status != 101;
     Ok(Some((
         Head {
             status,
@@ -904,7 +910,7 @@ mod tests {
             (
                 "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\nContent-Length: 5\r\n\r\n",
                 Framing::Chunked,
-                true,
+                false,
             ),
             ("HTTP/1.1 200 OK\r\n\r\n", Framing::UntilClose, false),
             (
