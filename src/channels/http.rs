@@ -64,7 +64,7 @@ pub async fn read_body(
         }
     }
 }
-const AGENT: &str = concat!("outbox_delivery/", env!("CARGO_PKG_VERSION"));
+pub(crate) const AGENT: &str = concat!("outbox_delivery/", env!("CARGO_PKG_VERSION"));
 
 /// One request to send.
 #[derive(Debug, Clone)]
@@ -287,7 +287,10 @@ impl Transport {
     }
 }
 
-fn build(client: &reqwest::Client, out: &Outgoing) -> Result<reqwest::Request, String> {
+/// The method and headers of `out` as HTTP carries them: the defaults (a JSON body, the
+/// extension's user agent) first, a later value of a name replacing an earlier one. `Err`
+/// says why the request cannot be sent; both transports send what this returns.
+pub(crate) fn method_and_headers(out: &Outgoing) -> Result<(reqwest::Method, HeaderMap), String> {
     let method = reqwest::Method::from_bytes(out.method.as_bytes())
         .map_err(|e| format!("method {}: {e}", out.method))?;
     let mut headers = HeaderMap::with_capacity(out.headers.len() + 2);
@@ -301,6 +304,11 @@ fn build(client: &reqwest::Client, out: &Outgoing) -> Result<reqwest::Request, S
             .map_err(|_| format!("header \"{name}\" has a value HTTP cannot carry"))?;
         headers.insert(n, v);
     }
+    Ok((method, headers))
+}
+
+fn build(client: &reqwest::Client, out: &Outgoing) -> Result<reqwest::Request, String> {
+    let (method, headers) = method_and_headers(out)?;
     let request = match &out.parsed_url {
         Some(url) => client.request(method, url.clone()),
         None => client.request(method, &out.url),

@@ -92,20 +92,15 @@ impl Channel for HttpChannel {
             );
         }
         let (demand, slots) = (self.demand.clone(), self.slots.clone());
-        if let Some(wire) = &self.wire {
-            let wire = wire.clone();
-            return Ok(Box::pin(async move {
-                let _slot = slots.take().await;
-                let _under_way = demand.start();
-                Sent::Http(wire::transmit(wire, out, allowed).await)
-            }));
-        }
-        let client = self.client.clone();
+        let (wire, client) = (self.wire.clone(), self.client.clone());
         Ok(Box::pin(async move {
             // Taken before the request is built: its timeout starts once it is written.
             let _slot = slots.take().await;
             let _under_way = demand.start();
-            Sent::Http(http::transmit(client, out, allowed).await)
+            Sent::Http(match wire {
+                Some(wire) => wire::transmit(wire, out, allowed).await,
+                None => http::transmit(client, out, allowed).await,
+            })
         }))
     }
 
@@ -191,27 +186,27 @@ pub fn open(
     connections: usize,
 ) -> Result<Arc<dyn Channel>, String> {
     match &options.kind {
-        Kind::Http => Ok(Arc::new(HttpChannel {
-            client: transport.client(channel_id, version, options, connections)?,
-            endpoint: endpoint.to_string(),
-            url: reqwest::Url::parse(endpoint).ok(),
-            wire: reqwest::Url::parse(endpoint)
-                .ok()
-                .as_ref()
-                .and_then(wire::Endpoint::of)
-                .map(|e| {
-                    Arc::new(Wire::new(
-                        e,
-                        Duration::from_millis(options.connect_timeout_ms),
-                        (options.max_in_flight as usize).min(connections),
-                    ))
-                }),
-            options: Arc::new(options.clone()),
-            demand: Arc::new(Demand::default()),
-            slots: Arc::new(ConnectionSlots::new(
-                (options.in_flight_bound().limit() as usize).min(connections),
-            )),
-        })),
+        Kind::Http => {
+            let url = reqwest::Url::parse(endpoint).ok();
+            let wire = url.as_ref().and_then(wire::Endpoint::of).map(|e| {
+                Arc::new(Wire::new(
+                    e,
+                    Duration::from_millis(options.connect_timeout_ms),
+                    (options.max_in_flight as usize).min(connections),
+                ))
+            });
+            Ok(Arc::new(HttpChannel {
+                client: transport.client(channel_id, version, options, connections)?,
+                endpoint: endpoint.to_string(),
+                url,
+                wire,
+                options: Arc::new(options.clone()),
+                demand: Arc::new(Demand::default()),
+                slots: Arc::new(ConnectionSlots::new(
+                    (options.in_flight_bound().limit() as usize).min(connections),
+                )),
+            }))
+        }
         Kind::Nats(target) => Ok(Arc::new(NatsChannel {
             connection: Arc::new(NatsConnection::new(
                 endpoint,

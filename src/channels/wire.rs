@@ -17,12 +17,15 @@
 //! one of them is not sent. A channel's `Host` header replaces the URL's.
 
 use super::guard::{self, AllowList};
-use super::http::{refusal_phase, Outgoing, Transmission, RESPONSE_MEMORY_BYTES};
+#[cfg(test)]
+use super::http::AGENT;
+use super::http::{
+    method_and_headers, refusal_phase, Outgoing, Transmission, RESPONSE_MEMORY_BYTES,
+};
 use super::json_pointer::body_pointer;
 use super::options::ExternalIdSource;
 use super::pool_budget::IDLE_LIFE;
 use crate::classify::Phase;
-use reqwest::header::{HeaderName, HeaderValue};
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -39,7 +42,6 @@ const MAX_HEADERS: usize = 100;
 const MAX_CHUNK_LINE: usize = 4096;
 /// The error of a request that ran out of its channel's `timeout_ms`.
 const TIMED_OUT: &str = "operation timed out";
-const AGENT: &str = concat!("outbox_delivery/", env!("CARGO_PKG_VERSION"));
 /// Headers the transport writes itself (see the module's documentation).
 const TRANSPORT_HEADERS: &[&str] = &[
     "content-length",
@@ -98,38 +100,21 @@ impl Endpoint {
 /// The bytes of `out` as one HTTP/1.1 request to `endpoint`; `Err` is why it cannot be sent,
 /// worded as `http::transmit` words it.
 pub fn encode(endpoint: &Endpoint, out: &Outgoing) -> Result<Vec<u8>, String> {
-    let method = reqwest::Method::from_bytes(out.method.as_bytes())
-        .map_err(|e| format!("method {}: {e}", out.method))?;
-    // Later values of a name replace earlier ones, the defaults first.
-    let mut headers: Vec<(HeaderName, HeaderValue)> = vec![
-        (
-            reqwest::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        ),
-        (reqwest::header::USER_AGENT, HeaderValue::from_static(AGENT)),
-    ];
-    for (name, value) in &out.headers {
-        let n = HeaderName::from_bytes(name.as_bytes())
-            .map_err(|_| format!("header name \"{name}\" is not valid HTTP"))?;
-        let v = HeaderValue::from_bytes(value.as_bytes())
-            .map_err(|_| format!("header \"{name}\" has a value HTTP cannot carry"))?;
-        if TRANSPORT_HEADERS.contains(&n.as_str()) {
-            continue;
-        }
-        headers.retain(|(m, _)| *m != n);
-        headers.push((n, v));
-    }
+    let (method, headers) = method_and_headers(out)?;
     let mut bytes = Vec::with_capacity(256 + out.body.len());
     bytes.extend_from_slice(method.as_str().as_bytes());
     bytes.push(b' ');
     bytes.extend_from_slice(endpoint.target.as_bytes());
     bytes.extend_from_slice(b" HTTP/1.1\r\n");
-    if !headers.iter().any(|(n, _)| n == reqwest::header::HOST) {
+    if !headers.contains_key(reqwest::header::HOST) {
         bytes.extend_from_slice(b"host: ");
         bytes.extend_from_slice(endpoint.host_header.as_bytes());
         bytes.extend_from_slice(b"\r\n");
     }
     for (name, value) in &headers {
+        if TRANSPORT_HEADERS.contains(&name.as_str()) {
+            continue;
+        }
         bytes.extend_from_slice(name.as_str().as_bytes());
         bytes.extend_from_slice(b": ");
         bytes.extend_from_slice(value.as_bytes());
@@ -427,8 +412,9 @@ impl Wire {
         }
     }
 
-    /// The idle connections now (for tests and the budget's view).
-    pub fn idle_count(&self) -> usize {
+    /// The idle connections now.
+    #[cfg(test)]
+    fn idle_count(&self) -> usize {
         self.idle.lock().map(|i| i.len()).unwrap_or(0)
     }
 
