@@ -9,14 +9,18 @@
 #   PROFILE_AT (seconds into the drain when the 4 s profile starts, 1),
 #   CONF (more postgresql.conf lines for the cluster, e.g. "max_wal_size = 8GB"),
 #   STATEMENTS=1 (the workers' statements by total time, from pg_stat_statements),
+#   STATEMENTS_AT (with STATEMENTS=1: seconds into the drain, e.g. "4 12 20 28", at which
+#   pg_stat_statements is read; prints each statement's cost in each window between two
+#   readings, to see whether a statement grows dearer as a large drain goes on),
 #   SETUP_SQL (statements run before the backlog is enqueued, e.g. to try a schema change),
 #   WALDUMP=1 (the drain's WAL by record type, from pg_waldump --stats=record),
 #   SINK_ARGS (more provider-sim arguments, e.g. "--random 503=0.5,seed=7" for failed
 #   attempts and their records), CHANNEL_OPTIONS (more options of the channel, a JSON
 #   object merged into the defaults, e.g. '{"retry": {"base_ms": 20, "max_attempts": 30}}'),
 #   TIMELINE=1 (every 5 s of the drain: its rate, the whole machine's CPU by kind from
-#   /proc/stat, including the kernel's own threads and time taken by the host, and the
-#   page cache's dirty and writeback memory), WAITS=1 (what the workers' backends were
+#   /proc/stat, including the kernel's own threads and time taken by the host, the
+#   page cache's dirty and writeback memory, the WAL bytes and full-page images a message,
+#   and the checkpoints begun), WAITS=1 (what the workers' backends were
 #   doing, sampled from pg_stat_activity every 10 ms of the drain: on the CPU, or waiting and
 #   for what: a lock, the WAL's flush at a commit, a read)
 source "$(dirname "$0")/lib.sh"
@@ -63,33 +67,71 @@ sample_server_cpu() {
   done
 }
 process_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-# Every 5 s: seconds, messages delivered so far, the vacuums running, the machine's CPU ticks (user nice system
-# idle iowait irq softirq steal) and the page cache's Dirty and Writeback kB.
+# Every 5 s: seconds, messages delivered so far, the vacuums running, WAL bytes and full-page
+# images so far, checkpoints so far, the machine's CPU ticks (user nice system idle iowait
+# irq softirq steal) and the page cache's Dirty and Writeback kB.
 sample_machine() {
   local d
   while :; do
     d=$(psql -F ' ' -c "SELECT coalesce(sum(delivered_total), 0),
                                coalesce((SELECT string_agg(relid::regclass::text || ':' || replace(phase, ' ', '_'), ',')
-                                           FROM pg_stat_progress_vacuum), '-')
-                          FROM outbox._channel_stats" 2>/dev/null || echo "- -")
+                                           FROM pg_stat_progress_vacuum), '-'),
+                               (SELECT wal_bytes || ' ' || wal_fpi FROM pg_stat_wal),
+                               (SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter)
+                          FROM outbox._channel_stats" 2>/dev/null || echo "- - - - -")
     echo "$(date +%s.%N) $d $(awk '/^cpu /{print $2, $3, $4, $5, $6, $7, $8, $9}' /proc/stat)" \
          "$(awk '/^Dirty:/{d=$2} /^Writeback:/{w=$2} END{print d, w}' /proc/meminfo)"
     sleep 5
   done
 }
 print_timeline() {
-  echo "timeline (each 5 s: msg/s; machine CPU %: user system iowait softirq steal idle; dirty, writeback MB; the vacuums running, by table and phase):"
+  echo "timeline (each 5 s: msg/s; machine CPU %: user system iowait softirq steal idle; dirty, writeback MB; WAL bytes and full-page images a message; checkpoints begun; the vacuums running, by table and phase):"
   awk 'NR > 1 && $2 != "-" && p2 != "-" {
-         dt = $1 - p1; tot = 0; for (i = 4; i <= 11; i++) tot += $i - p[i]
-         if (tot > 0) printf "  %5.0f s %7.0f msg/s  cpu %3.0f %3.0f %3.0f %3.0f %3.0f %3.0f  dirty %5.0f wb %4.0f  %s\n",
-           $1 - t0, ($2 - p2) / dt, 100 * ($4 + $5 - p[4] - p[5]) / tot, 100 * ($6 - p[6]) / tot,
-           100 * ($8 - p[8]) / tot, 100 * ($9 + $10 - p[9] - p[10]) / tot, 100 * ($11 - p[11]) / tot,
-           100 * ($7 - p[7]) / tot, $12 / 1024, $13 / 1024, $3 }
+         dt = $1 - p1; tot = 0; for (i = 7; i <= 14; i++) tot += $i - p[i]; n = $2 - p2
+         if (tot > 0) printf "  %5.0f s %7.0f msg/s  cpu %3.0f %3.0f %3.0f %3.0f %3.0f %3.0f  dirty %5.0f wb %4.0f  wal %5.0f B %4.2f fpi  ckpt %d  %s\n",
+           $1 - t0, n / dt, 100 * ($7 + $8 - p[7] - p[8]) / tot, 100 * ($9 - p[9]) / tot,
+           100 * ($11 - p[11]) / tot, 100 * ($12 + $13 - p[12] - p[13]) / tot, 100 * ($14 - p[14]) / tot,
+           100 * ($10 - p[10]) / tot, $15 / 1024, $16 / 1024,
+           (n > 0 ? ($4 - p[4]) / n : 0), (n > 0 ? ($5 - p[5]) / n : 0), $6 - p[6], $3 }
        NR == 1 { t0 = $1 }
-       { p1 = $1; p2 = $2; for (i = 4; i <= 11; i++) p[i] = $i }' "$1"
+       { p1 = $1; p2 = $2; for (i = 4; i <= 14; i++) p[i] = $i }' "$1"
+}
+
+# At each of STATEMENTS_AT's seconds after the drain began ($1, ns since the epoch): the
+# messages delivered so far and each statement's counters, "at|delivered|queryid|calls|ms|
+# rows|buffers|text" lines.
+sample_statements() {
+  local at
+  for at in $STATEMENTS_AT; do
+    while [ $(( $(date +%s%N) - $1 )) -lt $((at * 1000000000)) ]; do sleep 0.1; done
+    psql -F '|' -c "SELECT $at, (SELECT coalesce(sum(delivered_total), 0) FROM outbox._channel_stats),
+                           queryid, calls, total_exec_time, rows, shared_blks_hit + shared_blks_read,
+                           left(regexp_replace(query, '\s+', ' ', 'g'), 60)
+                      FROM pg_stat_statements WHERE calls > 10 AND query NOT LIKE '%pg_stat%'"
+  done
+}
+print_statement_windows() {
+  echo "statements in each window of the drain (us a message, calls, rows and buffers a call):"
+  awk -F'|' '
+    !($1 in seen) { seen[$1] = 1; order[++k] = $1; delivered[$1] = $2 }
+    { key = $1 SUBSEP $3; calls[key] = $4; ms[key] = $5; rows[key] = $6; bufs[key] = $7; text[$3] = $8 }
+    END {
+      for (i = 2; i <= k; i++) {
+        a = order[i - 1]; b = order[i]; n = delivered[b] - delivered[a]
+        printf "  %s-%s s, %d delivered\n", a, b, n
+        for (id in text) {
+          if (!((b SUBSEP id) in calls)) continue
+          c = calls[b SUBSEP id] - calls[a SUBSEP id]
+          if (c <= 0 || n <= 0) continue
+          printf "    %6.1f us  %5d calls  %6.1f rows  %6.0f buffers  %s\n", (ms[b SUBSEP id] - ms[a SUBSEP id]) * 1000 / n,
+                 c, (rows[b SUBSEP id] - rows[a SUBSEP id]) / c, (bufs[b SUBSEP id] - bufs[a SUBSEP id]) / c, text[id]
+        }
+      }
+    }' "$1"
 }
 
 for run in $(seq 1 "${RUNS:-1}"); do
+  STATEMENT_SAMPLER=
   fresh_cluster >/dev/null
   if [ -n "${SETUP_SQL:-}" ]; then psql -c "$SETUP_SQL" >/dev/null; fi
   psql -c "SELECT outbox.create_channel('profile', 'http://127.0.0.1:$SINK_PORT/ch/profile', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb || '$CHANNEL_OPTIONS'::jsonb)" \
@@ -124,6 +166,9 @@ for run in $(seq 1 "${RUNS:-1}"); do
   lsn0=$(psql -c "SELECT pg_current_wal_lsn()")
   t0=$(date +%s%N)
   psql -c "SELECT outbox.resume_channel('profile')" >/dev/null
+  if [ -n "${STATEMENTS:-}" ] && [ -n "${STATEMENTS_AT:-}" ]; then
+    sample_statements "$t0" >"$OUTBOX_BASE/statements.samples" 2>/dev/null & STATEMENT_SAMPLER=$!
+  fi
   if [ -n "${PROFILE:-}" ]; then
     sleep "${PROFILE_AT:-1}"
     perf record -a -g -o "$OUTBOX_BASE/perf.data" -- sleep 4 >/dev/null 2>&1
@@ -169,6 +214,11 @@ for run in $(seq 1 "${RUNS:-1}"); do
     cat "$OUTBOX_BASE/waits.txt"
   fi
   if [ -n "${TIMELINE:-}" ]; then print_timeline "$OUTBOX_BASE/machine.samples"; fi
+  if [ -n "${STATEMENT_SAMPLER:-}" ]; then
+    # Readings due after the drain ended are not taken.
+    kill $STATEMENT_SAMPLER 2>/dev/null || true; wait $STATEMENT_SAMPLER 2>/dev/null || true
+    print_statement_windows "$OUTBOX_BASE/statements.samples"
+  fi
   if [ -n "${STATEMENTS:-}" ]; then
     echo "statements by total time (ms; buffers and rows per call):"
     psql -F ' | ' -c "SELECT round(total_exec_time), calls, round((total_exec_time / calls)::numeric, 3) || ' ms a call', round((total_plan_time / calls)::numeric, 3) || ' ms planning',
