@@ -177,6 +177,8 @@ for run in $(seq 1 "${RUNS:-1}"); do
   t1=$(date +%s%N)
   k1=$(process_ticks $SINK_PID)
   kill $SAMPLER; wait $SAMPLER 2>/dev/null || true
+  # Readings of the statements due after the drain ended are not taken.
+  if [ -n "$STATEMENT_SAMPLER" ]; then kill $STATEMENT_SAMPLER 2>/dev/null || true; wait $STATEMENT_SAMPLER 2>/dev/null || true; fi
   if [ -n "${TIMELINE:-}" ]; then kill $MACHINE; wait $MACHINE 2>/dev/null || true; fi
   echo "run $run: $N messages delivered in $(( (t1 - t0) / 1000000 )) ms: $(( N * 1000000000 / (t1 - t0) )) msg/s ($OUTBOX_WORKERS workers, batch ${BATCH:-200})"
   sleep 1  # the workers report their table statistics before they sleep
@@ -214,11 +216,7 @@ for run in $(seq 1 "${RUNS:-1}"); do
     cat "$OUTBOX_BASE/waits.txt"
   fi
   if [ -n "${TIMELINE:-}" ]; then print_timeline "$OUTBOX_BASE/machine.samples"; fi
-  if [ -n "${STATEMENT_SAMPLER:-}" ]; then
-    # Readings due after the drain ended are not taken.
-    kill $STATEMENT_SAMPLER 2>/dev/null || true; wait $STATEMENT_SAMPLER 2>/dev/null || true
-    print_statement_windows "$OUTBOX_BASE/statements.samples"
-  fi
+  if [ -n "$STATEMENT_SAMPLER" ]; then print_statement_windows "$OUTBOX_BASE/statements.samples"; fi
   if [ -n "${STATEMENTS:-}" ]; then
     echo "statements by total time (ms; buffers and rows per call):"
     psql -F ' | ' -c "SELECT round(total_exec_time), calls, round((total_exec_time / calls)::numeric, 3) || ' ms a call', round((total_plan_time / calls)::numeric, 3) || ' ms planning',
