@@ -335,55 +335,6 @@ fn lock_claims() {
     }
 }
 
-/// Lets the current claim transaction commit without waiting for its WAL to reach disk
-/// (`synchronous_commit = off` for this transaction alone): the commit then makes the
-/// claim visible and releases the claim lock at once, and the other worker's claim no
-/// longer waits out this one's flush. [`make_claim_durable`] waits for the flush after the
-/// commit, before any request of the claim leaves. Between the two the claim is visible but
-/// not durable: a crash there loses it, and nothing of it was sent.
-pub fn commit_claim_without_flush_wait() {
-    // SAFETY: `SET LOCAL` of a user-settable setting inside the claim transaction; its end
-    // restores the worker's own level (`worker::pin_durable_commits`).
-    unsafe {
-        pg_sys::set_config_option(
-            c"synchronous_commit".as_ptr(),
-            c"off".as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-            pg_sys::GucAction::GUC_ACTION_LOCAL,
-            true,
-            0,
-            false,
-        );
-    }
-}
-
-/// The end of the last commit record this process wrote.
-pub fn last_commit_end() -> pg_sys::XLogRecPtr {
-    // SAFETY: a backend-local variable, read between transactions.
-    unsafe { pg_sys::XactLastCommitEnd }
-}
-
-/// Waits until the claim transaction that committed after `before` (see
-/// [`last_commit_end`]) is as durable as a commit at the worker's own `synchronous_commit`
-/// would have left it: on disk, and on the synchronous standbys when that level waits for
-/// them. Returns at once when that transaction wrote no commit record (it claimed nothing).
-pub fn make_claim_durable(before: pg_sys::XLogRecPtr) {
-    let end = last_commit_end();
-    if end == before {
-        return;
-    }
-    // SAFETY: both take any LSN up to what this process inserted; the wait for standbys
-    // returns at once unless the session's level asks for it and standbys are named, and
-    // runs with interrupts held off, as in a commit.
-    unsafe {
-        pg_sys::XLogFlush(end);
-        pg_sys::InterruptHoldoffCount += 1;
-        pg_sys::SyncRepWaitForLSN(end, true);
-        pg_sys::InterruptHoldoffCount -= 1;
-    }
-}
-
 /// Who claims, and for how long: the lease its claims hold (ms), the worker's slot and its
 /// process.
 #[derive(Debug, Clone, Copy)]

@@ -428,11 +428,9 @@ impl Worker {
         let batch_size = gucs::batch_size() as i32;
         let include_own_slot = std::mem::replace(&mut self.first_cycle, false);
         let sweep_at = self.started.elapsed().as_millis() as i64;
-        let committed_before = claim::last_commit_end();
-        let claimed = identity::transaction(
+        identity::transaction(
             role,
             AssertUnwindSafe(|| {
-                claim::commit_claim_without_flush_wait();
                 Spi::connect_mut(|client| -> SpiResult<Claimed> {
                     let channels = Channels::load(client)?;
                     let lease_ms = lease::lease_ms(gucs::lease_ms(), channels.longest_attempt_ms());
@@ -482,10 +480,7 @@ impl Worker {
                 })
                 .unwrap_or_else(|e| panic!("outbox_delivery worker: claim failed: {e}"))
             }),
-        );
-        // Nothing of the claim leaves before it is as durable as a commit of the worker's.
-        claim::make_claim_durable(committed_before);
-        claimed
+        )
     }
 
     /// The record transaction: each flight's `sql` effects run first, each in its own
