@@ -1081,7 +1081,7 @@ fn main() {
         all.sort_by(f64::total_cmp);
         let median = (all[2] + all[3]) / 2.0;
         println!(
-            "ratio_backlog_{large}_to_{backlog} {:.2} (to the median of the six small drains, {median:.0} msg/s; {:.2} to the first three alone)",
+            "ratio_backlog_{large}_to_{backlog} {:.3} (to the median of the six small drains, {median:.0} msg/s; {:.3} to the first three alone)",
             drain.rate / median,
             drain.rate / small[1]
         );
