@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # How much of a short drain's measured time is the wait for someone to see that it ended.
-# scripts/bench.sh times a drain from the resume of its channel to the poll (every 20 ms,
-# then a look for anything still queued or in flight) that finds it delivered; a drain of
+# A poll every 20 ms (then a look for anything still queued or in flight), as scripts/bench.sh
+# timed drains until it began to look every millisecond near a drain's end: a drain of
 # 10,000 lasts about a third of a second, so that wait weighs in its rate. Each drain here
-# is timed both ways on the server's clock: to the poll that saw its end, as bench.sh does,
+# is timed both ways on the server's clock: to the poll that saw its end,
 # and to the start of its last record's transaction (`recorded_at` of its newest ledger
 # entry; that transaction commits a few milliseconds later, so this figure is the upper
 # bound). Figures only; nothing is asserted. Runs on a throwaway cluster (port 54847).
