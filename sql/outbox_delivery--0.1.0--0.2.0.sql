@@ -239,7 +239,10 @@ CREATE TABLE outbox._claims (
     lease_until timestamptz NOT NULL,
     started_at  timestamptz NOT NULL,
     message_ids bigint[]    NOT NULL
-) WITH (fillfactor = 50, autovacuum_vacuum_threshold = 500, autovacuum_vacuum_scale_factor = 0);
+-- Full pages: a claim's row is rewritten by each record of its messages, and pages kept
+-- half empty for those versions left the table four times as long in a long drain, and
+-- every reader scans it whole (BENCHMARKS.md, 2026-12-05).
+) WITH (fillfactor = 100, autovacuum_vacuum_threshold = 500, autovacuum_vacuum_scale_factor = 0);
 ALTER SEQUENCE outbox._claims_id_seq OWNED BY outbox._claims.id;
 COMMENT ON TABLE outbox._claims IS 'Attempts under way, one row per claim and channel (private; read outbox.messages and outbox.attempts).';
 
