@@ -81,13 +81,13 @@ fn delivered(c: &mut Client, channel: &str) -> i64 {
 }
 
 /// One drain: its rate, (seconds since the resume, messages delivered) at each look, about
-/// once a second the vacuums running (table:phase, or '-'), and how long after its last
-/// record's transaction began the drain was seen to have ended (ms, the server's clock).
+/// once a second the vacuums running (table:phase, or '-'), and when it was seen to have
+/// ended (unix seconds, the server's clock).
 struct Drain {
     rate: f64,
     progress: Vec<(f64, i64)>,
     vacuums: Vec<(f64, String)>,
-    seen_after_last_record_ms: f64,
+    seen_ended_at: f64,
 }
 
 impl Drain {
@@ -228,19 +228,24 @@ fn drain(c: &mut Client, ch: &str, n: usize) -> Drain {
     if !ok {
         eprintln!("backlog of {n} not delivered within 900 s");
     }
+    let seen_ended_at = c
+        .query_one("SELECT extract(epoch FROM clock_timestamp())::float8", &[])
+        .map(|r| r.get(0))
+        .unwrap_or(f64::NAN);
     Drain {
         rate: n as f64 / secs,
         progress,
         vacuums,
-        seen_after_last_record_ms: seen_after_last_record_ms(c, ch),
+        seen_ended_at,
     }
 }
 
-/// Milliseconds from the start of the channel's last record transaction (its newest ledger
-/// entry's `recorded_at`) to now.
-fn seen_after_last_record_ms(c: &mut Client, channel: &str) -> f64 {
+/// When the channel's last record transaction began (its newest ledger entry's
+/// `recorded_at`, unix seconds). It reads the channel's entries of the whole ledger: asked
+/// after a drain's costs are taken, so that they do not count it.
+fn last_record_began_at(c: &mut Client, channel: &str) -> f64 {
     c.query_one(
-        "SELECT coalesce(extract(epoch FROM clock_timestamp() - max(l.recorded_at)) * 1000, 'NaN')::float8
+        "SELECT coalesce(extract(epoch FROM max(l.recorded_at)), 'NaN')::float8
            FROM outbox._ledger l JOIN outbox._channels ch ON ch.id = l.channel_id WHERE ch.name = $1",
         &[&channel],
     )
@@ -298,7 +303,8 @@ fn costed_drain(
     let delivery = before.cost(&mut c, &workers, &server, sink);
     Costed {
         rate: drained.rate,
-        seen_after_last_record_ms: drained.seen_after_last_record_ms,
+        seen_after_last_record_ms: (drained.seen_ended_at - last_record_began_at(&mut c, &ch))
+            * 1000.0,
         enqueue,
         delivery,
     }
