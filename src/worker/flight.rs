@@ -143,6 +143,14 @@ pub struct Sends {
 impl Sends {
     /// Starts every send on `runtime`; they run while the worker does other things, and
     /// ring `bell` when the first and the last of them end.
+    ///
+    /// The batch crosses to the runtime's thread as one task, which starts each send as a
+    /// task of its own from there. A task spawned from outside the runtime wakes its
+    /// thread when that thread sleeps, and a batch handed over send by send woke it about
+    /// once a send: a write to its eventfd and a wake-up of the thread each time. Every
+    /// send has its handover before it crosses: a send that never starts (the runtime shut
+    /// down) hands in a failure when its handover is dropped, like one that ends without
+    /// an outcome.
     pub fn start(
         runtime: &tokio::runtime::Handle,
         bell: &Arc<Bell>,
@@ -151,17 +159,28 @@ impl Sends {
         let (outbox, inbox) = mpsc::channel();
         let total = sends.len();
         let left = Arc::new(AtomicUsize::new(total));
-        for (index, send) in sends {
-            let mut handover = Handover {
-                index,
-                inbox: Some(outbox.clone()),
-                bell: bell.clone(),
-                left: left.clone(),
-                total,
-            };
+        let batch: Vec<(Handover, Pending<Sent>)> = sends
+            .into_iter()
+            .map(|(index, send)| {
+                let handover = Handover {
+                    index,
+                    inbox: Some(outbox.clone()),
+                    bell: bell.clone(),
+                    left: left.clone(),
+                    total,
+                };
+                (handover, send)
+            })
+            .collect();
+        drop(outbox);
+        if !batch.is_empty() {
             runtime.spawn(async move {
-                let sent = send.await;
-                handover.hand_in(sent);
+                for (mut handover, send) in batch {
+                    tokio::spawn(async move {
+                        let sent = send.await;
+                        handover.hand_in(sent);
+                    });
+                }
             });
         }
         Sends {
