@@ -299,3 +299,72 @@ fn a_claim_reads_nothing_of_the_queue_of_a_channel_at_its_bound() {
     message_scans_run(&plan, &mut run);
     assert!(run.is_empty(), "the claim read the queue of a channel without room: {run:?}\n{plan:#}");
 }
+
+/// Every probe of the ledger's tables in `plan` (EXPLAIN ANALYZE's JSON) that looks an
+/// effect up (not the check whether a table holds any entry): its table and its loops.
+fn ledger_probes(plan: &serde_json::Value, found: &mut Vec<(String, i64)>) {
+    each_node(plan, &mut |node| {
+        let table = node.get("Relation Name").and_then(|r| r.as_str()).unwrap_or("");
+        let cond = node.get("Index Cond").and_then(|c| c.as_str()).unwrap_or("");
+        if table.starts_with("_ledger_") && cond.contains("effect_key") {
+            found.push((table.to_string(), node["Actual Loops"].as_i64().unwrap_or(-1)));
+        }
+    });
+}
+
+/// The barrier (`outbox._ledger_entry`, which the claim inlines) finds an effect in
+/// whichever generation holds it, and does not probe a generation that holds no entry.
+#[pg_test]
+fn the_barrier_finds_an_effect_in_any_generation_and_probes_only_those_with_entries() {
+    let generations = crate::ledger::generations::GENERATIONS;
+    let entry = |key: &str| {
+        Spi::get_one::<i64>(&format!("SELECT (SELECT message_id FROM outbox._ledger_entry('default', '{key}'))")).unwrap()
+    };
+    for g in 0..generations {
+        Spi::run(&format!(
+            "INSERT INTO outbox._ledger (tenant, effect_key, message_id, recorded_by, generation)
+             VALUES ('default', 'barrier-{g}', {}, 'operator', {g})",
+            -100 - i64::from(g)
+        ))
+        .unwrap();
+        assert_eq!(entry(&format!("barrier-{g}")), Some(-100 - i64::from(g)), "an entry of generation {g}");
+    }
+    assert_eq!(entry("barrier-none"), None);
+
+    // A claim when only generation 1 holds entries, one of them for a message it takes
+    // (recorded after that message was enqueued, as a late confirmation would be).
+    Spi::run("DELETE FROM outbox._ledger WHERE generation <> 1").unwrap();
+    Spi::run(
+        "SELECT outbox.create_channel('barrier', 'http://127.0.0.1:9/b', '{\"max_in_flight\": 100, \"max_unverifiable_in_flight\": 100}')",
+    )
+    .unwrap();
+    Spi::run("SELECT count(outbox.enqueue('barrier', '{\"n\": 1}', 'claimed-' || g)) FROM generate_series(1, 20) g")
+        .unwrap();
+    Spi::run(
+        "INSERT INTO outbox._ledger (tenant, effect_key, message_id, recorded_by, generation)
+         VALUES ('default', 'claimed-3', -3, 'operator', 1)",
+    )
+    .unwrap();
+    let claim = &crate::worker::claim::CLAIM_DUE;
+    let mode = claim.plan.plan_cache_mode().to_str().unwrap();
+    Spi::run(&format!("SET LOCAL plan_cache_mode = {mode}")).unwrap();
+    Spi::run("SET LOCAL enable_seqscan = off").unwrap();
+    Spi::run(&format!(
+        "PREPARE barrier_claim(int4, float8, int4, int4, int4[], int8[], int8[], int4[], int4[]) AS {}",
+        claim.sql
+    ))
+    .unwrap();
+    let plan = Spi::get_one::<pgrx::Json>(
+        "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE barrier_claim(200, 60000, 0, 1, '{}', '{}', '{}', '{}', '{}')",
+    )
+    .unwrap()
+    .expect("a plan")
+    .0;
+    Spi::run("DEALLOCATE barrier_claim").unwrap();
+    let mut probes = Vec::new();
+    ledger_probes(&plan, &mut probes);
+    let loops = |table: &str| probes.iter().filter(|(t, _)| t == table).map(|(_, n)| *n).sum::<i64>();
+    assert_eq!(probes.len(), usize::try_from(generations).unwrap(), "a probe of each generation's table: {probes:?}\n{plan:#}");
+    assert_eq!(loops("_ledger_1"), 20, "each claimed message probed in the generation with entries: {probes:?}\n{plan:#}");
+    assert_eq!(loops("_ledger_0") + loops("_ledger_2"), 0, "no probe of an empty generation: {probes:?}\n{plan:#}");
+}
