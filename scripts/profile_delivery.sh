@@ -22,7 +22,10 @@
 #   page cache's dirty and writeback memory, the WAL bytes and full-page images a message,
 #   and the checkpoints begun), WAITS=1 (what the workers' backends were
 #   doing, sampled from pg_stat_activity every 10 ms of the drain: on the CPU, or waiting and
-#   for what: a lock, the WAL's flush at a commit, a read)
+#   for what: a lock, the WAL's flush at a commit, a read), SYSCALLS=1 (the system calls of
+#   the workers, every thread, and of the simulator during the drain, a message each, from
+#   strace -c, which it needs: a drain traced so is several times slower, and its rate means
+#   nothing)
 source "$(dirname "$0")/lib.sh"
 N=${1:-60000}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_profile}
@@ -162,6 +165,15 @@ for run in $(seq 1 "${RUNS:-1}"); do
                         FROM s GROUP BY what ORDER BY count(*) DESC LIMIT 12" >"$OUTBOX_BASE/waits.txt" 2>&1 &
     WAITER=$!
   fi
+  STRACES=""
+  if [ -n "${SYSCALLS:-}" ]; then
+    rm -f "$OUTBOX_BASE"/strace.*
+    for p in $(psql -c "SELECT pid FROM outbox.worker_status() WHERE pid IS NOT NULL"); do
+      strace -c -f -p "$p" -o "$OUTBOX_BASE/strace.worker.$p" 2>/dev/null & STRACES="$STRACES $!"
+    done
+    strace -c -f -p "$SINK_PID" -o "$OUTBOX_BASE/strace.sink" 2>/dev/null & STRACES="$STRACES $!"
+    sleep 1
+  fi
   k0=$(process_ticks $SINK_PID)
   lsn0=$(psql -c "SELECT pg_current_wal_lsn()")
   t0=$(date +%s%N)
@@ -180,6 +192,8 @@ for run in $(seq 1 "${RUNS:-1}"); do
   # Readings of the statements due after the drain ended are not taken.
   if [ -n "$STATEMENT_SAMPLER" ]; then kill $STATEMENT_SAMPLER 2>/dev/null || true; wait $STATEMENT_SAMPLER 2>/dev/null || true; fi
   if [ -n "${TIMELINE:-}" ]; then kill $MACHINE; wait $MACHINE 2>/dev/null || true; fi
+  # shellcheck disable=SC2086  # a list of pids
+  if [ -n "$STRACES" ]; then kill -INT $STRACES 2>/dev/null || true; wait $STRACES 2>/dev/null || true; fi
   echo "run $run: $N messages delivered in $(( (t1 - t0) / 1000000 )) ms: $(( N * 1000000000 / (t1 - t0) )) msg/s ($OUTBOX_WORKERS workers, batch ${BATCH:-200})"
   sleep 1  # the workers report their table statistics before they sleep
   # Per process, its last sample less its first; a process that exits between two samples
@@ -216,6 +230,17 @@ for run in $(seq 1 "${RUNS:-1}"); do
     cat "$OUTBOX_BASE/waits.txt"
   fi
   if [ -n "${TIMELINE:-}" ]; then print_timeline "$OUTBOX_BASE/machine.samples"; fi
+  if [ -n "$STRACES" ]; then
+    echo "system calls a message, the workers (every thread) and the simulator (strace -c; calls, of which failed):"
+    for who in worker sink; do
+      cat "$OUTBOX_BASE"/strace."$who"* 2>/dev/null |
+        awk -v n="$N" -v who="$who" '$NF != "total" && $4 ~ /^[0-9]+$/ {
+               calls[$NF] += $4; if (NF == 6) errors[$NF] += $5 }
+             END { for (c in calls) if (calls[c] / n >= 0.01)
+                     printf "  %-7s %-16s %6.2f (%.2f)\n", who, c, calls[c] / n, errors[c] / n }' |
+        sort -k3 -g -r
+    done
+  fi
   if [ -n "$STATEMENT_SAMPLER" ]; then print_statement_windows "$OUTBOX_BASE/statements.samples"; fi
   if [ -n "${STATEMENTS:-}" ]; then
     echo "statements by total time (ms; buffers and rows per call):"
