@@ -168,7 +168,8 @@ for run in $(seq 1 "${RUNS:-1}"); do
   STRACES=""
   if [ -n "${SYSCALLS:-}" ]; then
     rm -f "$OUTBOX_BASE"/strace.*
-    for p in $(psql -c "SELECT pid FROM outbox.worker_status() WHERE pid IS NOT NULL"); do
+    workers_ready
+    for p in $(psql -c "SELECT pid FROM pg_stat_activity WHERE backend_type LIKE 'outbox_delivery worker%'"); do
       strace -c -f -p "$p" -o "$OUTBOX_BASE/strace.worker.$p" 2>/dev/null & STRACES="$STRACES $!"
     done
     strace -c -f -p "$SINK_PID" -o "$OUTBOX_BASE/strace.sink" 2>/dev/null & STRACES="$STRACES $!"
@@ -233,7 +234,7 @@ for run in $(seq 1 "${RUNS:-1}"); do
   if [ -n "$STRACES" ]; then
     echo "system calls a message, the workers (every thread) and the simulator (strace -c; calls, of which failed):"
     for who in worker sink; do
-      cat "$OUTBOX_BASE"/strace."$who"* 2>/dev/null |
+      { cat "$OUTBOX_BASE"/strace."$who"* 2>/dev/null || true; } |
         awk -v n="$N" -v who="$who" '$NF != "total" && $4 ~ /^[0-9]+$/ {
                calls[$NF] += $4; if (NF == 6) errors[$NF] += $5 }
              END { for (c in calls) if (calls[c] / n >= 0.01)
