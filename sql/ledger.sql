@@ -12,21 +12,10 @@ LANGUAGE sql STABLE PARALLEL SAFE
 -- No SET clause and no SECURITY DEFINER: the claim inlines it as one index probe per
 -- claimed message. OFFSET 0 keeps the probe a subquery of its own, so that the planner
 -- never hashes the whole ledger, which grows with every delivery.
--- A generation with no entry in the statement's snapshot is not probed: whether each holds
--- any is read once per statement (an uncorrelated EXISTS that stops at its first entry,
--- through the ledger itself, so that its privileges and row policies apply), and the
--- probes skip the tables that hold none. Most of the time one of the three is empty, and a
--- fresh ledger has entries in one only: a probe of an empty table costs about as much as
--- one of a full one (BENCHMARKS.md). The entries themselves say which hold any, not
--- outbox._ledger_generations: an entry is found wherever it is.
 AS $fn$
     SELECT l.message_id, l.external_id
       FROM outbox._ledger l
      WHERE l.tenant OPERATOR(pg_catalog.=) $1 AND l.effect_key OPERATOR(pg_catalog.=) $2
-       AND l.generation OPERATOR(pg_catalog.=) ANY (ARRAY[
-               CASE WHEN EXISTS (SELECT FROM outbox._ledger g WHERE g.generation OPERATOR(pg_catalog.=) 0) THEN 0 END,
-               CASE WHEN EXISTS (SELECT FROM outbox._ledger g WHERE g.generation OPERATOR(pg_catalog.=) 1) THEN 1 END,
-               CASE WHEN EXISTS (SELECT FROM outbox._ledger g WHERE g.generation OPERATOR(pg_catalog.=) 2) THEN 2 END])
     OFFSET 0
 $fn$;
 COMMENT ON FUNCTION outbox._ledger_entry(text, text) IS

@@ -36,9 +36,7 @@ pub(crate) static CLAIM_DUE: Statement = Statement::planned_once("
 WITH flying AS MATERIALIZED (
     -- The messages in flight, read once: the claims table is read nowhere else.
     SELECT w.channel_id, pg_catalog.unnest(w.message_ids) AS id FROM outbox._claims w
-), ch AS MATERIALIZED (
-    -- Materialized: each channel's room is computed once, not again at each of the three
-    -- places that read it below (its options parsed, its claims in flight counted).
+), ch AS (
     SELECT c.id,
            -- max_in_flight, or max_unverifiable_in_flight on a channel that can neither
            -- dedupe nor be asked (sql/channels.sql). An option changed by hand into no
