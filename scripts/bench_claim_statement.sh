@@ -4,9 +4,9 @@
 # pgbench run that alternates them (-M prepared, one client, each statement planned as the
 # worker plans it: generic, sequential scans and JIT off). Each transaction claims a batch
 # from a backlog of 100,000 and rolls back; the claims table is vacuumed between
-# transactions, as the workers keep it. The ledger holds 300,000 entries in one generation, the other two
-# are empty, as in a drain of the benchmark. pgbench's per-statement latencies (-r) give
-# each claim's time. A throwaway cluster (port 54847) with the extension and no worker.
+# transactions, as the workers keep it. The ledger holds 300,000 entries in one
+# generation, the other two are empty, as in a drain of the benchmark. pgbench's
+# per-statement latencies (-r) give each claim's time. A throwaway cluster (port 54847) with the extension and no worker.
 # Figures only; nothing is asserted.
 # Usage: scripts/bench_claim_statement.sh [revision = HEAD] [seconds = 30] [batch = 200]
 source "$(dirname "$0")/lib.sh"
@@ -36,9 +36,9 @@ git show "$REV:sql/ledger.sql" >"$DIR/ledger_rev.sql"
 cp src/worker/claim.rs "$DIR/claim_tree.rs"
 cp sql/ledger.sql "$DIR/ledger_tree.sql"
 for which in rev tree; do
-  python3 - "$DIR/claim_$which.rs" "$DIR/ledger_$which.sql" "$which" "$BATCH" >"$DIR/$which.sql" 2>"$DIR/$which.fn" <<'PY'
+  python3 - "$DIR/claim_$which.rs" "$DIR/ledger_$which.sql" "$which" "$BATCH" "$DIR/$which.fn" >"$DIR/$which.sql" <<'PY'
 import re, sys
-claim_rs, ledger_sql, which, batch = sys.argv[1:]
+claim_rs, ledger_sql, which, batch, fn_path = sys.argv[1:]
 src = open(claim_rs).read()
 start = src.index('static CLAIM_DUE')
 body = src[src.index('"', start) + 1:src.index('");', start)]
@@ -60,7 +60,7 @@ print('VACUUM outbox._claims;')
 ledger = open(ledger_sql).read()
 fn = ledger[ledger.index('CREATE FUNCTION outbox._ledger_entry('):]
 fn = fn[:fn.index('$fn$;') + len('$fn$;')]
-sys.stderr.write(fn.replace('outbox._ledger_entry(', f'outbox._ledger_entry_{which}(', 1) + '\n')
+open(fn_path, 'w').write(fn.replace('outbox._ledger_entry(', f'outbox._ledger_entry_{which}(', 1) + '\n')
 PY
   P <"$DIR/$which.fn" >/dev/null
 done
