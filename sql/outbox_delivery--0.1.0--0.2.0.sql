@@ -359,6 +359,13 @@ CREATE TABLE outbox._ledger_2 PARTITION OF outbox._ledger FOR VALUES IN (2)
 COMMENT ON TABLE outbox._ledger_0 IS 'Generation 0 of the ledger (private; read outbox.ledger).';
 COMMENT ON TABLE outbox._ledger_1 IS 'Generation 1 of the ledger (private; read outbox.ledger).';
 COMMENT ON TABLE outbox._ledger_2 IS 'Generation 2 of the ledger (private; read outbox.ledger).';
+-- An entry's payload and headers are the moved message's, as its queue row stored them:
+-- compressed when they compressed, and they are not compressed again (STORAGE EXTERNAL,
+-- in every generation). A value the queue row keeps out of line uncompressed is one that
+-- did not compress there; the default storage tried again with every entry, which cost a
+-- delivery of 4 kB of such a payload a third of its CPU (BENCHMARKS.md, 2026-12-05).
+ALTER TABLE outbox._ledger ALTER COLUMN payload SET STORAGE EXTERNAL,
+                           ALTER COLUMN headers SET STORAGE EXTERNAL;
 
 INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_at, recorded_by, generation)
 SELECT tenant, effect_key, message_id, external_id, recorded_at, recorded_by, 0

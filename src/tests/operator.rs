@@ -186,6 +186,45 @@ fn a_delivered_message_lives_in_its_ledger_entry_and_every_action_still_finds_it
 }
 
 #[pg_test]
+fn a_delivered_payload_moves_into_its_entry_as_stored_and_is_not_compressed_again() {
+    // The entry's payload and headers keep the queue row's storage of them: the ledger's
+    // columns are EXTERNAL, in every generation (sql/schema.sql).
+    let storage = Spi::get_one::<String>(
+        "SELECT string_agg(c.relname || '.' || a.attname || ' ' || a.attstorage::text, ', ' ORDER BY c.relname, a.attname)
+           FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_class c ON c.oid = a.attrelid
+          WHERE c.relnamespace = 'outbox'::regnamespace AND c.relname ~ '^_ledger(_[0-2])?$'
+            AND a.attname IN ('payload', 'headers')",
+    )
+    .unwrap();
+    assert_eq!(
+        storage.as_deref(),
+        Some("_ledger.headers e, _ledger.payload e, _ledger_0.headers e, _ledger_0.payload e, \
+              _ledger_1.headers e, _ledger_1.payload e, _ledger_2.headers e, _ledger_2.payload e")
+    );
+
+    // A payload that compressed in its queue row stays compressed in its entry, and both
+    // read back whole.
+    Spi::run("SELECT outbox.create_channel('opstore', 'http://127.0.0.1:9/ch/opstore')").unwrap();
+    let id = Spi::get_one::<i64>(
+        "SELECT outbox.enqueue('opstore', jsonb_build_object('text', repeat('a delivered payload ', 1000)), 'key-opstore',
+                               headers => jsonb_build_object('X-Note', repeat('n', 3000)))",
+    )
+    .unwrap()
+    .unwrap();
+    set_state(id, "uncertain");
+    let after = Spi::get_one::<String>(&format!("SELECT outbox.resolve({id}, 'delivered', 'seen at the provider')::text")).unwrap();
+    assert_eq!(after.as_deref(), Some("delivered"));
+    let (compression, whole) = Spi::get_two::<String, bool>(&format!(
+        "SELECT pg_catalog.pg_column_compression(l.payload),
+                l.payload = jsonb_build_object('text', repeat('a delivered payload ', 1000))
+                AND l.headers = jsonb_build_object('X-Note', repeat('n', 3000))
+           FROM outbox._ledger l WHERE l.message_id = {id}"
+    ))
+    .unwrap();
+    assert_eq!((compression.as_deref(), whole), (Some("pglz"), Some(true)));
+}
+
+#[pg_test]
 fn a_confirmed_message_whose_effect_is_recorded_already_stays_in_the_queue_table() {
     let id = op_setup("opkept");
     // An entry for the key without its message (as a restore or a move may leave).
