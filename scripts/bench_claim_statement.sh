@@ -8,6 +8,9 @@
 # generation, the other two are empty, as in a drain of the benchmark. pgbench's
 # per-statement latencies (-r) give each claim's time. A throwaway cluster (port 54847) with the extension and no worker.
 # Figures only; nothing is asserted.
+# CHANNELS (1) spreads the backlog over that many channels; IN_FLIGHT (0) puts that many of
+# each channel's oldest messages in a claim of another worker, which every claim counts and
+# passes over.
 # Usage: scripts/bench_claim_statement.sh [revision = HEAD] [seconds = 30] [batch = 200]
 source "$(dirname "$0")/lib.sh"
 REV=${1:-HEAD}
@@ -21,8 +24,16 @@ bash scripts/cluster.sh install >/dev/null
 fresh_cluster >/dev/null
 trap 'bash scripts/cluster.sh destroy >/dev/null 2>&1 || true' EXIT
 P() { bash scripts/cluster.sh psql -qAt "$@"; }
-P -c "SELECT outbox.create_channel('claim', 'http://127.0.0.1:9/x', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512}')" >/dev/null 2>&1
-P -c "SELECT count(outbox.enqueue('claim', jsonb_build_object('n', g, 'text', 'benchmark message'), 'k:' || g)) FROM generate_series(1, 100000) g" >/dev/null
+CHANNELS=${CHANNELS:-1}
+IN_FLIGHT=${IN_FLIGHT:-0}
+P -c "SELECT count(outbox.create_channel('claim' || c, 'http://127.0.0.1:9/x', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512}'))
+        FROM generate_series(1, $CHANNELS) c" >/dev/null 2>&1
+P -c "SELECT count(outbox.enqueue('claim' || (g % $CHANNELS + 1), jsonb_build_object('n', g, 'text', 'benchmark message'), 'k:' || g))
+        FROM generate_series(1, 100000) g" >/dev/null
+P -c "INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
+      SELECT m.channel_id, 1, 2, now() + interval '1 day', now(), array_agg(m.id ORDER BY m.id)
+        FROM (SELECT id, channel_id, row_number() OVER (PARTITION BY channel_id ORDER BY id) AS n FROM outbox._messages) m
+       WHERE m.n <= $IN_FLIGHT GROUP BY m.channel_id" >/dev/null
 P -c "INSERT INTO outbox._ledger (tenant, effect_key, message_id, recorded_by, generation)
       SELECT 'default', 'd:' || g, 10000000 + g, 'worker', 0 FROM generate_series(1, 300000) g" >/dev/null
 P -c "VACUUM ANALYZE" -c "CHECKPOINT" >/dev/null
@@ -66,7 +77,7 @@ PY
 done
 chmod -R a+rX "$DIR"
 SOCK=$OUTBOX_BASE/sock
-echo "claim of $BATCH from a backlog of 100,000, $REV ($(git rev-parse --short "$REV")) beside the tree, alternated by pgbench for ${SECONDS_RUN} s:"
+echo "claim of $BATCH from a backlog of 100,000 on $CHANNELS channel(s), $IN_FLIGHT of each in flight, $REV ($(git rev-parse --short "$REV")) beside the tree, alternated by pgbench for ${SECONDS_RUN} s:"
 PGOPTIONS="-c plan_cache_mode=force_generic_plan -c enable_seqscan=off -c jit=off" runuser -u postgres -- /usr/lib/postgresql/15/bin/pgbench -h "$SOCK" -p "$OUTBOX_PGPORT" -n -M prepared -r \
     -c 1 -T "$SECONDS_RUN" -f "$DIR/rev.sql@1" -f "$DIR/tree.sql@1" \
     outbox 2>&1 |
