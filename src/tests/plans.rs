@@ -299,3 +299,61 @@ fn a_claim_reads_nothing_of_the_queue_of_a_channel_at_its_bound() {
     message_scans_run(&plan, &mut run);
     assert!(run.is_empty(), "the claim read the queue of a channel without room: {run:?}\n{plan:#}");
 }
+
+/// Rows read from the materialized messages in flight (`flying`) by the CTE scans of
+/// `plan` (EXPLAIN ANALYZE's JSON): those each scan returned and those its filter removed,
+/// times its loops.
+fn flying_rows_read(plan: &serde_json::Value) -> f64 {
+    let mut read = 0.0;
+    each_node(plan, &mut |node| {
+        if node.get("Node Type").and_then(|t| t.as_str()) == Some("CTE Scan")
+            && node.get("CTE Name").and_then(|n| n.as_str()) == Some("flying")
+        {
+            let field = |name: &str| node.get(name).and_then(|v| v.as_f64()).unwrap_or(0.0);
+            read += (field("Actual Rows") + field("Rows Removed by Filter")) * field("Actual Loops");
+        }
+    });
+    read
+}
+
+#[pg_test]
+fn a_claim_reads_the_messages_in_flight_a_few_times_whatever_the_number_of_channels() {
+    // Forty channels with a backlog each and ten messages of each in flight: the claim counts
+    // each channel's room from one count of them all, not from a scan of them all for
+    // each channel (three, as `room` is written out where it is read).
+    for i in 0..40 {
+        Spi::run(&format!("SELECT outbox.create_channel('flying_{i}', 'http://127.0.0.1:9/x/{i}')")).unwrap();
+    }
+    Spi::run("SELECT count(outbox.enqueue('flying_' || (g % 40), '{\"n\": 1}', 'fl' || g)) FROM generate_series(1, 4000) g").unwrap();
+    Spi::run(
+        "INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
+         SELECT channel_id, 0, 1, now() + interval '1 minute', now(), (array_agg(id ORDER BY id))[1:10]
+           FROM outbox._messages GROUP BY channel_id",
+    )
+    .unwrap();
+    Spi::run("ANALYZE outbox._messages").unwrap();
+    Spi::run("ANALYZE outbox._claims").unwrap();
+    let in_flight = Spi::get_one::<i64>("SELECT sum(cardinality(message_ids)) FROM outbox._claims").unwrap().unwrap();
+    assert_eq!(in_flight, 400);
+    let claim = &crate::worker::claim::CLAIM_DUE;
+    let mode = claim.plan.plan_cache_mode().to_str().unwrap();
+    Spi::run(&format!("SET LOCAL plan_cache_mode = {mode}")).unwrap();
+    Spi::run("SET LOCAL enable_seqscan = off").unwrap();
+    Spi::run(&format!(
+        "PREPARE claim_statement(int4, float8, int4, int4, int4[], int8[], int8[], int4[], int4[]) AS {}",
+        claim.sql
+    ))
+    .unwrap();
+    let plan = Spi::get_one::<pgrx::Json>(
+        "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim_statement(200, 60000, 0, 1, '{}', '{}', '{}', '{}', '{}')",
+    )
+    .unwrap()
+    .expect("a plan")
+    .0;
+    Spi::run("DEALLOCATE claim_statement").unwrap();
+    let read = flying_rows_read(&plan);
+    assert!(
+        read <= 4.0 * in_flight as f64,
+        "the claim read {read} rows of the {in_flight} messages in flight\n{plan:#}"
+    );
+}

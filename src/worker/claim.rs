@@ -36,6 +36,10 @@ pub(crate) static CLAIM_DUE: Statement = Statement::planned_once("
 WITH flying AS MATERIALIZED (
     -- The messages in flight, read once: the claims table is read nowhere else.
     SELECT w.channel_id, pg_catalog.unnest(w.message_ids) AS id FROM outbox._claims w
+), flying_per_channel AS (
+    -- Counted once for every channel: `room` below is written out wherever it is read,
+    -- and a count per channel there read every message in flight three times a channel.
+    SELECT flying.channel_id, count(*) AS n FROM flying GROUP BY flying.channel_id
 ), ch AS (
     SELECT c.id,
            -- max_in_flight, or max_unverifiable_in_flight on a channel that can neither
@@ -43,12 +47,12 @@ WITH flying AS MATERIALIZED (
            -- number counts as the default; the worker then fails that channel's messages
            -- readably.
            -- At most the cap of its rate limit or circuit ($8, $9; src/worker/flow.rs).
-           greatest(0, least(outbox._in_flight_bound(c.options)
-                             - (SELECT count(*) FROM flying WHERE flying.channel_id = c.id),
+           greatest(0, least(outbox._in_flight_bound(c.options) - coalesce(n.n, 0),
                              coalesce(g.cap, 2147483647)))::int AS room,
            coalesce(timestamptz 'epoch' + f.due_at_us * interval '1 microsecond', '-infinity') AS floor_at,
            coalesce(f.id, 0) AS floor_id
       FROM outbox._channels c
+      LEFT JOIN flying_per_channel n ON n.channel_id = c.id
       LEFT JOIN unnest($5::int4[], $6::int8[], $7::int8[]) AS f(channel_id, due_at_us, id)
              ON f.channel_id = c.id
       LEFT JOIN unnest($8::int4[], $9::int4[]) AS g(channel_id, cap) ON g.channel_id = c.id
