@@ -320,7 +320,7 @@ fn flying_rows_read(plan: &serde_json::Value) -> f64 {
 fn a_claim_reads_the_messages_in_flight_a_few_times_whatever_the_number_of_channels() {
     // Forty channels with a backlog each and ten messages of each in flight: the claim counts
     // each channel's room from one count of them all, not from a scan of them all for
-    // each channel (three, as `room` is written out where it is read).
+    // each channel (16,000 rows read here before).
     for i in 0..40 {
         Spi::run(&format!("SELECT outbox.create_channel('flying_{i}', 'http://127.0.0.1:9/x/{i}')")).unwrap();
     }

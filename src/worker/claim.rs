@@ -37,8 +37,8 @@ WITH flying AS MATERIALIZED (
     -- The messages in flight, read once: the claims table is read nowhere else.
     SELECT w.channel_id, pg_catalog.unnest(w.message_ids) AS id FROM outbox._claims w
 ), flying_per_channel AS (
-    -- Counted once for every channel: `room` below is written out wherever it is read,
-    -- and a count per channel there read every message in flight three times a channel.
+    -- Counted once for all channels: a count in `room` below, for each channel, read all
+    -- the messages in flight once a channel (more where `room` is written out again).
     SELECT flying.channel_id, count(*) AS n FROM flying GROUP BY flying.channel_id
 ), ch AS (
     SELECT c.id,
