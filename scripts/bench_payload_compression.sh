@@ -28,15 +28,9 @@ SELECT outbox.pause_channel('compression', 'payload compression benchmark: nothi
 CREATE TABLE public.payloads (kind text, g int, p jsonb);
 ALTER TABLE public.payloads ALTER COLUMN p SET STORAGE EXTERNAL;
 INSERT INTO public.payloads
-SELECT 'hex', g, jsonb_build_object('n', g, 'text',
-         (SELECT string_agg(md5(g::text || ':' || i), '') FROM generate_series(1, greatest(1, $BYTES / 32)) i))
-  FROM generate_series(1, $N) g;
+SELECT 'hex', g, jsonb_build_object('n', g, 'text', $(payload_items_sql hex "$BYTES")) FROM generate_series(1, $N) g;
 INSERT INTO public.payloads
-SELECT 'json', g, jsonb_build_object('n', g, 'lines',
-         (SELECT jsonb_agg(jsonb_build_object('line', i, 'sku', 'sku-' || (g * 31 + i) % 997,
-                                              'qty', (g + i) % 7 + 1, 'note', 'benchmark message'))
-            FROM generate_series(1, greatest(1, $BYTES / 64)) i))
-  FROM generate_series(1, $N) g;
+SELECT 'json', g, jsonb_build_object('n', g, 'lines', $(payload_items_sql json "$BYTES")) FROM generate_series(1, $N) g;
 SQL
 echo "enqueue of $N payloads a round (their text $(psql -c "SELECT string_agg(kind || ' ' || round(avg_text) || ' B', ', ') FROM (SELECT kind, avg(octet_length(p::text)) AS avg_text FROM public.payloads GROUP BY kind ORDER BY kind) s"))"
 ms() { psql -c '\timing on' -c "$1" | awk '/^Time:/ { print $2 }'; }

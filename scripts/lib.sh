@@ -39,6 +39,18 @@ start_quiet_sink() {
   trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
 }
 
+# SQL for the content of a larger payload of about $2 bytes, for row `g` of a
+# generate_series: with $1 `hex`, hexadecimal digits, which compress little (a token, an
+# encrypted or encoded attachment); with `json`, an array of small objects, which compress
+# as JSON does.
+payload_items_sql() {
+  case "$1" in
+    hex) echo "(SELECT string_agg(md5(g::text || ':' || i), '') FROM generate_series(1, greatest(1, $2 / 32)) i)" ;;
+    json) echo "(SELECT jsonb_agg(jsonb_build_object('line', i, 'sku', 'sku-' || (g * 31 + i) % 997, 'qty', (g + i) % 7 + 1, 'note', 'benchmark message')) FROM generate_series(1, greatest(1, $2 / 64)) i)" ;;
+    *) echo "payload_items_sql: no payload kind $1 (hex or json)" >&2; return 1 ;;
+  esac
+}
+
 # The median of the numbers on standard input (separated by spaces or lines; the upper one
 # of an even count).
 median() { tr ' ' '\n' | grep -v '^$' | sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }

@@ -141,15 +141,9 @@ for run in $(seq 1 "${RUNS:-1}"); do
   if [ -n "${SETUP_SQL:-}" ]; then psql -c "$SETUP_SQL" >/dev/null; fi
   psql -c "SELECT outbox.create_channel('profile', 'http://127.0.0.1:$SINK_PORT/ch/profile', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb || '$CHANNEL_OPTIONS'::jsonb)" \
        -c "SELECT outbox.pause_channel('profile', 'loading the backlog')" >/dev/null
-  # Each payload: a short text, or with PAYLOAD_BYTES about that many bytes of hexadecimal
-  # digits, which compress little (a token, an encrypted or encoded attachment), or with
-  # PAYLOAD_KIND=json of small objects, which compress as JSON does.
+  # Each payload: a short text, or with PAYLOAD_BYTES a larger one (lib.sh).
   ITEMS="'benchmark message'"
-  if [ -n "${PAYLOAD_BYTES:-}" ] && [ "${PAYLOAD_KIND:-hex}" = json ]; then
-    ITEMS="(SELECT jsonb_agg(jsonb_build_object('line', i, 'sku', 'sku-' || (g * 31 + i) % 997, 'qty', (g + i) % 7 + 1, 'note', 'benchmark message')) FROM generate_series(1, greatest(1, $PAYLOAD_BYTES / 64)) i)"
-  elif [ -n "${PAYLOAD_BYTES:-}" ]; then
-    ITEMS="(SELECT string_agg(md5(g::text || ':' || i), '') FROM generate_series(1, greatest(1, $PAYLOAD_BYTES / 32)) i)"
-  fi
+  if [ -n "${PAYLOAD_BYTES:-}" ]; then ITEMS=$(payload_items_sql "${PAYLOAD_KIND:-hex}" "$PAYLOAD_BYTES"); fi
   psql -c "SELECT count(outbox.enqueue('profile', jsonb_build_object('n', g, 'text', $ITEMS), 'k:' || g)) FROM generate_series(1, $N) g" >/dev/null
   psql -c "SELECT 'payload ' || round(avg(octet_length(payload::text))) || ' bytes as text, ' || round(avg(pg_column_size(payload))) || ' bytes stored' FROM (SELECT payload FROM outbox._messages LIMIT 1000) s"
   psql -c "VACUUM ANALYZE outbox._messages" >/dev/null
