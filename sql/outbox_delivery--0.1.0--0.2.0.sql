@@ -180,8 +180,16 @@ BEGIN
 END
 $fn$;
 
+-- What is left of a claim once its recorded messages are taken out: the worker's record
+-- calls it on each of its claims (src/worker/claim_release.rs).
+CREATE FUNCTION outbox._claim_ids_left(ids bigint[], released bigint[]) RETURNS bigint[]
+IMMUTABLE STRICT PARALLEL SAFE COST 1000
+LANGUAGE c
+AS 'MODULE_PATHNAME', '_claim_ids_left_wrapper';
+
 -- Nothing of the extension is PUBLIC's (sql/privileges.sql): the new functions neither.
 REVOKE ALL ON FUNCTION
+    outbox._claim_ids_left(bigint[], bigint[]),
     outbox._can_verify(jsonb),
     outbox._can_look_up(jsonb),
     outbox._in_flight_bound(jsonb),
@@ -192,6 +200,7 @@ REVOKE ALL ON FUNCTION
 -- outbox.alerts asks whether a channel can look an uncertain message up (pg_monitor reads
 -- it); granted first, as a fresh install does.
 GRANT EXECUTE ON FUNCTION outbox._can_look_up(jsonb) TO pg_monitor;
+GRANT EXECUTE ON FUNCTION outbox._claim_ids_left(bigint[], bigint[]) TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox._option_int(jsonb, text[]) TO outbox_admin;
 GRANT EXECUTE ON FUNCTION
     outbox._can_verify(jsonb),

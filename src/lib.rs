@@ -85,6 +85,7 @@ mod tests {
     include!("tests/observability.rs");
     include!("tests/tenancy.rs");
     include!("tests/plans.rs");
+    include!("tests/claims.rs");
 }
 
 /// Required by `cargo pgrx test`.

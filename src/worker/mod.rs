@@ -6,6 +6,7 @@
 
 pub mod claim;
 pub mod claim_cursor;
+pub mod claim_release;
 pub mod claims_upkeep;
 pub mod cycle;
 pub mod decide;

@@ -87,22 +87,25 @@ SELECT m.id, m.tenant, o.attempt, 'send', m.attempt_started_at, now(), o.outcome
  WHERE NOT o.row_written",
 );
 
-/// Takes messages (`$1`) out of their claims, once their outcomes are recorded: out of the
-/// recording worker's own claims, or of the claims `$2` (those recovery took them back
-/// from). A claim left empty is deleted. Each claim's ids are read
-/// from the version the statement writes, so that a claim changed meanwhile by another
-/// worker's recovery loses nothing that recovery took out of it. (A hash of `$1` for each
-/// claim, through `NOT IN` subqueries, cost three times as much as these comparisons.)
-static RELEASE_CLAIMED: Statement = Statement::planned_once(
+/// Takes messages (`$1`, ascending) out of their claims, once their outcomes are recorded:
+/// out of the recording worker's own claims, or of the claims `$2` (those recovery took them
+/// back from). A claim left empty is deleted. Each claim's ids are read from the version
+/// the statement writes, so that a claim changed meanwhile by another worker's recovery
+/// loses nothing that recovery took out of it. What is left of a claim is computed in one
+/// pass (`outbox._claim_ids_left`, `claim_release`: NULL for a claim none of whose messages
+/// is released); the delete and the update take disjoint claims, those left with none and
+/// those left with some.
+pub(crate) static RELEASE_CLAIMED: Statement = Statement::planned_once(
     "
 WITH emptied AS (
     DELETE FROM outbox._claims w
-     WHERE (w.worker_pid = pg_catalog.pg_backend_pid() OR w.id = ANY ($2::int8[])) AND w.message_ids <@ $1::int8[]
+     WHERE (w.worker_pid = pg_catalog.pg_backend_pid() OR w.id = ANY ($2::int8[]))
+       AND pg_catalog.cardinality(outbox._claim_ids_left(w.message_ids, $1::int8[])) = 0
 )
 UPDATE outbox._claims w
-   SET message_ids = ARRAY(SELECT x FROM pg_catalog.unnest(w.message_ids) AS x WHERE x <> ALL ($1::int8[]))
- WHERE (w.worker_pid = pg_catalog.pg_backend_pid() OR w.id = ANY ($2::int8[])) AND w.message_ids && $1::int8[]
-   AND NOT (w.message_ids <@ $1::int8[])",
+   SET message_ids = outbox._claim_ids_left(w.message_ids, $1::int8[])
+ WHERE (w.worker_pid = pg_catalog.pg_backend_pid() OR w.id = ANY ($2::int8[]))
+   AND pg_catalog.cardinality(outbox._claim_ids_left(w.message_ids, $1::int8[])) > 0",
 );
 
 /// Rows of sends still open from before the update from 0.1.0, which wrote a send's row
@@ -317,12 +320,14 @@ pub fn release_claimed(
     outcomes: &Outcomes,
     claims: &[i64],
 ) -> SpiResult<()> {
-    let ids: Vec<i64> = outcomes
+    let mut ids: Vec<i64> = outcomes
         .delivered
         .iter()
         .map(|d| d.message_id)
         .chain(outcomes.settled.iter().map(|s| s.message_id))
         .collect();
+    // Sorted, as `outbox._claim_ids_left` would otherwise sort them for every claim.
+    ids.sort_unstable();
     if ids.is_empty() {
         return Ok(());
     }
