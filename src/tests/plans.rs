@@ -264,6 +264,27 @@ fn message_scans_run(plan: &serde_json::Value, found: &mut Vec<String>) {
     });
 }
 
+/// EXPLAIN ANALYZE of a claim of 200 planned as the worker plans it, from the heads of the
+/// channels (no cursor, no flow control caps).
+fn analyzed_claim_plan() -> serde_json::Value {
+    let claim = &crate::worker::claim::CLAIM_DUE;
+    let mode = claim.plan.plan_cache_mode().to_str().unwrap();
+    Spi::run(&format!("SET LOCAL plan_cache_mode = {mode}")).unwrap();
+    Spi::run(&format!(
+        "PREPARE claim_statement(int4, float8, int4, int4, int4[], int8[], int8[], int4[], int4[]) AS {}",
+        claim.sql
+    ))
+    .unwrap();
+    let plan = Spi::get_one::<pgrx::Json>(
+        "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim_statement(200, 60000, 0, 1, '{}', '{}', '{}', '{}', '{}')",
+    )
+    .unwrap()
+    .expect("a plan")
+    .0;
+    Spi::run("DEALLOCATE claim_statement").unwrap();
+    plan
+}
+
 #[pg_test]
 fn a_claim_reads_nothing_of_the_queue_of_a_channel_at_its_bound() {
     // A channel with a backlog and as many messages in flight as its bound allows, and
@@ -280,21 +301,7 @@ fn a_claim_reads_nothing_of_the_queue_of_a_channel_at_its_bound() {
     )
     .unwrap();
     Spi::run("ANALYZE outbox._claims").unwrap();
-    let claim = &crate::worker::claim::CLAIM_DUE;
-    let mode = claim.plan.plan_cache_mode().to_str().unwrap();
-    Spi::run(&format!("SET LOCAL plan_cache_mode = {mode}")).unwrap();
-    Spi::run(&format!(
-        "PREPARE claim_statement(int4, float8, int4, int4, int4[], int8[], int8[], int4[], int4[]) AS {}",
-        claim.sql
-    ))
-    .unwrap();
-    let plan = Spi::get_one::<pgrx::Json>(
-        "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim_statement(200, 60000, 0, 1, '{}', '{}', '{}', '{}', '{}')",
-    )
-    .unwrap()
-    .expect("a plan")
-    .0;
-    Spi::run("DEALLOCATE claim_statement").unwrap();
+    let plan = analyzed_claim_plan();
     let mut run = Vec::new();
     message_scans_run(&plan, &mut run);
     assert!(run.is_empty(), "the claim read the queue of a channel without room: {run:?}\n{plan:#}");
@@ -335,22 +342,8 @@ fn a_claim_reads_the_messages_in_flight_a_few_times_whatever_the_number_of_chann
     Spi::run("ANALYZE outbox._claims").unwrap();
     let in_flight = Spi::get_one::<i64>("SELECT sum(cardinality(message_ids)) FROM outbox._claims").unwrap().unwrap();
     assert_eq!(in_flight, 400);
-    let claim = &crate::worker::claim::CLAIM_DUE;
-    let mode = claim.plan.plan_cache_mode().to_str().unwrap();
-    Spi::run(&format!("SET LOCAL plan_cache_mode = {mode}")).unwrap();
     Spi::run("SET LOCAL enable_seqscan = off").unwrap();
-    Spi::run(&format!(
-        "PREPARE claim_statement(int4, float8, int4, int4, int4[], int8[], int8[], int4[], int4[]) AS {}",
-        claim.sql
-    ))
-    .unwrap();
-    let plan = Spi::get_one::<pgrx::Json>(
-        "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim_statement(200, 60000, 0, 1, '{}', '{}', '{}', '{}', '{}')",
-    )
-    .unwrap()
-    .expect("a plan")
-    .0;
-    Spi::run("DEALLOCATE claim_statement").unwrap();
+    let plan = analyzed_claim_plan();
     let read = flying_rows_read(&plan);
     assert!(
         read <= 4.0 * in_flight as f64,
