@@ -187,9 +187,31 @@ IMMUTABLE STRICT PARALLEL SAFE COST 1000
 LANGUAGE c
 AS 'MODULE_PATHNAME', '_claim_ids_left_wrapper';
 
+-- The effect key as providers see it and a time since the Unix epoch, which the claim
+-- computes for every message it takes: functions of the library now, no longer SQL (a
+-- regular expression and a numeric each; src/effect_key.rs, src/clock.rs). Replaced in
+-- place: the views that call outbox._provider_key, its comment and its grants stay.
+CREATE OR REPLACE FUNCTION outbox._provider_key(tenant text, effect_key text) RETURNS text
+IMMUTABLE STRICT PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', '_provider_key_wrapper';
+CREATE OR REPLACE FUNCTION outbox._epoch_ms(t timestamptz) RETURNS int8
+IMMUTABLE STRICT PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', '_epoch_ms_wrapper';
+CREATE FUNCTION outbox._epoch_us(t timestamptz) RETURNS int8
+IMMUTABLE STRICT PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', '_epoch_us_wrapper';
+COMMENT ON FUNCTION outbox._epoch_ms(timestamptz) IS
+    'A time as milliseconds since the Unix epoch, rounded half away from zero; NULL for -infinity and infinity.';
+COMMENT ON FUNCTION outbox._epoch_us(timestamptz) IS
+    'A time as microseconds since the Unix epoch; NULL for -infinity and infinity, and for a time whose count does not fit in bigint.';
+
 -- Nothing of the extension is PUBLIC's (sql/privileges.sql): the new functions neither.
 REVOKE ALL ON FUNCTION
     outbox._claim_ids_left(bigint[], bigint[]),
+    outbox._epoch_us(timestamptz),
     outbox._can_verify(jsonb),
     outbox._can_look_up(jsonb),
     outbox._in_flight_bound(jsonb),
@@ -201,6 +223,7 @@ REVOKE ALL ON FUNCTION
 -- it); granted first, as a fresh install does.
 GRANT EXECUTE ON FUNCTION outbox._can_look_up(jsonb) TO pg_monitor;
 GRANT EXECUTE ON FUNCTION outbox._claim_ids_left(bigint[], bigint[]) TO outbox_worker;
+GRANT EXECUTE ON FUNCTION outbox._epoch_us(timestamptz) TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox._option_int(jsonb, text[]) TO outbox_admin;
 GRANT EXECUTE ON FUNCTION
     outbox._can_verify(jsonb),

@@ -86,7 +86,8 @@ GRANT USAGE ON ALL SEQUENCES IN SCHEMA outbox TO outbox_worker;
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox._ledger_generations TO outbox_worker;
 GRANT TRUNCATE ON outbox._ledger_0, outbox._ledger_1, outbox._ledger_2 TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox._ledger_current_generation() TO outbox_worker;
-GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text), outbox._epoch_ms(timestamptz) TO outbox_worker;
+GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text), outbox._epoch_ms(timestamptz), outbox._epoch_us(timestamptz)
+    TO outbox_worker;
 -- What is left of a claim once its recorded messages are taken out (src/worker/claim_release.rs).
 GRANT EXECUTE ON FUNCTION outbox._claim_ids_left(bigint[], bigint[]) TO outbox_worker;
 -- outbox.attempts (read as its reader) shows the key a send in progress carries.

@@ -94,32 +94,10 @@ CREATE TRIGGER _tenant_bindings_changed
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox._tenant_bindings
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._config_changed();
 
--- The effect key as providers see it (idempotency and reference headers, reconcile URLs,
--- the argument of a sql channel's function). Keys are unique per tenant, and a channel may
--- be shared by tenants whose provider dedupes by key across all of them: outside the
--- default tenant the key is qualified, unambiguously (length-prefixed), by its tenant, so
--- that one tenant's key can never make a provider drop another tenant's effect.
--- Not STRICT, so that the planner inlines it (a STRICT function whose body has a CASE is
--- called row by row instead); a NULL argument still gives NULL.
-CREATE FUNCTION outbox._provider_key(tenant text, effect_key text) RETURNS text
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
-BEGIN ATOMIC
-    -- A default-tenant key that itself starts like a qualified one is qualified too, so
-    -- that no two (tenant, key) pairs ever give the same text.
-    SELECT CASE WHEN tenant = 'default' AND effect_key !~ '^[0-9]+:' THEN effect_key
-                ELSE pg_catalog.octet_length(tenant)::text || ':' || tenant || ':' || effect_key END;
-END;
-COMMENT ON FUNCTION outbox._provider_key(text, text) IS
-    'The effect key a provider receives: the key itself in tenant default (unless it starts with digits and a colon), else <bytes of tenant>:<tenant>:<key>.';
-
--- A time as milliseconds since the epoch, as the worker reads times; NULL for -infinity
--- and infinity, which have no number (a row may hold them when written by hand). Not
--- STRICT, and STABLE like extract() of a timestamptz, so that the planner inlines it.
-CREATE FUNCTION outbox._epoch_ms(t timestamptz) RETURNS int8
-LANGUAGE sql STABLE PARALLEL SAFE
-BEGIN ATOMIC
-    SELECT CASE WHEN isfinite(t) THEN (extract(epoch FROM t) * 1000)::int8 END;
-END;
+-- The effect key as providers see it, outbox._provider_key(tenant, effect_key), and a time
+-- as milliseconds or microseconds since the Unix epoch, outbox._epoch_ms(t) and
+-- outbox._epoch_us(t), are functions of the extension's library (src/effect_key.rs,
+-- src/clock.rs): the claim calls them for every message it takes.
 
 -- A tenant name: 1 to 128 bytes, no control characters; '*' only where allowed
 -- (bindings): outbox._check_tenant_name(tenant, argument, star_allowed), in src/tenancy.rs.

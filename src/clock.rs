@@ -8,3 +8,133 @@ pub fn now_ms() -> i64 {
         .map(|d| d.as_millis() as i64)
         .unwrap_or_default()
 }
+
+/// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01 00:00 UTC), from which a
+/// `timestamptz` counts its microseconds.
+const POSTGRES_EPOCH_UNIX_US: i64 = 946_684_800_000_000;
+
+/// A `timestamptz` (microseconds since 2000-01-01) as microseconds since the Unix epoch;
+/// `None` for -infinity and infinity, and for the few times near the end of the range
+/// whose count does not fit in `i64`.
+pub fn unix_us(timestamptz: i64) -> Option<i64> {
+    if timestamptz == i64::MIN || timestamptz == i64::MAX {
+        return None;
+    }
+    timestamptz.checked_add(POSTGRES_EPOCH_UNIX_US)
+}
+
+/// A `timestamptz` as milliseconds since the Unix epoch, rounded half away from zero, as
+/// `(extract(epoch FROM t) * 1000)::int8` rounds; `None` for -infinity and infinity.
+pub fn unix_ms(timestamptz: i64) -> Option<i64> {
+    if timestamptz == i64::MIN || timestamptz == i64::MAX {
+        return None;
+    }
+    // On the count since the Unix epoch, which may not fit in i64 near the end of the range
+    // (its milliseconds do): halves round away from that epoch, not from PostgreSQL's.
+    let us = i128::from(timestamptz) + i128::from(POSTGRES_EPOCH_UNIX_US);
+    let (ms, rest) = (us / 1000, us % 1000);
+    let rounded = match rest {
+        500.. => ms + 1,
+        ..=-500 => ms - 1,
+        _ => ms,
+    };
+    i64::try_from(rounded).ok()
+}
+
+/// `outbox._epoch_ms(t)`: a time as milliseconds since the Unix epoch, as the worker reads
+/// times ([`unix_ms`]); NULL for -infinity and infinity, which have no number (a row may
+/// hold them when written by hand).
+#[pgrx::pg_extern(immutable, strict, parallel_safe)]
+fn _epoch_ms(t: pgrx::datum::TimestampWithTimeZone) -> Option<i64> {
+    unix_ms(t.into_inner())
+}
+
+/// `outbox._epoch_us(t)`: a time as microseconds since the Unix epoch ([`unix_us`]); NULL
+/// for -infinity, infinity and a time past the year 294,000 or so. The claim reads each
+/// message's times so: `extract(epoch FROM t)`, a numeric, cost it about 0.3 µs a time
+/// (BENCHMARKS.md).
+#[pgrx::pg_extern(immutable, strict, parallel_safe)]
+fn _epoch_us(t: pgrx::datum::TimestampWithTimeZone) -> Option<i64> {
+    unix_us(t.into_inner())
+}
+
+pgrx::extension_sql!(
+    r#"COMMENT ON FUNCTION outbox._epoch_ms(timestamptz) IS
+    'A time as milliseconds since the Unix epoch, rounded half away from zero; NULL for -infinity and infinity.';
+COMMENT ON FUNCTION outbox._epoch_us(timestamptz) IS
+    'A time as microseconds since the Unix epoch; NULL for -infinity and infinity, and for a time whose count does not fit in bigint.';"#,
+    name = "epoch_comments",
+    requires = [_epoch_ms, _epoch_us]
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Exact arithmetic on i128, as `extract(epoch FROM t)` (a numeric) computes it, rounded
+    /// half away from zero as a numeric's cast to bigint rounds.
+    fn ms_as_numeric(timestamptz: i64) -> i64 {
+        let us = timestamptz as i128 + POSTGRES_EPOCH_UNIX_US as i128;
+        let (ms, rest) = (us / 1000, (us % 1000).abs());
+        (if rest >= 500 { ms + us.signum() } else { ms }) as i64
+    }
+
+    #[test]
+    fn milliseconds_round_half_away_from_zero() {
+        let edges = [
+            0i64,
+            1,
+            499,
+            500,
+            501,
+            999,
+            1000,
+            1499,
+            1500,
+            -1,
+            -499,
+            -500,
+            -501,
+            -999,
+            -1000,
+            -1500,
+            -POSTGRES_EPOCH_UNIX_US,
+            -POSTGRES_EPOCH_UNIX_US - 500,
+            -POSTGRES_EPOCH_UNIX_US + 500,
+            -POSTGRES_EPOCH_UNIX_US - 499,
+            i64::MIN + 1,
+            i64::MAX - 1,
+            9_223_371_331_200_000_000,
+        ];
+        for base in edges {
+            for delta in -1001..=1001 {
+                let Some(t) = base.checked_add(delta) else {
+                    continue;
+                };
+                if t == i64::MIN || t == i64::MAX {
+                    continue;
+                }
+                assert_eq!(unix_ms(t), Some(ms_as_numeric(t)), "{t}");
+            }
+        }
+    }
+
+    #[test]
+    fn infinities_have_no_number() {
+        for f in [unix_ms, unix_us] {
+            assert_eq!(f(i64::MIN), None);
+            assert_eq!(f(i64::MAX), None);
+        }
+    }
+
+    #[test]
+    fn microseconds_count_from_the_unix_epoch() {
+        assert_eq!(unix_us(0), Some(946_684_800_000_000));
+        assert_eq!(unix_us(-946_684_800_000_000), Some(0));
+        assert_eq!(unix_us(-946_684_800_000_001), Some(-1));
+        // The end of timestamptz's range (294276 AD) is past what fits.
+        assert_eq!(unix_us(9_223_371_331_200_000_000), None);
+        assert_eq!(unix_us(i64::MAX - POSTGRES_EPOCH_UNIX_US), Some(i64::MAX));
+        assert_eq!(unix_us(i64::MAX - POSTGRES_EPOCH_UNIX_US + 1), None);
+    }
+}

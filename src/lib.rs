@@ -46,7 +46,13 @@ extension_sql_file!("../sql/ledger.sql", name = "ledger", requires = ["schema"])
 extension_sql_file!(
     "../sql/views.sql",
     name = "views",
-    requires = ["tenancy", "channels", _masked_url, _masked_options]
+    requires = [
+        "tenancy",
+        "channels",
+        _masked_url,
+        _masked_options,
+        _provider_key
+    ]
 );
 extension_sql_file!(
     "../sql/operator.sql",
@@ -86,6 +92,7 @@ mod tests {
     include!("tests/tenancy.rs");
     include!("tests/plans.rs");
     include!("tests/claims.rs");
+    include!("tests/times.rs");
 }
 
 /// Required by `cargo pgrx test`.

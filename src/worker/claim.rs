@@ -110,14 +110,14 @@ WITH flying AS MATERIALIZED (
      GROUP BY due.channel_id
  RETURNING channel_id, started_at
 )
-SELECT d.id, (extract(epoch FROM c.started_at) * 1000000)::int8, d.attempt, d.tenant, d.channel_id,
-       outbox._provider_key(d.tenant, d.effect_key), d.payload::text, d.headers::text,
+SELECT d.id, outbox._epoch_us(c.started_at), d.attempt, d.tenant, d.channel_id,
+       d.effect_key, d.payload::text, d.headers::text,
        -- NULL (read as 0) for a time of ±infinity set by hand.
        outbox._epoch_ms(d.budget_started_at), outbox._epoch_ms(coalesce(d.first_attempt_at, c.started_at)),
        l.message_id, l.external_id, d.attempt::int8 - d.budget_base,
        -- NULL for a due time outside the range of positions (one set by hand).
        CASE WHEN d.next_attempt_at BETWEEN timestamptz '1900-01-01' AND timestamptz '2200-01-01'
-            THEN (extract(epoch FROM d.next_attempt_at) * 1000000)::int8 END,
+            THEN outbox._epoch_us(d.next_attempt_at) END,
        d.share, d.room
   FROM due d
   JOIN claimed c ON c.channel_id = d.channel_id
@@ -283,8 +283,8 @@ pub struct Job {
     pub attempt: i32,
     pub tenant: String,
     pub channel_id: i32,
-    /// The effect key as the provider sees it (`outbox._provider_key`: qualified by the
-    /// tenant outside the default tenant).
+    /// The effect key as the provider sees it (`crate::effect_key::into_provider`, as
+    /// `outbox._provider_key` gives it: qualified by the tenant outside the default tenant).
     pub effect_key: String,
     pub payload: String,
     pub headers: Option<String>,
@@ -438,13 +438,17 @@ fn claim_from(
             Some(recorded_by) => Some((recorded_by, row.get::<String>(12)?)),
             None => None,
         };
+        let tenant = row.get::<String>(4)?.unwrap_or_default();
+        // As outbox._provider_key gives it, without a call of it for every message.
+        let effect_key =
+            crate::effect_key::into_provider(&tenant, row.get::<String>(6)?.unwrap_or_default());
         jobs.push(Job {
             message_id,
             started_at_us,
             attempt: row.get::<i32>(3)?.unwrap_or(1),
-            tenant: row.get::<String>(4)?.unwrap_or_default(),
+            tenant,
             channel_id,
-            effect_key: row.get::<String>(6)?.unwrap_or_default(),
+            effect_key,
             payload: row.get::<String>(7)?.unwrap_or_else(|| "null".into()),
             headers: row.get::<String>(8)?,
             budget_started_at_ms: row.get::<i64>(9)?.unwrap_or_default(),

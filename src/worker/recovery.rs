@@ -32,7 +32,7 @@ SELECT m.id, m.channel_id, m.attempts + 1,
        outbox._epoch_ms(coalesce(m.budget_started_at, m.created_at)),
        outbox._epoch_ms(coalesce(m.first_attempt_at, l.started_at, m.created_at)),
        m.attempts::int8 + 1 - m.budget_base,
-       (extract(epoch FROM l.started_at) * 1000000)::int8, l.worker_pid, l.claim_id
+       outbox._epoch_us(l.started_at), l.worker_pid, l.claim_id
   FROM outbox._messages m
   JOIN lost l ON l.id = m.id
  WHERE m.id = ANY (ARRAY(SELECT lost.id FROM lost))
