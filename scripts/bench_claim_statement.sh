@@ -7,6 +7,8 @@
 # transactions, as the workers keep it. The ledger holds 300,000 entries in one
 # generation, the other two are empty, as in a drain of the benchmark. pgbench's
 # per-statement latencies (-r) give each claim's time. A throwaway cluster (port 54847) with the extension and no worker.
+# A revision from before outbox._provider_key and outbox._epoch_ms were functions of the
+# library calls its own SQL definitions of them, so that its side costs what it cost then.
 # Figures only; nothing is asserted.
 # CHANNELS (1) spreads the backlog over that many channels; IN_FLIGHT (0) puts that many of
 # each channel's oldest messages in a claim of another worker, which every claim counts and
@@ -44,17 +46,37 @@ DIR=$(mktemp -d)
 # which that side's claim calls; the claim's parameters are filled in.
 git show "$REV:src/worker/claim.rs" >"$DIR/claim_rev.rs"
 git show "$REV:sql/ledger.sql" >"$DIR/ledger_rev.sql"
+# The revision's SQL definitions of the provider key and of a time in milliseconds, where
+# it had them, under names of their own (_provider_key_rev, _epoch_ms_rev).
+git show "$REV:sql/tenancy.sql" | python3 -c '
+import sys
+s, out = sys.stdin.read(), sys.argv[1]
+for name in ("_provider_key", "_epoch_ms"):
+    start = s.find("CREATE FUNCTION outbox." + name + "(")
+    if start < 0:
+        continue
+    end = s.index("\nEND;", start) + len("\nEND;")
+    open(f"{out}/{name}_rev.sql", "w").write(s[start:end].replace("outbox." + name + "(", "outbox." + name + "_rev(", 1) + "\n")
+' "$DIR"
+for f in "$DIR"/_provider_key_rev.sql "$DIR"/_epoch_ms_rev.sql; do
+  if [ -f "$f" ]; then P <"$f" >/dev/null; fi
+done
 cp src/worker/claim.rs "$DIR/claim_tree.rs"
 cp sql/ledger.sql "$DIR/ledger_tree.sql"
 for which in rev tree; do
   python3 - "$DIR/claim_$which.rs" "$DIR/ledger_$which.sql" "$which" "$BATCH" "$DIR/$which.fn" >"$DIR/$which.sql" <<'PY'
-import re, sys
+import os, re, sys
 claim_rs, ledger_sql, which, batch, fn_path = sys.argv[1:]
 src = open(claim_rs).read()
 start = src.index('static CLAIM_DUE')
 body = src[src.index('"', start) + 1:src.index('");', start)]
 body = re.sub(r'--[^\n]*', '', body)
 body = body.replace('outbox._ledger_entry(', f'outbox._ledger_entry_{which}(')
+# A revision whose times and provider keys were SQL functions (sql/tenancy.sql before they
+# moved into the library) calls its own copies of them (created below).
+for name in ('_provider_key', '_epoch_ms'):
+    if which == 'rev' and os.path.exists(f'{os.path.dirname(claim_rs)}/{name}_rev.sql'):
+        body = body.replace(f'outbox.{name}(', f'outbox.{name}_rev(')
 # $1..$4 stay parameters (pgbench's variables, sent as parameters with -M prepared), so
 # that the statement is planned as the worker plans it; the positions and caps ($5..$9)
 # are empty arrays.
