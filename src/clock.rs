@@ -1,5 +1,6 @@
 //! The wall clock, read in one place. Pure logic takes the time as an argument; the worker
-//! and the SQL functions read it here.
+//! and the SQL functions read it here. Also a `timestamptz` as a count since the Unix epoch,
+//! the way the worker's statements return times (`outbox._epoch_ms`, `outbox._epoch_us`).
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).
 pub fn now_ms() -> i64 {
