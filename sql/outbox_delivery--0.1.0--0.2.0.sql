@@ -187,8 +187,8 @@ IMMUTABLE STRICT PARALLEL SAFE COST 1000
 LANGUAGE c
 AS 'MODULE_PATHNAME', '_claim_ids_left_wrapper';
 
--- The effect key as providers see it and a time since the Unix epoch, which the claim
--- computes for every message it takes: functions of the library now, no longer SQL (a
+-- The effect key as providers see it and a time since the Unix epoch, which every claimed
+-- message needs: functions of the library now, no longer SQL (a
 -- regular expression and a numeric each; src/effect_key.rs, src/clock.rs). Replaced in
 -- place: the views that call outbox._provider_key, its comment and its grants stay.
 CREATE OR REPLACE FUNCTION outbox._provider_key(tenant text, effect_key text) RETURNS text

@@ -97,7 +97,8 @@ CREATE TRIGGER _tenant_bindings_changed
 -- The effect key as providers see it, outbox._provider_key(tenant, effect_key), and a time
 -- as milliseconds or microseconds since the Unix epoch, outbox._epoch_ms(t) and
 -- outbox._epoch_us(t), are functions of the extension's library (src/effect_key.rs,
--- src/clock.rs): the claim calls them for every message it takes.
+-- src/clock.rs). The claim reads every message's times through them, and the worker
+-- qualifies each claimed key with the same Rust function as outbox._provider_key.
 
 -- A tenant name: 1 to 128 bytes, no control characters; '*' only where allowed
 -- (bindings): outbox._check_tenant_name(tenant, argument, star_allowed), in src/tenancy.rs.

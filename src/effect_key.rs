@@ -97,9 +97,10 @@ fn looks_qualified(key: &str) -> bool {
     digits > 0 && key.as_bytes().get(digits) == Some(&b':')
 }
 
-/// `outbox._provider_key(tenant, effect_key)`: [`for_provider`]. The worker's claim calls it
-/// for every message it takes, and the views for every row they show: a regular expression
-/// in SQL cost a claim about 0.9 µs a message (BENCHMARKS.md).
+/// `outbox._provider_key(tenant, effect_key)`: [`for_provider`], for the views (every row
+/// they show) and the worker's rarer statements. The claim returns the stored key and the
+/// worker qualifies it ([`into_provider`]). The SQL definition's regular expression cost
+/// 0.53 µs a row (BENCHMARKS.md).
 #[pg_extern(immutable, strict, parallel_safe)]
 fn _provider_key(tenant: &str, effect_key: &str) -> String {
     for_provider(tenant, effect_key).into_owned()
