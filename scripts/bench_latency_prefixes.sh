@@ -8,9 +8,10 @@
 # drained on a channel with the default bound of 64 attempts at once, fewer than two batches
 # of 200, so that one worker's batch often fills the channel while the other finds no room:
 # its rate and the transactions committed per 1,000 deliveries. Beside the latencies from the
-# COMMIT call (the targets' figures), the same from the COMMIT's return, and what a flush of
-# this disk costs after a 5 ms rest: each idle sample waits for two. The medians over the rounds
-# are printed beside each other, with the CPU the delivery workers used per round.
+# COMMIT call (the targets' figures), the same from the COMMIT's return, the COMMIT call
+# alone, and what a flush of this disk costs after a 5 ms rest: each idle sample waits for
+# two. The medians over the rounds are printed beside each other, with the CPU the delivery
+# workers used per round.
 # Figures only; nothing is asserted.
 #
 # Usage: scripts/bench_latency_prefixes.sh OLD_PREFIX NEW_PREFIX [rounds=3]
@@ -74,7 +75,7 @@ round() {
   before=$(worker_cpu_ms)
   out=$("$BIN" --backlog "$BACKLOG" --latency-samples 200)
   echo "$out" | awk '/^latency_(idle|loaded)_p(50|99) / { print $1, $2 }
-                     /^latency_(idle|loaded)_after_commit_p50 / { print $1, $2; print substr($1, 1, length($1) - 2) "99", $(NF - 1) }
+                     /^latency_(idle|loaded)_(after_)?commit_p50 / { print $1, $2; print substr($1, 1, length($1) - 2) "99", $(NF - 1) }
                      /^disk_flush_after_rest_p50 / { print $1, $2; print "disk_flush_after_rest_p99", $(NF - 1) }
                      /^deliveries_per_s_backlog_/ { print "deliveries_per_s", $2 }'
   echo "worker_cpu_ms_per_round $(( $(worker_cpu_ms) - before ))"
@@ -95,6 +96,7 @@ for r in $(seq 1 "$ROUNDS"); do
 done
 printf '%-32s %-34s %-34s\n' figure "old (median; rounds)" "new (median; rounds)"
 for name in latency_idle_p50 latency_idle_p99 latency_idle_after_commit_p50 latency_idle_after_commit_p99 \
+            latency_idle_commit_p50 latency_idle_commit_p99 \
             disk_flush_after_rest_p50 disk_flush_after_rest_p99 latency_loaded_p50 latency_loaded_p99 \
             latency_loaded_after_commit_p50 latency_loaded_after_commit_p99 deliveries_per_s worker_cpu_ms_per_round bound_64_deliveries_per_s bound_64_transactions_per_1000; do
   o=${seen[old.$name]:-}; n=${seen[new.$name]:-}

@@ -2,7 +2,9 @@
 //! - deliveries per second for a backlog of N messages to a loopback sink that only
 //!   answers 200 (the provider simulator in accept mode, bodies not kept);
 //! - latency from COMMIT of an enqueue to the request arriving at the sink, p50/p99,
-//!   idle and while a backlog is being delivered.
+//!   idle and while a backlog is being delivered. An idle sample is committed
+//!   `--idle-rest-ms` (25) after the request of the one before arrived, a loaded one 5 ms
+//!   after it.
 //!
 //! Prints one `name value unit` line per figure. Never asserts anything.
 //!
@@ -36,6 +38,7 @@
 //!
 //! ```text
 //! bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--latency-samples 200]
+//!       [--idle-rest-ms 25]
 //!       [--price-of-safety 0] [--several-databases 0] [--webhooks 0]
 //!       [--kinds 0 --nats-url URL --nats-pid PID --costs-json PATH]
 //!       [--anchors 0 --handwritten-loops 1,2] [--sim-port 0]
@@ -47,7 +50,7 @@ use outbox_e2e::costs::{server_pids, worker_pids, Cost, Snapshot};
 use outbox_e2e::sim::{Received, Simulator};
 use postgres::Client;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 #[path = "bench/anchors.rs"]
@@ -538,16 +541,20 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 /// COMMIT → request at the sink, for `samples` single-message transactions: p50 and p99
 /// from the COMMIT call, which includes the application's own WAL flush (the figure of the
-/// target), and from the COMMIT's return (what the workers add after it).
+/// target), and from the COMMIT's return (what the workers add after it); and how long the
+/// COMMIT call itself took (the application's flush, the server's reply, the client).
 struct Latency {
     p50: f64,
     p99: f64,
     after_commit_p50: f64,
     after_commit_p99: f64,
+    commit_p50: f64,
+    commit_p99: f64,
 }
 
 impl Latency {
-    /// The lines `latency_{label}_p50`, `_p99` and `_after_commit_p50` (with its p99).
+    /// The lines `latency_{label}_p50`, `_p99`, `_after_commit_p50` (with its p99) and
+    /// `_commit_p50` (with its p99).
     fn print(&self, label: &str) {
         println!("latency_{label}_p50 {:.2} ms", self.p50);
         println!("latency_{label}_p99 {:.2} ms", self.p99);
@@ -555,15 +562,42 @@ impl Latency {
             "latency_{label}_after_commit_p50 {:.2} ms (from the COMMIT's return; p99 {:.2} ms)",
             self.after_commit_p50, self.after_commit_p99
         );
+        println!(
+            "latency_{label}_commit_p50 {:.2} ms (the COMMIT call alone, to its return; p99 {:.2} ms)",
+            self.commit_p50, self.commit_p99
+        );
     }
 }
 
-fn latency(cluster: &Cluster, sim: &Simulator, samples: usize) -> Latency {
-    let arrivals: Arc<Mutex<HashMap<String, SystemTime>>> = Arc::default();
+/// The requests seen at the sink by key, and a signal for each: a sample is over when its
+/// request arrives, not at the next look of a poll.
+#[derive(Default)]
+struct Arrivals {
+    at: Mutex<HashMap<String, SystemTime>>,
+    arrived: Condvar,
+}
+
+impl Arrivals {
+    /// When the request of `key` arrived, waiting for it `timeout` at most.
+    fn wait_for(&self, key: &str, timeout: Duration) -> Option<SystemTime> {
+        let at = self.at.lock().unwrap();
+        let (at, _) = self
+            .arrived
+            .wait_timeout_while(at, timeout, |at| !at.contains_key(key))
+            .unwrap();
+        at.get(key).copied()
+    }
+}
+
+/// `samples` single-message transactions, each committed `rest` after the request of the
+/// one before arrived.
+fn latency(cluster: &Cluster, sim: &Simulator, samples: usize, rest: Duration) -> Latency {
+    let arrivals: Arc<Arrivals> = Arc::default();
     let seen = arrivals.clone();
     sim.set_observer(move |r: &Received| {
         if let Some(k) = &r.key {
-            seen.lock().unwrap().insert(k.clone(), r.received_at);
+            seen.at.lock().unwrap().insert(k.clone(), r.received_at);
+            seen.arrived.notify_all();
         }
     });
     let mut c = cluster.connect();
@@ -580,6 +614,7 @@ fn latency(cluster: &Cluster, sim: &Simulator, samples: usize) -> Latency {
     };
     let mut from_call = Vec::with_capacity(samples);
     let mut from_return = Vec::with_capacity(samples);
+    let mut commits = Vec::with_capacity(samples);
     for i in 0..samples {
         let key = format!("{ch}-{i}");
         let mut tx = c.transaction().unwrap();
@@ -591,32 +626,32 @@ fn latency(cluster: &Cluster, sim: &Simulator, samples: usize) -> Latency {
         let committing = SystemTime::now();
         tx.commit().unwrap();
         let committed = SystemTime::now();
-        let got = wait_until(Duration::from_secs(10), || {
-            arrivals.lock().unwrap().contains_key(&key)
-        });
-        if got {
-            let at = arrivals.lock().unwrap()[&key];
+        commits.push(ms_between(committing, committed));
+        if let Some(at) = arrivals.wait_for(&key, Duration::from_secs(10)) {
             from_call.push(ms_between(committing, at));
             from_return.push(ms_between(committed, at));
         }
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(rest);
     }
     sim.clear_observer();
     from_call.sort_by(f64::total_cmp);
     from_return.sort_by(f64::total_cmp);
+    commits.sort_by(f64::total_cmp);
     Latency {
         p50: percentile(&from_call, 0.5),
         p99: percentile(&from_call, 0.99),
         after_commit_p50: percentile(&from_return, 0.5),
         after_commit_p99: percentile(&from_return, 0.99),
+        commit_p50: percentile(&commits, 0.5),
+        commit_p99: percentile(&commits, 0.99),
     }
 }
 
-/// What a flush of this disk costs after a short rest, as each idle sample meets two of
-/// them (the application's commit and the claim's): `samples` writes of 8 kB into a file
-/// beside the cluster's data directory (the WAL's file system), each followed by
-/// `fdatasync` and 5 ms apart, as the samples are. Returns p50, p90 and p99 in ms.
-fn disk_flush_after_rest(dir: &std::path::Path, samples: usize) -> (f64, f64, f64) {
+/// What a flush of this disk costs after a rest, as each idle sample meets two of them (the
+/// application's commit and the claim's): `samples` writes of 8 kB into a file beside the
+/// cluster's data directory (the WAL's file system), each followed by `fdatasync` and
+/// `rest` apart, as the idle samples are. Returns p50, p90 and p99 in ms.
+fn disk_flush_after_rest(dir: &std::path::Path, samples: usize, rest: Duration) -> (f64, f64, f64) {
     use std::io::Write;
     use std::os::unix::fs::FileExt;
     let path = dir.join("bench_flush_probe");
@@ -630,7 +665,7 @@ fn disk_flush_after_rest(dir: &std::path::Path, samples: usize) -> (f64, f64, f6
     file.sync_all().unwrap();
     let mut ms = Vec::with_capacity(samples);
     for i in 0..samples {
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(rest);
         let start = Instant::now();
         file.write_all_at(&page, (i % 2048) as u64 * 8192).unwrap();
         file.sync_data().unwrap();
@@ -943,6 +978,10 @@ fn several_databases(cluster: &Cluster, sim: &Simulator, backlog: usize, rounds:
 fn main() {
     let backlog = arg("--backlog", 10_000);
     let samples = arg("--latency-samples", 200);
+    // How long the workers rest before each idle sample: the shorter the rest, the warmer
+    // the caches and the CPUs the next wake finds (a rest of 5 ms gave an idle p50 a fifth to
+    // a third lower than one of 24 ms, BENCHMARKS.md).
+    let idle_rest = Duration::from_millis(arg("--idle-rest-ms", 25) as u64);
     let cluster = Cluster::from_env();
     // The sink: the simulator in this process, on `--sim-port` (0: a free port).
     let sim = Simulator::start_on(arg("--sim-port", 0) as u16);
@@ -986,10 +1025,13 @@ fn main() {
     // that the checkpointer would otherwise write out, spread over minutes, under the
     // samples, each of which waits for two WAL flushes.
     cluster.connect().batch_execute("CHECKPOINT").unwrap();
-    latency(&cluster, &sim, samples).print("idle");
+    latency(&cluster, &sim, samples, idle_rest).print("idle");
     // The floor under the idle figures: two flushes of this disk after a rest.
-    let (f50, f90, f99) = disk_flush_after_rest(&cluster.base, samples.min(400));
-    println!("disk_flush_after_rest_p50 {f50:.2} ms (8 kB + fdatasync every 5 ms; p90 {f90:.2} ms, p99 {f99:.2} ms)");
+    let (f50, f90, f99) = disk_flush_after_rest(&cluster.base, samples.min(400), idle_rest);
+    println!(
+        "disk_flush_after_rest_p50 {f50:.2} ms (8 kB + fdatasync every {} ms; p90 {f90:.2} ms, p99 {f99:.2} ms)",
+        idle_rest.as_millis()
+    );
 
     let small = small_drains(&cluster, &sim, backlog, "");
 
@@ -1031,9 +1073,9 @@ fn main() {
         })
     };
     std::thread::sleep(Duration::from_millis(500));
-    // At most 500 samples, about 5 s of them (a sample waits 5 ms after its request
+    // At most 500 samples, about 4 s of them (a sample waits 5 ms after its request
     // arrives), within the 8 s of background load.
-    let busy = latency(&cluster, &sim, samples.min(500));
+    let busy = latency(&cluster, &sim, samples.min(500), Duration::from_millis(5));
     bg.join().unwrap();
     let offered = loaded.lock().unwrap().unwrap_or(0);
     busy.print("loaded");
