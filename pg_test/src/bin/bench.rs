@@ -980,7 +980,7 @@ fn main() {
     let samples = arg("--latency-samples", 200);
     // How long the workers rest before each idle sample: the shorter the rest, the warmer
     // the caches and the CPUs the next wake finds (a rest of 5 ms gave an idle p50 a fifth to
-    // a third lower than one of 24 ms, BENCHMARKS.md).
+    // two fifths lower than one of 24–25 ms, BENCHMARKS.md).
     let idle_rest = Duration::from_millis(arg("--idle-rest-ms", 25) as u64);
     let cluster = Cluster::from_env();
     // The sink: the simulator in this process, on `--sim-port` (0: a free port).
