@@ -56,9 +56,25 @@ cmd_install() {
   echo "[cluster] extension installed into $($PG_CONFIG --pkglibdir)"
 }
 
+# The servers of the tests, the benchmarks and the demo listen on ports 54800–54899, inside
+# the kernel's range of ephemeral ports (32768–60999 by default). A client connection that
+# the kernel gave one of them as its local port holds it as long as it stays open (a pooled
+# connection, for minutes), and a server to start there cannot bind it. Reserved, the block is
+# never given to a client connection. Run as root only (the setting is the machine's); kept
+# until the machine restarts, and only added to what is reserved already.
+RESERVED_PORTS=54800-54899
+reserve_ports() {
+  local f=/proc/sys/net/ipv4/ip_local_reserved_ports current
+  [ -w "$f" ] || return 0
+  current=$(cat "$f")
+  case ",$current," in *",$RESERVED_PORTS,"*) return 0 ;; esac
+  echo "${current:+$current,}$RESERVED_PORTS" >"$f" 2>/dev/null || true
+}
+
 cmd_start() {
   mkdir -p "$BASE" "$SOCKDIR"
   chown postgres "$BASE" "$SOCKDIR"
+  reserve_ports
   if [ ! -f "$PGDATA/PG_VERSION" ]; then
     as_pg "$PGBIN/initdb" -D "$PGDATA" -U postgres -A trust -E UTF8 --locale="${OUTBOX_LOCALE:-C.UTF-8}" >/dev/null
     cat >>"$PGDATA/postgresql.conf" <<CONF
@@ -80,8 +96,8 @@ CONF
   fi
   if ! running; then
     touch "$LOG" && chown postgres "$LOG"
-    # The port lies in the kernel's range of ephemeral ports: an outgoing connection that
-    # used it as its local port holds it for a minute after it closes (TIME_WAIT).
+    # Where the block could not be reserved (not root), an outgoing connection that used
+    # the port as its local port may still hold it, for a minute after it closes (TIME_WAIT).
     local deadline=$((SECONDS + 90)) from
     while from=$(stat -c %s "$LOG"); ! pg_ctl -l "$LOG" -w -t 60 start >/dev/null 2>&1; do
       if [ $SECONDS -ge $deadline ] || ! tail -c +"$((from + 1))" "$LOG" | grep -q 'Address already in use'; then
