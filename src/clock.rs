@@ -1,6 +1,7 @@
 //! The wall clock, read in one place. Pure logic takes the time as an argument; the worker
 //! and the SQL functions read it here. Also a `timestamptz` as a count since the Unix epoch,
-//! the way the worker's statements return times (`outbox._epoch_ms`, `outbox._epoch_us`).
+//! the way the worker's statements return times (`outbox._epoch_ms`, `outbox._epoch_us`),
+//! and back (`outbox.worker_status()`'s last loop).
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).
 pub fn now_ms() -> i64 {
@@ -22,6 +23,12 @@ pub fn unix_us(timestamptz: i64) -> Option<i64> {
         return None;
     }
     timestamptz.checked_add(POSTGRES_EPOCH_UNIX_US)
+}
+
+/// Milliseconds since the Unix epoch as a `timestamptz`'s count (microseconds since
+/// 2000-01-01): the inverse of [`unix_ms`] for a whole millisecond.
+pub fn timestamptz_of_unix_ms(ms: i64) -> i64 {
+    (ms - POSTGRES_EPOCH_UNIX_US / 1000) * 1000
 }
 
 /// A `timestamptz` as milliseconds since the Unix epoch, rounded half away from zero, as
@@ -118,6 +125,21 @@ mod tests {
                 assert_eq!(unix_ms(t), Some(ms_as_numeric(t)), "{t}");
             }
         }
+    }
+
+    #[test]
+    fn a_whole_millisecond_goes_there_and_back() {
+        for ms in [
+            0,
+            1,
+            -1,
+            946_684_800_000,
+            1_733_000_000_123,
+            -62_135_596_800_000,
+        ] {
+            assert_eq!(unix_ms(timestamptz_of_unix_ms(ms)), Some(ms));
+        }
+        assert_eq!(timestamptz_of_unix_ms(946_684_800_000), 0);
     }
 
     #[test]

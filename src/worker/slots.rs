@@ -286,9 +286,9 @@ fn worker_status() -> TableIterator<
         .map(|(i, s)| {
             let last = (s.last_loop_at_ms > 0)
                 .then(|| {
-                    pgrx::datum::TimestampWithTimeZone::try_from(unix_ms_to_pg_micros(
-                        s.last_loop_at_ms,
-                    ))
+                    pgrx::datum::TimestampWithTimeZone::try_from(
+                        crate::clock::timestamptz_of_unix_ms(s.last_loop_at_ms),
+                    )
                     .ok()
                 })
                 .flatten();
@@ -305,12 +305,6 @@ fn worker_status() -> TableIterator<
         })
         .collect();
     TableIterator::new(rows)
-}
-
-/// Unix milliseconds → Postgres timestamp microseconds (since 2000-01-01).
-fn unix_ms_to_pg_micros(ms: i64) -> i64 {
-    const PG_EPOCH_OFFSET_MS: i64 = 946_684_800_000;
-    (ms - PG_EPOCH_OFFSET_MS) * 1000
 }
 
 extension_sql!(
