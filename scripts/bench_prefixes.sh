@@ -16,13 +16,18 @@
 #   (18802), OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200), PREFILL (ledger entries
 #   written before each drain, spread over the generations of a build that has them; 0),
 #   OLD_SQL / NEW_SQL (statements run in each drain's fresh cluster of that side before its
-#   backlog is enqueued, e.g. to try a storage setting on one side: give the same prefix
-#   twice), OLD_OPTIONS / NEW_OPTIONS (a JSON object merged into that side's channel options,
+#   backlog is enqueued, one after another, each in a transaction of its own, so that ALTER
+#   SYSTEM runs too; a failing one stops the run. E.g. to try a storage setting on one side:
+#   give the same prefix twice), OLD_OPTIONS / NEW_OPTIONS (a JSON object merged into that side's channel options,
 #   e.g. '{"max_in_flight": 2048}'), EVERY (seconds between the drain's rate samples,
 #   printed as rate_each, each taken by a psql of its own while another psql every 0.1 s
 #   asks whether the drain ended; unset: no samples, and one session asks every 5 ms, so
 #   that no psql starts beside the drain), SINK_ARGS (more arguments of the simulator,
-#   e.g. "--answer-after-ms 20" for a provider that answers in 20 ms).
+#   e.g. "--answer-after-ms 20" for a provider that answers in 20 ms), KEYS (`effect`: every
+#   effect key, of the backlog and of the prefill, made by outbox.effect_key, a SHA-256 in
+#   hex as an application that derives its keys gets, whose entries fall all over the
+#   ledger's key index; unset: `k:1`, `k:2`, … for the backlog and `prefill:` and an md5 for
+#   the prefill, which the backlog's entries follow in one corner of the index).
 # Each drain starts once the workers serve the database (workers_ready). Besides
 # deliveries/s from the resume to the end seen, each drain prints the rate from its
 # first claim to its last record (the ledger's times) and the simulator's CPU a message.
@@ -36,6 +41,14 @@ export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54822}
 export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
 export OUTBOX_EXTRA_CONF="outbox.batch_size = ${BATCH:-200}"
 SINK_PORT=${SINK_PORT:-18802}
+# The keys of row `g` of the backlog and of the prefill (KEYS above).
+if [ "${KEYS:-}" = effect ]; then
+  BACKLOG_KEY="outbox.effect_key('backlog:' || g, 'deliver')"
+  PREFILL_KEY="outbox.effect_key('prefill:' || g, 'deliver')"
+else
+  BACKLOG_KEY="'k:' || g"
+  PREFILL_KEY="'prefill:' || md5(g::text)"
+fi
 for p in "$OLD" "$NEW"; do
   [ -x "$p/lib/postgresql/15/bin/postgres" ] || { echo "$p is not a PostgreSQL prefix (scripts/pg_prefix.sh create)" >&2; exit 2; }
 done
@@ -49,19 +62,27 @@ drain() {
   export OUTBOX_PGBIN=$1/lib/postgresql/15/bin
   local options=${3:-"{}"}
   fresh_cluster >/dev/null
-  if [ -n "${2:-}" ]; then psql -c "$2" >/dev/null; fi
-  psql -c "SELECT outbox.create_channel('drain', 'http://127.0.0.1:$SINK_PORT/ch/drain', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb || '$options'::jsonb)" \
+  # In a command substitution, where `set -e` does not hold: a side whose statements fail
+  # stops the whole comparison instead of being measured without them.
+  if [ -n "${2:-}" ] && ! run_statements "$2"; then
+    echo "bench_prefixes: the statements of this side failed: $2" >&2
+    exit 2
+  fi
+  # 0.1.0 knows no bound of its own for a channel that can neither dedupe nor be asked.
+  local bound='"max_unverifiable_in_flight": 512, '
+  [ "$(psql -c "SELECT extversion FROM pg_extension WHERE extname = 'outbox_delivery'")" != 0.1.0 ] || bound=
+  psql -c "SELECT outbox.create_channel('drain', 'http://127.0.0.1:$SINK_PORT/ch/drain', '{\"max_in_flight\": 512, $bound\"external_id\": \"/id\"}'::jsonb || '$options'::jsonb)" \
        -c "SELECT outbox.pause_channel('drain', 'loading the backlog')" >/dev/null
-  psql -c "SELECT count(outbox.enqueue('drain', jsonb_build_object('n', g, 'text', 'benchmark message'), 'k:' || g)) FROM generate_series(1, $N) g" >/dev/null
+  psql -c "SELECT count(outbox.enqueue('drain', jsonb_build_object('n', g, 'text', 'benchmark message'), $BACKLOG_KEY)) FROM generate_series(1, $N) g" >/dev/null
   if [ "${PREFILL:-0}" -gt 0 ]; then
     # A ledger that already holds PREFILL entries, as one kept for weeks does; a build that
     # keeps it in generations gets them spread over its three generations.
     if [ "$(psql -c "SELECT count(*) FROM pg_attribute WHERE attrelid = 'outbox._ledger'::regclass AND attname = 'generation'")" = 1 ]; then
       psql -c "INSERT INTO outbox._ledger (tenant, effect_key, message_id, recorded_by, generation)
-               SELECT 'default', 'prefill:' || md5(g::text), -g, 'operator', g % 3 FROM generate_series(1, $PREFILL) g" >/dev/null
+               SELECT 'default', $PREFILL_KEY, -g, 'operator', g % 3 FROM generate_series(1, $PREFILL) g" >/dev/null
     else
       psql -c "INSERT INTO outbox._ledger (tenant, effect_key, message_id, recorded_by)
-               SELECT 'default', 'prefill:' || md5(g::text), -g, 'operator' FROM generate_series(1, $PREFILL) g" >/dev/null
+               SELECT 'default', $PREFILL_KEY, -g, 'operator' FROM generate_series(1, $PREFILL) g" >/dev/null
     fi
     psql -c "VACUUM ANALYZE outbox._ledger" >/dev/null
   fi
@@ -120,6 +141,8 @@ drain() {
 
 echo "machine: $(nproc) cores; $OUTBOX_WORKERS delivery workers, batch ${BATCH:-200}; backlog $N; $ROUNDS rounds, builds alternating"
 [ -z "${SINK_ARGS:-}" ] || echo "simulator: $SINK_ARGS"
+[ "${PREFILL:-0}" = 0 ] || echo "prefill: $PREFILL ledger entries before each drain"
+echo "effect keys: backlog $BACKLOG_KEY, prefill $PREFILL_KEY"
 echo "old: $OLD"
 echo "new: $NEW"
 [ -z "${OLD_SQL:-}" ] || echo "old runs first: $OLD_SQL"

@@ -13,6 +13,13 @@ fresh_cluster() {
   bash scripts/cluster.sh start "$@"
 }
 
+# Runs the statements of $1 on the cluster one after another, each in a transaction of its
+# own, as psql runs a file: `psql -c` would send them as one query in one transaction, where
+# ALTER SYSTEM and VACUUM cannot run. Stops at the first error, which psql prints, and fails.
+run_statements() {
+  bash scripts/cluster.sh psql -qAt -v ON_ERROR_STOP=1 <<<"$1" >/dev/null
+}
+
 # Waits (30 s at most) until the cluster's $OUTBOX_WORKERS workers serve its database: a
 # worker started with the cluster looks for the extension once a second, so a drain resumed
 # right after fresh_cluster would otherwise measure up to a second of that wait.
@@ -89,3 +96,7 @@ machine_ticks() { awk '/^cpu / { t = 0; for (i = 2; i <= 9; i++) t += $i; print 
 steal_percent_since() {
   machine_ticks | awk -v t0="$1" -v s0="$2" '{ d = $1 - t0; printf "%.1f\n", (d > 0 ? 100 * ($2 - s0) / d : 0) }'
 }
+
+# The machine's CPU ticks so far, from /proc/stat: "all idle", idle counting the time
+# waiting for I/O.
+machine_idle_ticks() { awk '/^cpu / { t = 0; for (i = 2; i <= 9; i++) t += $i; print t, $5 + $6 }' /proc/stat; }

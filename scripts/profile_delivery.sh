@@ -12,7 +12,8 @@
 #   STATEMENTS_AT (with STATEMENTS=1: seconds into the drain, e.g. "4 12 20 28", at which
 #   pg_stat_statements is read; prints each statement's cost in each window between two
 #   readings, to see whether a statement grows dearer as a large drain goes on),
-#   SETUP_SQL (statements run before the backlog is enqueued, e.g. to try a schema change),
+#   SETUP_SQL (statements run before the backlog is enqueued, one after another, each in a
+#   transaction of its own, e.g. to try a schema change or ALTER SYSTEM a setting),
 #   PAYLOAD_BYTES (each payload about that long: hexadecimal digits, which compress little,
 #   or with PAYLOAD_KIND=json an array of small objects; default a short text),
 #   WALDUMP=1 (the drain's WAL by record type, from pg_waldump --stats=record),
@@ -138,7 +139,7 @@ print_statement_windows() {
 for run in $(seq 1 "${RUNS:-1}"); do
   STATEMENT_SAMPLER=
   fresh_cluster >/dev/null
-  if [ -n "${SETUP_SQL:-}" ]; then psql -c "$SETUP_SQL" >/dev/null; fi
+  if [ -n "${SETUP_SQL:-}" ]; then run_statements "$SETUP_SQL"; fi
   psql -c "SELECT outbox.create_channel('profile', 'http://127.0.0.1:$SINK_PORT/ch/profile', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb || '$CHANNEL_OPTIONS'::jsonb)" \
        -c "SELECT outbox.pause_channel('profile', 'loading the backlog')" >/dev/null
   # Each payload: a short text, or with PAYLOAD_BYTES a larger one (lib.sh).
