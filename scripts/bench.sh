@@ -11,12 +11,16 @@
 #   5. the anchors (scripts/bench_anchors.sh): PgQ's insert rate as a third lane of the
 #      enqueue rounds, the hand-written outbox's drains alternated with ours, PgQ's consume
 #      rate; WAL per message of each; and the ratios of the run;
-#   6. the share of the run's CPU time the hypervisor took (steal).
+#   6. WAL a delivery with keys made by outbox.effect_key (SHA-256 in hex, scattered over
+#      the ledger's key index), on a ledger already holding 1,000,000 such entries;
+#   7. the share of the run's CPU time the hypervisor took (steal).
 # Figures only; nothing is asserted.
 # Usage: scripts/bench.sh [backlog=10000] [large_backlog=1000000]   (large_backlog 0: skip it)
 # BENCH_SECONDS: length of each pgbench run (10); BENCH_STEADY_SECONDS: the steady load
 # with retention (120; 0 skips it); BENCH_SINK_PORT: the port of the sink wrk measures (18799); BENCH_SIM_PORT: the
 # simulator's port in the delivery and anchor drains (a free one).
+# BENCH_EFFECT_PREFILL: the ledger entries keyed by outbox.effect_key before step 6's drain
+# (1000000).
 source "$(dirname "$0")/lib.sh"
 source scripts/bench_anchors.sh
 BACKLOG=${1:-10000}
@@ -207,5 +211,45 @@ psql -c "DROP TABLE public.plain_outbox; DROP SEQUENCE public.plain_outbox_seq;"
 echo "claim_only_loop $(echo $CLAIM_ROUNDS | median) msg/s (median of 3 rounds: $(echo $CLAIM_ROUNDS | sed 's/ / \/ /g'))"
 anchor_ratios "$WORK/delivery.out" "$WORK/anchors.out" "$CLAIM_ROUNDS" "$PGQ_CONSUME" \
   "${enqueue_tps[8c_prepared]}" "${pgq_tps[8c_prepared]}" "$BACKLOG"
+# 6. WAL a delivery with keys as applications make them: outbox.effect_key's SHA-256 in hex,
+#    whose ledger entries fall all over the ledger's key index, on a ledger already holding
+#    1,000,000 such entries (BENCH_EFFECT_PREFILL). The drains above key their messages in
+#    the order they are enqueued; docs/scaling.md, "Effect keys and the WAL of the ledger's
+#    index", says what scattered keys cost and what lowers it.
+effect_keys_wal() {
+  local n=20000 prefill=${BENCH_EFFECT_PREFILL:-1000000} port=${BENCH_SINK_PORT:-18799} lsn0 fpi0 i
+  "$BIN/provider-sim" --port "$port" --quiet --no-record-requests --no-record-bodies >/dev/null 2>&1 &
+  SINK_PID=$!
+  psql -v ON_ERROR_STOP=1 >/dev/null <<SQL
+SET client_min_messages = warning;
+SELECT outbox.create_channel('bench_effect_keys', 'http://127.0.0.1:$port/ch/bench_effect_keys',
+                             '{"max_in_flight": 512, "max_unverifiable_in_flight": 512, "external_id": "/id"}');
+SELECT outbox.pause_channel('bench_effect_keys', 'loading the backlog');
+INSERT INTO outbox._ledger (tenant, effect_key, message_id, recorded_by, generation)
+SELECT 'default', outbox.effect_key('prefill:' || g, 'deliver'), -g, 'operator', g % 3
+  FROM generate_series(1, $prefill) g;
+SELECT count(outbox.enqueue('bench_effect_keys', jsonb_build_object('n', g, 'text', 'benchmark message'),
+                            outbox.effect_key('backlog:' || g, 'deliver')))
+  FROM generate_series(1, $n) g;
+VACUUM ANALYZE outbox._messages;
+VACUUM ANALYZE outbox._ledger;
+CHECKPOINT;
+SQL
+  read -r lsn0 fpi0 <<<"$(psql -AtF' ' -c "SELECT pg_current_wal_lsn(), wal_fpi FROM pg_stat_wal")"
+  psql -c "SELECT outbox.resume_channel('bench_effect_keys')" >/dev/null
+  for i in $(seq 1200); do
+    [ "$(psql -Atc "SELECT EXISTS (SELECT 1 FROM outbox._messages m JOIN outbox._channels c ON c.id = m.channel_id
+                                    WHERE c.name = 'bench_effect_keys')")" = f ] && break
+    sleep 0.1
+  done
+  [ "$i" -lt 1200 ] || echo "warning: the drain keyed by outbox.effect_key did not end within 120 s" >&2
+  psql -AtF' ' -c "SELECT 'wal_per_delivery_effect_keys', round((pg_current_wal_lsn() - '$lsn0') / $n) || ' B,',
+                          round((wal_fpi - $fpi0)::numeric / $n, 2),
+                          'full-page images a delivery (a drain of $n keyed by outbox.effect_key, from a CHECKPOINT, on a ledger with $prefill more such entries; wal_per_delivery above: keys in enqueue order)'
+                     FROM pg_stat_wal"
+  kill "$SINK_PID" 2>/dev/null || true
+}
+effect_keys_wal
+
 echo "machine_steal $(steal_percent_since "$RUN_TICKS" "$RUN_STEAL") % of the CPU time of the run (taken by the hypervisor: a run with much of it measured a slower machine)"
 rm -rf "$WORK"
