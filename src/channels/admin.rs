@@ -110,7 +110,7 @@ fn check_target(
         .raise();
     }
     let found = client.select(
-        sql_effect::FIND_FUNCTION,
+        sql_effect::FIND_FUNCTION.sql,
         Some(1),
         &[function.as_str().into()],
     )?;

@@ -11,6 +11,7 @@
 use crate::classify::EffectOutcome;
 use crate::error::sqlstate_and_message;
 use crate::gucs::set_in_nest;
+use crate::spi::{self, Statement};
 use crate::tenancy::{within_effect, EffectScope};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
@@ -19,13 +20,20 @@ use std::cell::RefCell;
 use std::ffi::CString;
 use std::panic::AssertUnwindSafe;
 
-/// The function a channel names, resolved by its exact signature; its owner and whether
-/// it returns text. No row: it does not exist.
-pub const FIND_FUNCTION: &str = "
-SELECT quote_ident(n.nspname) || '.' || quote_ident(p.proname), p.prorettype = 'text'::regtype
+/// The function a channel names, resolved by its exact signature under the search path in
+/// force (the caller's at `create_channel`, the database's at each call); its qualified
+/// name and whether it returns text. No row: it does not exist. Every other name is
+/// qualified, operators included: a worker keeps the statement and runs it under the
+/// database's search path (`spi::run_under_caller_settings`).
+pub static FIND_FUNCTION: Statement = Statement::planned_each_run(
+    "
+SELECT pg_catalog.quote_ident(n.nspname) OPERATOR(pg_catalog.||) '.'
+           OPERATOR(pg_catalog.||) pg_catalog.quote_ident(p.proname),
+       p.prorettype OPERATOR(pg_catalog.=) 'pg_catalog.text'::pg_catalog.regtype
   FROM pg_catalog.pg_proc p
-  JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
- WHERE p.oid = pg_catalog.to_regprocedure($1 || '(jsonb, text)')";
+  JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) p.pronamespace
+ WHERE p.oid OPERATOR(pg_catalog.=) pg_catalog.to_regprocedure($1 OPERATOR(pg_catalog.||) '(jsonb, text)')",
+);
 
 /// A role an effect may run as: it must exist and must not be a superuser; and may the
 /// calling role (the session's role, see tenancy.rs) act as it?
@@ -41,8 +49,11 @@ SELECT outbox._caller_is_superuser()
     OR (pg_catalog.to_regrole('outbox_admin') IS NOT NULL
         AND pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_admin', 'MEMBER'))";
 
-/// The oid of a role an effect may run as: it exists and is not a superuser.
-const RUN_AS_ROLE: &str = "SELECT oid FROM pg_catalog.pg_roles WHERE rolname = $1 AND NOT rolsuper";
+/// The oid of a role an effect may run as: it exists and is not a superuser. Run before
+/// every call, kept (`spi::run`).
+static RUN_AS_ROLE: Statement = Statement::planned_once(
+    "SELECT oid FROM pg_catalog.pg_roles WHERE rolname = $1 AND NOT rolsuper",
+);
 
 thread_local! {
     /// The search path effects run under: the database's own (its default, or what
@@ -81,8 +92,7 @@ pub fn call_effect(
     payload: &str,
     effect_key: &str,
 ) -> SpiResult<EffectOutcome> {
-    let role = client
-        .select(RUN_AS_ROLE, Some(1), &[run_as.into()])?
+    let role = spi::run(client, &RUN_AS_ROLE, Some(1), &[run_as.into()])?
         .first()
         .get_one::<pg_sys::Oid>()?;
     let Some(role) = role else {
@@ -112,7 +122,12 @@ pub fn call_effect(
                 EFFECT_SEARCH_PATH.with(|p| set_in_nest(c"search_path", &p.borrow()));
                 EFFECT_PLAN_CACHE_MODE.with(|m| set_in_nest(c"plan_cache_mode", &m.borrow()));
                 let outcome = within_effect(scope, || crate::identity::as_role(role, || {
-                    let found = client.select(FIND_FUNCTION, Some(1), &[function.into()])?;
+                    let found = spi::run_under_caller_settings(
+                        client,
+                        &FIND_FUNCTION,
+                        Some(1),
+                        &[function.into()],
+                    )?;
                     if found.is_empty() {
                         return Ok(EffectOutcome::Unavailable(format!(
                             "function {function}(jsonb, text) does not exist (dropped or renamed since the channel was created?)"

@@ -7,7 +7,9 @@
 //! Two doors lead to that one rule:
 //! - [`statement`]: through pgrx's SPI client, with each statement's plan mode
 //!   (planned once, or for each run's values). The worker's cycle, the ledger and
-//!   retention use it, under [`PINNED_SEARCH_PATH`].
+//!   retention use it, under [`PINNED_SEARCH_PATH`]; a `sql` effect's lookup of its
+//!   function, which must resolve the function's name as the effect will, runs kept under
+//!   the database's settings instead (`run_under_caller_settings`).
 //! - [`pinned`]: straight through SPI's C interface, for the SQL-callable functions on the
 //!   application's hot path (`enqueue`, the tenant bindings it reads), where pgrx's
 //!   conversions and a configuration save and restore per call would cost more than the
@@ -23,7 +25,7 @@ pub mod pinned;
 pub mod statement;
 pub mod subtransaction;
 
-pub use statement::{run, Plan, Statement};
+pub use statement::{run, run_under_caller_settings, Plan, Statement};
 pub use subtransaction::subtransaction;
 
 /// The search path of the worker's own statements. No schema that anyone but the

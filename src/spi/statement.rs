@@ -140,6 +140,23 @@ pub fn run<'conn>(
     }
 }
 
+/// Runs `statement` as [`run`] does, kept from its first run in this process, but under the
+/// settings in force: no search path, plan cache mode or `enable_seqscan` of its own. For a
+/// statement that must resolve a name as its caller would: a `sql` effect's lookup of its
+/// channel's function, which runs under the database's search path as the effect does
+/// (`channels::sql_effect`). Such a statement qualifies every other name, operators
+/// included; PostgreSQL's plan cache analyses it again when the search path it was
+/// analysed under changes.
+pub fn run_under_caller_settings<'conn>(
+    client: &SpiClient<'conn>,
+    statement: &'static Statement,
+    limit: Option<i64>,
+    args: &[DatumWithOid<'_>],
+) -> SpiResult<SpiTupleTable<'conn>> {
+    let kept = kept(client, statement, args)?;
+    client.select(kept, limit, args)
+}
+
 fn kept(
     client: &SpiClient<'_>,
     statement: &'static Statement,

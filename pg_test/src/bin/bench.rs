@@ -231,6 +231,12 @@ fn drain(c: &mut Client, ch: &str, n: usize) -> Drain {
     if !ok {
         eprintln!("backlog of {n} not delivered within 900 s");
     }
+    // A drain whose messages ended other than delivered (an effect that fails, say) is timed
+    // all the same: the line says so beside the figures, which then are not deliveries.
+    let delivered_n = delivered(c, ch);
+    if delivered_n < n as i64 {
+        println!("warning_undelivered channel {ch}: {delivered_n} of {n} delivered; the drain's figures are not deliveries");
+    }
     let seen_ended_at = c
         .query_one("SELECT extract(epoch FROM clock_timestamp())::float8", &[])
         .map(|r| r.get(0))

@@ -25,6 +25,8 @@ CREATE TABLE IF NOT EXISTS bench_app.effects (id bigserial PRIMARY KEY, effect_k
 DO $$ BEGIN CREATE ROLE bench_effects NOLOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$;
 GRANT USAGE ON SCHEMA bench_app TO bench_effects;
 GRANT INSERT ON bench_app.effects TO bench_effects;
+-- RETURNING reads the id it returns.
+GRANT SELECT (id) ON bench_app.effects TO bench_effects;
 GRANT USAGE ON SEQUENCE bench_app.effects_id_seq TO bench_effects;
 CREATE OR REPLACE FUNCTION bench_app.record(payload jsonb, effect_key text) RETURNS text LANGUAGE sql AS
   $f$ INSERT INTO bench_app.effects (effect_key, payload) VALUES (effect_key, payload) RETURNING 'effect-' || id $f$;
