@@ -24,7 +24,8 @@ use std::panic::AssertUnwindSafe;
 /// force (the caller's at `create_channel`, the database's at each call); its qualified
 /// name and whether it returns text. No row: it does not exist. Every other name is
 /// qualified, operators included: a worker keeps the statement and runs it under the
-/// database's search path (`spi::run_under_caller_settings`).
+/// database's search path and plan cache mode (`spi::run_under_caller_settings`, which
+/// applies no plan mode of the statement's own; `create_channel` runs its text).
 pub static FIND_FUNCTION: Statement = Statement::planned_each_run(
     "
 SELECT pg_catalog.quote_ident(n.nspname) OPERATOR(pg_catalog.||) '.'
