@@ -225,16 +225,13 @@ SET client_min_messages = warning;
 SELECT outbox.create_channel('bench_effect_keys', 'http://127.0.0.1:$port/ch/bench_effect_keys',
                              '{"max_in_flight": 512, "max_unverifiable_in_flight": 512, "external_id": "/id"}');
 SELECT outbox.pause_channel('bench_effect_keys', 'loading the backlog');
-INSERT INTO outbox._ledger (tenant, effect_key, message_id, recorded_by, generation)
-SELECT 'default', outbox.effect_key('prefill:' || g, 'deliver'), -g, 'operator', g % 3
-  FROM generate_series(1, $prefill) g;
 SELECT count(outbox.enqueue('bench_effect_keys', jsonb_build_object('n', g, 'text', 'benchmark message'),
                             outbox.effect_key('backlog:' || g, 'deliver')))
   FROM generate_series(1, $n) g;
 VACUUM ANALYZE outbox._messages;
-VACUUM ANALYZE outbox._ledger;
-CHECKPOINT;
 SQL
+  prefill_ledger "$prefill" "outbox.effect_key('prefill:' || g, 'deliver')"
+  psql -c "CHECKPOINT" >/dev/null
   read -r lsn0 fpi0 <<<"$(psql -AtF' ' -c "SELECT pg_current_wal_lsn(), wal_fpi FROM pg_stat_wal")"
   psql -c "SELECT outbox.resume_channel('bench_effect_keys')" >/dev/null
   for i in $(seq 1200); do

@@ -26,9 +26,7 @@ export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54823}
 export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
 export OUTBOX_EXTRA_CONF="outbox.batch_size = 200"
 BACKLOG=${BACKLOG:-2000}
-for p in "$OLD" "$NEW"; do
-  [ -x "$p/lib/postgresql/15/bin/postgres" ] || { echo "$p is not a PostgreSQL prefix (scripts/pg_prefix.sh create)" >&2; exit 2; }
-done
+require_prefixes "$OLD" "$NEW"
 cargo build -q --release -p outbox_e2e --bin bench
 BIN=${CARGO_TARGET_DIR:-$ROOT/target}/release/bench
 SINK_PORT=${SINK_PORT:-18803}

@@ -49,9 +49,7 @@ else
   BACKLOG_KEY="'k:' || g"
   PREFILL_KEY="'prefill:' || md5(g::text)"
 fi
-for p in "$OLD" "$NEW"; do
-  [ -x "$p/lib/postgresql/15/bin/postgres" ] || { echo "$p is not a PostgreSQL prefix (scripts/pg_prefix.sh create)" >&2; exit 2; }
-done
+require_prefixes "$OLD" "$NEW"
 
 start_quiet_sink "$SINK_PORT"
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
@@ -75,16 +73,8 @@ drain() {
        -c "SELECT outbox.pause_channel('drain', 'loading the backlog')" >/dev/null
   psql -c "SELECT count(outbox.enqueue('drain', jsonb_build_object('n', g, 'text', 'benchmark message'), $BACKLOG_KEY)) FROM generate_series(1, $N) g" >/dev/null
   if [ "${PREFILL:-0}" -gt 0 ]; then
-    # A ledger that already holds PREFILL entries, as one kept for weeks does; a build that
-    # keeps it in generations gets them spread over its three generations.
-    if [ "$(psql -c "SELECT count(*) FROM pg_attribute WHERE attrelid = 'outbox._ledger'::regclass AND attname = 'generation'")" = 1 ]; then
-      psql -c "INSERT INTO outbox._ledger (tenant, effect_key, message_id, recorded_by, generation)
-               SELECT 'default', $PREFILL_KEY, -g, 'operator', g % 3 FROM generate_series(1, $PREFILL) g" >/dev/null
-    else
-      psql -c "INSERT INTO outbox._ledger (tenant, effect_key, message_id, recorded_by)
-               SELECT 'default', $PREFILL_KEY, -g, 'operator' FROM generate_series(1, $PREFILL) g" >/dev/null
-    fi
-    psql -c "VACUUM ANALYZE outbox._ledger" >/dev/null
+    # A ledger that already holds PREFILL entries, as one kept for weeks does.
+    prefill_ledger "$PREFILL" "$PREFILL_KEY"
   fi
   psql -c "VACUUM ANALYZE outbox._messages" >/dev/null
   psql -c "CHECKPOINT" >/dev/null

@@ -18,9 +18,7 @@ export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_sql_effects}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54832}
 export OUTBOX_WORKERS=2
 export OUTBOX_EXTRA_CONF="outbox.batch_size = 200"
-for p in "$OLD" "$NEW"; do
-  [ -x "$p/lib/postgresql/15/bin/postgres" ] || { echo "$p is not a PostgreSQL prefix (scripts/pg_prefix.sh create)" >&2; exit 2; }
-done
+require_prefixes "$OLD" "$NEW"
 trap 'bash scripts/cluster.sh destroy >/dev/null 2>&1 || true' EXIT
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
 TICK_US=$((1000000 / $(getconf CLK_TCK)))

@@ -20,6 +20,31 @@ run_statements() {
   bash scripts/cluster.sh psql -qAt -v ON_ERROR_STOP=1 <<<"$1" >/dev/null
 }
 
+# Exits (2) unless every argument is a private copy of PostgreSQL (scripts/pg_prefix.sh).
+require_prefixes() {
+  local p
+  for p in "$@"; do
+    [ -x "$p/lib/postgresql/15/bin/postgres" ] || { echo "$p is not a PostgreSQL prefix (scripts/pg_prefix.sh create)" >&2; exit 2; }
+  done
+}
+
+# Writes $1 entries straight into the cluster's ledger, keyed by the SQL expression $2 of
+# row `g` (message ids -1, -2, …), as a ledger kept for weeks holds them: spread over the
+# three generations of a build that has them (0.1.0 has none). Then VACUUM ANALYZE.
+prefill_ledger() {
+  local generations
+  generations=$(bash scripts/cluster.sh psql -qAt -c "SELECT count(*) FROM pg_attribute
+                  WHERE attrelid = 'outbox._ledger'::regclass AND attname = 'generation'")
+  if [ "$generations" = 1 ]; then
+    bash scripts/cluster.sh psql -qAt -c "INSERT INTO outbox._ledger (tenant, effect_key, message_id, recorded_by, generation)
+      SELECT 'default', $2, -g, 'operator', g % 3 FROM generate_series(1, $1) g" >/dev/null
+  else
+    bash scripts/cluster.sh psql -qAt -c "INSERT INTO outbox._ledger (tenant, effect_key, message_id, recorded_by)
+      SELECT 'default', $2, -g, 'operator' FROM generate_series(1, $1) g" >/dev/null
+  fi
+  bash scripts/cluster.sh psql -qAt -c "VACUUM ANALYZE outbox._ledger" >/dev/null
+}
+
 # Waits (30 s at most) until the cluster's $OUTBOX_WORKERS workers serve its database: a
 # worker started with the cluster looks for the extension once a second, so a drain resumed
 # right after fresh_cluster would otherwise measure up to a second of that wait.
