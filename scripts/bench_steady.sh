@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The steady load alone: about 1,000 messages a second enqueued and delivered for SECONDS
 # (default 3600) with a retention of 15 s (outbox.retention, outbox.ledger_retention, and
-# every channel's retry horizon shortened to 10 s), printing the size of the message,
-# attempt and ledger tables as it goes: they must stay flat. At the end it prints how many
-# ledger rows were deleted one by one (none: retention empties whole generations) and how
-# many generations were emptied. The same load is the last part of scripts/bench.sh
-# (BENCH_STEADY_SECONDS).
+# every channel's retry horizon shortened to 10 s), printing the size of the queue, claim,
+# attempt and ledger tables as it goes: they must stay flat. At the end it prints, for every
+# table of the extension, its largest size in each sixth of the run and the rows written to
+# it (inserted, updated, deleted one by one, emptied whole), and how many ledger rows were
+# deleted one by one (none: retention empties whole generations). The same load is the last
+# part of scripts/bench.sh (BENCH_STEADY_SECONDS).
 #
 # Usage: scripts/bench_steady.sh [SECONDS]
 #   OUTBOX_BASE (/tmp/outbox_delivery_steady), OUTBOX_PGPORT (54823), OUTBOX_WORKERS (2),

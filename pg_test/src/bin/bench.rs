@@ -12,8 +12,9 @@
 //!   time of `SELECT * FROM outbox.metrics` and `outbox.prometheus()` with N queued.
 //!
 //! - with `--steady-seconds S`, a steady load of about 1,000 messages per second for S
-//!   seconds with retention of 15 s: the sizes of the tables (with indexes and TOAST) every
-//!   15 s, to see that they stay flat.
+//!   seconds with retention of 15 s: the size of every table of the extension (with indexes
+//!   and TOAST) as it goes, to see that each stays flat, and the rows written to each
+//!   (`bench/steady.rs`).
 //!
 //! - with `--price-of-safety R`, only the drains of a channel that can neither dedupe nor
 //!   be asked, at its default bound and a few others, beside an ordinary channel's: R
@@ -57,6 +58,8 @@ use std::time::{Duration, Instant, SystemTime};
 mod anchors;
 #[path = "bench/kinds.rs"]
 mod kinds;
+#[path = "bench/steady.rs"]
+mod steady;
 
 /// Is a message of the channel still queued or in flight? Two probes of the heads of the
 /// partial indexes: cheap enough to ask every 20 ms at any backlog.
@@ -429,112 +432,6 @@ fn alter_system(c: &mut Client, setting: &str, value: Option<&str>) {
     };
     c.batch_execute(&sql).unwrap();
     c.batch_execute("SELECT pg_reload_conf()").unwrap();
-}
-
-/// Steady load with a short retention: prints the total size of the message, attempt and
-/// ledger tables every 15 s (every minute in a load of more than 15 minutes), and at the
-/// end how many ledger rows were deleted one by one (none: retention empties whole
-/// generations) and how many generations it saw emptied. Every channel's retry horizon is
-/// shortened to 10 s, because the ledger keeps entries for at least the longest retry
-/// horizon of any channel.
-fn steady(cluster: &Cluster, sim: &Simulator, seconds: u64) {
-    let mut c = cluster.connect();
-    c.batch_execute(
-        "SELECT outbox.alter_channel(name, '{\"retry\": {\"max_age_ms\": 10000}}') FROM outbox._channels",
-    )
-    .unwrap();
-    alter_system(&mut c, "outbox.retention", Some("15"));
-    alter_system(&mut c, "outbox.ledger_retention", Some("15"));
-    let ch = unique("bench_steady");
-    c.execute(
-        "SELECT outbox.create_channel($1, $2, '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"retry\": {\"max_age_ms\": 10000}}'::jsonb)",
-        &[&ch, &sim.send_url(&ch)],
-    )
-    .unwrap();
-    // The ledger is partitioned (its generations): its size is its partitions'.
-    let size = |c: &mut Client| -> (i64, i64, i64) {
-        let r = c
-            .query_one(
-                "SELECT pg_total_relation_size('outbox._messages'), pg_total_relation_size('outbox._attempts'),
-                        (SELECT sum(pg_total_relation_size(relid))::int8 FROM pg_partition_tree('outbox._ledger'))",
-                &[],
-            )
-            .unwrap();
-        (r.get(0), r.get(1), r.get(2))
-    };
-    // Rows deleted one by one from the ledger (by retention: it should empty whole
-    // generations instead), and the generations emptied (each TRUNCATE gives its table a new
-    // file). Counted from here on.
-    let ledger_deletes = |c: &mut Client| -> i64 {
-        c.query_one(
-            "SELECT coalesce(sum(n_tup_del), 0)::int8 FROM pg_stat_user_tables
-              WHERE schemaname = 'outbox' AND relname IN ('_ledger', '_ledger_0', '_ledger_1', '_ledger_2')",
-            &[],
-        )
-        .unwrap()
-        .get(0)
-    };
-    let filenodes = |c: &mut Client| -> Vec<u32> {
-        c.query(
-            "SELECT pg_relation_filenode(relid) FROM pg_partition_tree('outbox._ledger') WHERE isleaf ORDER BY relid",
-            &[],
-        )
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
-    };
-    let deletes_before = ledger_deletes(&mut c);
-    let mut last_filenodes = filenodes(&mut c);
-    let mut truncations = 0;
-    let mb = |b: i64| b as f64 / 1_048_576.0;
-    let start = Instant::now();
-    let mut next_sample = Duration::ZERO;
-    let mut n = 0i64;
-    let mut samples = Vec::new();
-    while start.elapsed() < Duration::from_secs(seconds) {
-        if start.elapsed() >= next_sample {
-            let (m, a, l) = size(&mut c);
-            println!(
-                "steady_sizes_at_{:>3}s messages {:.1} MB, attempts {:.1} MB, ledger {:.1} MB ({n} enqueued)",
-                start.elapsed().as_secs(),
-                mb(m),
-                mb(a),
-                mb(l)
-            );
-            samples.push(m + a + l);
-            // Every 15 s, and every minute in a load of more than 15 minutes.
-            next_sample += Duration::from_secs(if seconds > 900 { 60 } else { 15 });
-        }
-        c.execute(
-            "SELECT outbox.enqueue($1, '{\"steady\": true}'::jsonb, $2 || ':' || g) FROM generate_series(1, 100) g",
-            &[&ch, &format!("{ch}-{n}")],
-        )
-        .unwrap();
-        n += 100;
-        // Each emptied generation gets a new file (TRUNCATE): looked at every 100 ms.
-        let now = filenodes(&mut c);
-        truncations += now
-            .iter()
-            .zip(&last_filenodes)
-            .filter(|(a, b)| a != b)
-            .count();
-        last_filenodes = now;
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let (m, a, l) = size(&mut c);
-    println!(
-        "steady_sizes_at_end messages {:.1} MB, attempts {:.1} MB, ledger {:.1} MB ({n} enqueued in {seconds} s)",
-        mb(m),
-        mb(a),
-        mb(l)
-    );
-    println!(
-        "steady_ledger_rows_deleted_one_by_one {} (generations emptied whole: {truncations})",
-        ledger_deletes(&mut c) - deletes_before
-    );
-    alter_system(&mut c, "outbox.retention", None);
-    alter_system(&mut c, "outbox.ledger_retention", None);
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -1012,7 +909,7 @@ fn main() {
     // The steady load alone (the sizes of the tables under it), for as long as asked.
     let seconds = arg("--steady-only", 0) as u64;
     if seconds > 0 {
-        steady(&cluster, &sim, seconds);
+        steady::steady(&cluster, &sim, seconds);
         return;
     }
     let rounds = arg("--price-of-safety", 0);
@@ -1089,7 +986,7 @@ fn main() {
 
     let seconds = arg("--steady-seconds", 0) as u64;
     if seconds > 0 {
-        steady(&cluster, &sim, seconds);
+        steady::steady(&cluster, &sim, seconds);
     }
 
     // Last: the large backlog leaves a million rows behind.
