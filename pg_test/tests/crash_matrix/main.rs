@@ -3,7 +3,8 @@
 //! and the provider simulator.
 //!
 //! Run: `cargo test -p outbox_e2e --release --test crash_matrix -- --test-threads=1 --nocapture`
-//! (also part of the README's `cargo test -p outbox_e2e --release -- --test-threads=1`).
+//! (also part of the README's `bash scripts/test.sh`, which runs
+//! `cargo test -p outbox_e2e --release -- --test-threads=1`).
 //!
 //! - `crash_matrix`: the four restart points — (1) the client dies before its COMMIT,
 //!   (2) the worker dies after claiming and before sending, (3) the provider accepted and the
