@@ -444,6 +444,58 @@ fn a_dropped_function_fails_readably_and_the_worker_goes_on() {
     );
 }
 
+/// A `run_as` role that has become a superuser (or is gone) is found so at the call: the
+/// message fails with a readable error, and the worker, with the record of everything else
+/// it had in that transaction, goes on. Before, the empty lookup of the role ended the
+/// record's transaction with an error, and the worker restarted.
+#[test]
+fn a_run_as_role_that_became_a_superuser_fails_readably_and_the_worker_goes_on() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let s = app_schema(&mut c);
+    let role = format!("{s}_effects");
+    let ch = unique("fx_super");
+    sql_channel(&mut c, &ch, &format!("{s}.create_task"), &role);
+    c.execute(
+        "SELECT outbox.pause_channel($1, 'changing the role')",
+        &[&ch],
+    )
+    .unwrap();
+    let id: i64 = one(
+        &mut c,
+        "SELECT outbox.enqueue($1, '{\"title\": \"t\"}'::jsonb, $2)",
+        &[&ch, &unique("k")],
+    );
+    c.batch_execute(&format!("ALTER ROLE {role} SUPERUSER"))
+        .unwrap();
+    let pids = cluster.worker_pids(&mut c);
+    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
+        .unwrap();
+    let failed = wait_for_state(&cluster, id, "failed", T);
+    c.batch_execute(&format!("ALTER ROLE {role} NOSUPERUSER"))
+        .unwrap();
+    assert!(failed, "the message failed");
+    let error: Option<String> = one(
+        &mut c,
+        "SELECT last_error FROM outbox.messages WHERE id = $1",
+        &[&id],
+    );
+    assert!(
+        error
+            .as_deref()
+            .unwrap_or("")
+            .contains("has become a superuser"),
+        "{error:?}"
+    );
+    let ran: i64 = one(&mut c, &format!("SELECT count(*) FROM {s}.tasks"), &[]);
+    assert_eq!(ran, 0, "the function never ran");
+    assert_eq!(
+        cluster.worker_pids(&mut c),
+        pids,
+        "the worker did not crash"
+    );
+}
+
 #[test]
 fn a_new_command_is_a_new_effect_and_a_rerun_is_not() {
     let (cluster, mut c, sim) = cluster_and_sim();

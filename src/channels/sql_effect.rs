@@ -93,9 +93,14 @@ pub fn call_effect(
     payload: &str,
     effect_key: &str,
 ) -> SpiResult<EffectOutcome> {
-    let role = spi::run(client, &RUN_AS_ROLE, Some(1), &[run_as.into()])?
-        .first()
-        .get_one::<pg_sys::Oid>()?;
+    // No row: the role is gone or has become a superuser (reading a value of an empty
+    // result would be an error, and the record's transaction would end with it).
+    let found = spi::run(client, &RUN_AS_ROLE, Some(1), &[run_as.into()])?;
+    let role = if found.is_empty() {
+        None
+    } else {
+        found.first().get_one::<pg_sys::Oid>()?
+    };
     let Some(role) = role else {
         return Ok(EffectOutcome::Unavailable(format!(
             "role \"{run_as}\" (run_as) no longer exists or has become a superuser"
