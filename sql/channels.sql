@@ -9,8 +9,9 @@
 CREATE FUNCTION outbox._option_int(options jsonb, path text[]) RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 BEGIN ATOMIC
+    -- Rounded before its range is checked: 2147483647.5 rounds out of it.
     SELECT CASE WHEN jsonb_typeof(options #> path) = 'number'
-                THEN CASE WHEN (options #>> path)::numeric BETWEEN -2147483648 AND 2147483647
+                THEN CASE WHEN round((options #>> path)::numeric) BETWEEN -2147483648 AND 2147483647
                           THEN round((options #>> path)::numeric)::integer END
            END;
 END;

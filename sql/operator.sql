@@ -73,7 +73,7 @@ BEGIN
     -- may not see a claim made since, so it may not act on a queued message.
     IF FOUND AND v.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w) THEN
         v.state := 'sending';
-        v.attempts := v.attempts + 1;
+        v.attempts := least(v.attempts, 2147483646) + 1;
     ELSIF FOUND AND v.state = 'queued'
           AND pg_catalog.current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'message % is queued: an operator action on it needs a READ COMMITTED transaction, not %',

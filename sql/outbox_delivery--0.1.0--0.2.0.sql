@@ -440,7 +440,9 @@ SELECT m.id,
        CASE WHEN w.message_id IS NOT NULL THEN 'sending'::outbox.state ELSE m.state END AS state,
        m.effect_key,
        m.ordering_key,
-       m.attempts + (w.message_id IS NOT NULL)::int AS attempts,
+       -- Saturates, as the claim counts (src/worker/claim.rs): a counter at its limit, set
+       -- by hand, must not fail the view.
+       CASE WHEN w.message_id IS NOT NULL THEN least(m.attempts, 2147483646) + 1 ELSE m.attempts END AS attempts,
        outbox._option_int(c.options, '{retry,max_attempts}') AS max_attempts,
        -- queued: the next send; uncertain on a channel that can reconcile: the next lookup.
        CASE WHEN (m.state = 'queued' AND w.message_id IS NULL)
@@ -772,7 +774,7 @@ SELECT a.message_id,
   FROM outbox._attempts a
 UNION ALL
 SELECT m.id,
-       m.attempts + 1,
+       least(m.attempts, 2147483646) + 1,
        'send'::text,
        w.started_at,
        NULL::timestamptz,
@@ -789,7 +791,8 @@ SELECT m.id,
   FROM outbox._under_way w
   JOIN outbox._messages m ON m.id = w.message_id
  WHERE NOT EXISTS (SELECT 1 FROM outbox._attempts o
-                    WHERE o.message_id = m.id AND o.attempt = m.attempts + 1 AND o.kind = 'send')
+                    WHERE o.message_id = m.id AND o.attempt = least(m.attempts, 2147483646) + 1
+                      AND o.kind = 'send')
 UNION ALL
 -- A send that delivered its message in the attempt the message still counts, and whose
 -- row the record did not write: the delivered message is that row (src/ledger.rs,
@@ -905,7 +908,7 @@ BEGIN
     -- may not see a claim made since, so it may not act on a queued message.
     IF FOUND AND v.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w) THEN
         v.state := 'sending';
-        v.attempts := v.attempts + 1;
+        v.attempts := least(v.attempts, 2147483646) + 1;
     ELSIF FOUND AND v.state = 'queued'
           AND pg_catalog.current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'message % is queued: an operator action on it needs a READ COMMITTED transaction, not %',
@@ -1056,3 +1059,15 @@ SELECT scope, channel, queued, sending, uncertain, exhausted, failed, oldest_que
        error_streak, exhausted_total, delivered_total, attempts_failed_total, failed_total,
        error_streak_since, paused
   FROM rows;
+
+-- An integer option read from a row changed by hand: its range is checked after rounding,
+-- so that 2147483647.5 reads as no number instead of failing every claim (22003).
+CREATE OR REPLACE FUNCTION outbox._option_int(options jsonb, path text[]) RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+BEGIN ATOMIC
+    -- Rounded before its range is checked: 2147483647.5 rounds out of it.
+    SELECT CASE WHEN jsonb_typeof(options #> path) = 'number'
+                THEN CASE WHEN round((options #>> path)::numeric) BETWEEN -2147483648 AND 2147483647
+                          THEN round((options #>> path)::numeric)::integer END
+           END;
+END;

@@ -58,7 +58,9 @@ SELECT m.id,
        CASE WHEN w.message_id IS NOT NULL THEN 'sending'::outbox.state ELSE m.state END AS state,
        m.effect_key,
        m.ordering_key,
-       m.attempts + (w.message_id IS NOT NULL)::int AS attempts,
+       -- Saturates, as the claim counts (src/worker/claim.rs): a counter at its limit, set
+       -- by hand, must not fail the view.
+       CASE WHEN w.message_id IS NOT NULL THEN least(m.attempts, 2147483646) + 1 ELSE m.attempts END AS attempts,
        outbox._option_int(c.options, '{retry,max_attempts}') AS max_attempts,
        -- queued: the next send; uncertain on a channel that can reconcile: the next lookup.
        CASE WHEN (m.state = 'queued' AND w.message_id IS NULL)
@@ -133,7 +135,7 @@ SELECT a.message_id,
   FROM outbox._attempts a
 UNION ALL
 SELECT m.id,
-       m.attempts + 1,
+       least(m.attempts, 2147483646) + 1,
        'send'::text,
        w.started_at,
        NULL::timestamptz,
@@ -150,7 +152,8 @@ SELECT m.id,
   FROM outbox._under_way w
   JOIN outbox._messages m ON m.id = w.message_id
  WHERE NOT EXISTS (SELECT 1 FROM outbox._attempts o
-                    WHERE o.message_id = m.id AND o.attempt = m.attempts + 1 AND o.kind = 'send')
+                    WHERE o.message_id = m.id AND o.attempt = least(m.attempts, 2147483646) + 1
+                      AND o.kind = 'send')
 UNION ALL
 -- A send that delivered its message in the attempt the message still counts, and whose
 -- row the record did not write: the delivered message is that row (src/ledger.rs,

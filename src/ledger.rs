@@ -134,7 +134,7 @@ WITH d AS (
     -- would have moved).
     DELETE FROM outbox._messages m
      USING d
-     WHERE m.id = d.id AND m.state::text = 'queued' AND m.attempts = d.attempt - 1
+     WHERE m.id = d.id AND m.state::text = 'queued' AND least(m.attempts, 2147483646) = d.attempt - 1
        AND (d.key_unrecorded_at_claim
             OR NOT EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key)))
  RETURNING m.*, coalesce(d.external_id, m.external_id) AS confirmed_external_id,
@@ -159,7 +159,7 @@ WITH d AS (
            lease_until = NULL,
            lease_owner = NULL
       FROM d
-     WHERE m.id = d.id AND m.state::text = 'queued' AND m.attempts = d.attempt - 1
+     WHERE m.id = d.id AND m.state::text = 'queued' AND least(m.attempts, 2147483646) = d.attempt - 1
        AND NOT d.key_unrecorded_at_claim
        AND NOT EXISTS (SELECT 1 FROM moved WHERE moved.id = d.id)
        AND EXISTS (SELECT 1 FROM outbox._ledger_entry(m.tenant, m.effect_key))

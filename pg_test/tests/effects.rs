@@ -496,6 +496,53 @@ fn a_run_as_role_that_became_a_superuser_fails_readably_and_the_worker_goes_on()
     );
 }
 
+/// An effect whose message's counter was set by hand to its limit runs once and is
+/// recorded: the lock of the effects' messages counts the attempt under way as the claim
+/// does, saturated, instead of failing the record's transaction with 22003.
+#[test]
+fn an_effect_whose_counter_is_at_its_limit_runs_once() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let s = app_schema(&mut c);
+    let ch = unique("fx_limit");
+    sql_channel(
+        &mut c,
+        &ch,
+        &format!("{s}.create_task"),
+        &format!("{s}_effects"),
+    );
+    let key = unique("k");
+    let id = {
+        let mut tx = c.transaction().unwrap();
+        let id: i64 = one(
+            &mut tx,
+            "SELECT outbox.enqueue($1, '{\"title\": \"at the limit\"}'::jsonb, $2)",
+            &[&ch, &key],
+        );
+        tx.execute(
+            "UPDATE outbox._messages SET attempts = 2147483647 WHERE id = $1",
+            &[&id],
+        )
+        .unwrap();
+        tx.commit().unwrap();
+        id
+    };
+    let pids = cluster.worker_pids(&mut c);
+    assert!(wait_for_state(&cluster, id, "delivered", T));
+    assert_eq!(tasks(&mut c, &s, &key), 1, "the effect ran once");
+    let attempts: i32 = one(
+        &mut c,
+        "SELECT attempts FROM outbox.messages WHERE id = $1",
+        &[&id],
+    );
+    assert_eq!(attempts, i32::MAX);
+    assert_eq!(
+        cluster.worker_pids(&mut c),
+        pids,
+        "the worker did not crash"
+    );
+}
+
 #[test]
 fn a_new_command_is_a_new_effect_and_a_rerun_is_not() {
     let (cluster, mut c, sim) = cluster_and_sim();

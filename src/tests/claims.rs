@@ -68,3 +68,33 @@ fn what_is_left_of_a_claim_is_null_when_nothing_of_it_was_released() {
     assert_eq!(left("'{}', '{1}'"), None);
     assert_eq!(left("NULL, '{1}'"), None);
 }
+
+#[pg_test]
+fn a_counter_at_its_limit_in_flight_reads_as_the_attempt_under_way_in_every_view() {
+    // Set by hand to its limit, as in pg_test's bad_rows: the attempt under way saturates,
+    // as the claim counts it, and no view or operator action fails with 22003.
+    Spi::run("SELECT outbox.create_channel('limit', 'http://127.0.0.1:9/x', '{}')").unwrap();
+    let id = Spi::get_one::<i64>("SELECT outbox.enqueue('limit', '{}'::jsonb, 'at-limit')")
+        .unwrap()
+        .unwrap();
+    Spi::run(&format!("UPDATE outbox._messages SET attempts = 2147483647 WHERE id = {id}")).unwrap();
+    Spi::run(&format!(
+        "INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
+         SELECT channel_id, 0, pg_backend_pid() + 1, now() + interval '1 minute', now(), ARRAY[id]
+           FROM outbox._messages WHERE id = {id}"
+    ))
+    .unwrap();
+    let row = Spi::get_two::<String, i32>(&format!("SELECT state::text, attempts FROM outbox.messages WHERE id = {id}"))
+        .unwrap();
+    assert_eq!(row, (Some("sending".into()), Some(i32::MAX)));
+    let open = Spi::get_one::<i32>(&format!(
+        "SELECT attempt FROM outbox.attempts WHERE message_id = {id} AND finished_at IS NULL"
+    ))
+    .unwrap();
+    assert_eq!(open, Some(i32::MAX));
+    let status = Spi::get_one::<String>(&format!("SELECT outbox.status({id})::text")).unwrap();
+    assert!(status.is_some());
+    // An operator action locks the message and sees it sending: refused as such (55000),
+    // not failed on the counter.
+    assert_eq!(sqlstate(&format!("SELECT outbox.cancel({id}, 'at the limit')")), "55000");
+}

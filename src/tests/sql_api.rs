@@ -264,6 +264,26 @@ fn sql_reads_a_channels_in_flight_bound_as_its_options_say() {
     )
     .unwrap();
     assert_eq!(bound, Some(crate::channels::options::DEFAULT_MAX_IN_FLIGHT as i32));
+    // A number that rounds out of the range of integer reads as none.
+    for (stored, read) in [
+        ("2147483647.5", None),
+        ("-2147483648.5", None),
+        ("2147483647.4", Some(i32::MAX)),
+        ("-2147483648.4", Some(i32::MIN)),
+        ("1e10", None),
+        ("2.5", Some(3)),
+    ] {
+        let got = Spi::get_one::<i32>(&format!(
+            "SELECT outbox._option_int('{{\"n\": {stored}}}', '{{n}}')"
+        ))
+        .unwrap();
+        assert_eq!(got, read, "{stored}");
+    }
+    let bound = Spi::get_one::<i32>(
+        "SELECT outbox._in_flight_bound('{\"idempotency_header\": \"K\", \"max_in_flight\": 2147483647.5}')",
+    )
+    .unwrap();
+    assert_eq!(bound, Some(crate::channels::options::DEFAULT_MAX_IN_FLIGHT as i32));
 }
 
 #[pg_test]

@@ -75,7 +75,8 @@ WITH o AS (
            lease_owner = NULL,
            updated_at = now()
       FROM o
-     WHERE m.id = o.message_id AND m.state::text = 'queued' AND m.attempts = o.attempt - 1
+     WHERE m.id = o.message_id AND m.state::text = 'queued'
+       AND least(m.attempts, 2147483646) = o.attempt - 1
  RETURNING m.id, m.tenant, m.effect_key, m.attempt_started_at, m.attempt_pid
 )
 INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, started_at, finished_at, outcome,
@@ -134,7 +135,7 @@ RETURNING a.message_id",
 /// none of them is taken back while the transaction that runs it is open.
 pub(crate) static LOCK_EFFECT_MESSAGES: Statement = Statement::planned_once(
     "
-SELECT m.id, m.attempts + 1
+SELECT m.id, least(m.attempts, 2147483646) + 1
   FROM outbox._messages m
  WHERE m.id = ANY ($1::int8[]) AND m.state::text = 'queued'
    AND m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w

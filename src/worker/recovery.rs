@@ -28,7 +28,7 @@ WITH lost AS MATERIALIZED (
         OR ($1 AND w.lease_owner = $2 AND w.worker_pid <> pg_catalog.pg_backend_pid())
         OR ($4 > 0 AND w.started_at < pg_catalog.to_timestamp($4::float8 / 1000))
 )
-SELECT m.id, m.channel_id, m.attempts + 1,
+SELECT m.id, m.channel_id, least(m.attempts, 2147483646) + 1,
        outbox._epoch_ms(coalesce(m.budget_started_at, m.created_at)),
        outbox._epoch_ms(coalesce(m.first_attempt_at, l.started_at, m.created_at)),
        m.attempts::int8 + 1 - m.budget_base,

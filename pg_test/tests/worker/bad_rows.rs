@@ -199,6 +199,52 @@ fn bad_rows_never_stop_the_worker() {
     );
 }
 
+/// A failed attempt of a message whose counter was set by hand to its limit is recorded
+/// like any other: the attempt under way saturates (2147483647, as the claim counts it), and
+/// the record's check that the message is still in that attempt counts it the same way.
+/// Before, the check never held at the limit: the failure was never recorded, the message
+/// went back to the queue due at once, and was sent again on every claim.
+#[test]
+fn a_failure_at_the_counters_limit_is_recorded_once_and_not_sent_again() {
+    let cluster = Cluster::from_env();
+    let pids_before = wait_for_workers(&cluster, &[]);
+    let sim = Simulator::start();
+    let ch = unique("w_at_limit");
+    let mut c = cluster.connect();
+    create_channel(
+        &mut c,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"retry": {"base_ms": 50, "max_ms": 50, "jitter": "none", "max_attempts": 3}}"#,
+    );
+    sim.set_default(&ch, Action::Status(503));
+    let id = {
+        let mut tx = c.transaction().unwrap();
+        let id = enqueue_payload(&mut tx, &ch, r#"{"x": 1}"#, &unique("at_limit"));
+        tx.execute(
+            "UPDATE outbox._messages SET attempts = 2147483647 WHERE id = $1",
+            &[&id],
+        )
+        .expect("set the counter");
+        tx.commit().unwrap();
+        id
+    };
+    let m = wait_message(&cluster, id, "exhausted");
+    assert_eq!(m.attempts, i32::MAX, "{m:?}");
+    assert_eq!(m.last_http_status, Some(503), "{m:?}");
+    // A second look after a few retry intervals: still one send.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(sim.send_count(&ch), 1, "sent once, its failure recorded");
+    let a = attempts(&mut c, id);
+    assert_eq!(a.len(), 1, "{a:?}");
+    assert_eq!(a[0].attempt, i32::MAX, "{a:?}");
+    assert_eq!(
+        cluster.worker_pids(&mut c),
+        pids_before,
+        "no worker crashed or restarted"
+    );
+}
+
 /// The soft open-files limit of a process, and its hard limit (`/proc/<pid>/limits`).
 fn open_files_limits(pid: i32) -> (String, String) {
     let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("read limits");
