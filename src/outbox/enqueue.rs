@@ -202,6 +202,9 @@ pub unsafe extern "C-unwind" fn outbox_enqueue(fcinfo: pg_sys::FunctionCallInfo)
     }
     let acting = tenancy::acting_tenant_of_caller();
     let channel_name: Option<&str> = pg_getarg(fcinfo, CHANNEL_NAME);
+    if let Err(refusal) = enqueue_check::check_channel(channel_name) {
+        refusal.raise();
+    }
     let channel = channel(channel_name);
     if !channel.serves(&acting) {
         not_served(channel_name.unwrap_or_default(), &acting);

@@ -104,6 +104,19 @@ fn json_type(text: &str) -> &'static str {
     }
 }
 
+/// The channel's name: present. An empty or unknown name is a channel that does not exist
+/// (42704), a NULL one a missing argument.
+pub fn check_channel(name: Option<&str>) -> Result<(), Refusal> {
+    match name {
+        Some(_) => Ok(()),
+        None => Err(Refusal::invalid(
+            "channel must not be NULL",
+            None,
+            Some("Name a channel of outbox.channels."),
+        )),
+    }
+}
+
 /// The effect key: present, without control characters, at most 255 bytes.
 pub fn check_effect_key(key: Option<&str>) -> Result<(), Refusal> {
     let key = match key {
@@ -364,6 +377,20 @@ mod tests {
 
     fn ok(key: &str) -> Result<(), Refusal> {
         check(Some(key), None, false, Some(2), 100, None)
+    }
+
+    #[test]
+    fn a_null_channel_is_a_missing_argument_and_any_name_goes_on_to_the_lookup() {
+        let refusal = check_channel(None).unwrap_err();
+        assert_eq!(refusal.message, "channel must not be NULL");
+        assert_eq!(
+            refusal.sqlstate(),
+            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE
+        );
+        assert!(refusal.hint.is_some());
+        for name in ["", "sms", "no such channel"] {
+            assert!(check_channel(Some(name)).is_ok(), "{name:?}");
+        }
     }
 
     #[test]

@@ -130,6 +130,7 @@ fn enqueue_refuses_bad_input_and_writes_nothing() {
     let long = "k".repeat(256);
     let cases = [
         ("SELECT outbox.enqueue('missing', '{}', 'k1')".to_string(), "42704"),
+        ("SELECT outbox.enqueue(NULL, '{}', 'k1')".to_string(), "22023"),
         ("SELECT outbox.enqueue('enq', '{}', NULL)".to_string(), "22023"),
         ("SELECT outbox.enqueue('enq', '{}', '')".to_string(), "22023"),
         (format!("SELECT outbox.enqueue('enq', '{{}}', '{long}')"), "22023"),
