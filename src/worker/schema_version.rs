@@ -82,9 +82,17 @@ pub fn waiting_report(installed: &str, verdict: SchemaMatch) -> (String, String,
     (message, detail, hint)
 }
 
+/// The extension's version in this database; None when it is not installed (dropped
+/// meanwhile: reading a value of the empty result would be an error instead).
 fn installed_version() -> Option<String> {
     BackgroundWorker::transaction(|| {
-        Spi::get_one_with_args::<String>(INSTALLED_VERSION, &["outbox_delivery".into()])
+        Spi::connect(|client| {
+            let rows = client.select(INSTALLED_VERSION, Some(1), &["outbox_delivery".into()])?;
+            if rows.is_empty() {
+                return Ok(None);
+            }
+            rows.first().get_one::<String>()
+        })
     })
     .unwrap_or_else(|e| crate::error::spi_failure(e))
 }
