@@ -62,7 +62,8 @@ DECLARE
     v outbox._messages;
 BEGIN
     IF id IS NULL THEN
-        RAISE EXCEPTION 'id must not be NULL' USING ERRCODE = '22023';
+        RAISE EXCEPTION 'id must not be NULL' USING ERRCODE = '22023',
+            HINT = 'Pass the id of a message, as outbox.messages and outbox.work_queue show it.';
     END IF;
     SELECT * INTO v FROM outbox._messages m
      WHERE m.id = _lock_message.id AND outbox._tenant_visible(m.tenant)
