@@ -186,6 +186,68 @@ fn a_writer_sees_only_the_channels_that_serve_its_tenant() {
         .expect("drop");
 }
 
+/// A condition of the reader's own, cheaper than a view's filter, is not evaluated on the
+/// rows the filter hides: `outbox.channels` and `outbox._under_way` run with their owner's
+/// rights, and without `security_barrier` the planner ran the reader's condition first, on
+/// every row. A division by zero on a hidden row's name or id is how a condition would
+/// show it (a function of the reader's could as well print it); it must never run. (The
+/// divisor is computed from the row: a constant one would be folded, and fail, at planning.)
+#[test]
+fn a_readers_own_condition_never_sees_a_row_the_views_hide() {
+    let cluster = Cluster::from_env();
+    let mut su = cluster.connect();
+    let (a, b) = (unique("cta"), unique("ctb"));
+    let only_a = paused_channel(&mut su, &format!(r#"{{"tenants": ["{a}"]}}"#));
+    let (writer_a, writer_b) = (Writer::new(&cluster, &a), Writer::new(&cluster, &b));
+    let id = writer_a.enqueue(&only_a, None).expect("enqueue as a");
+    // In flight, as a claim makes it (the channel is paused: no worker sends or recovers it
+    // before the lease ends, an hour from now).
+    let claim: i64 = one(
+        &mut su,
+        "INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
+         SELECT channel_id, -1, 0, now() + interval '1 hour', now(), ARRAY[id]
+           FROM outbox._messages WHERE id = $1
+         RETURNING id",
+        &[&id],
+    );
+    let mut sb = writer_b.session();
+    let probes = [
+        format!(
+            "SELECT count(*) FROM outbox.channels WHERE (CASE WHEN name = '{only_a}' THEN 1 / (length(name) - length(name)) ELSE 1 END) = 1"
+        ),
+        format!(
+            "SELECT count(*) FROM outbox._under_way WHERE (CASE WHEN message_id = {id} THEN 1 / (message_id - message_id) ELSE 1 END) = 1"
+        ),
+        format!(
+            "SELECT count(*) FROM outbox._under_way WHERE (CASE WHEN channel_id IS NOT NULL AND message_id = {id} THEN 1 / (message_id - message_id) ELSE 1 END) = 1"
+        ),
+    ];
+    let mut outcomes = Vec::new();
+    for probe in &probes {
+        outcomes.push(match sb.query_one(probe.as_str(), &[]) {
+            Ok(row) => format!("{} rows", row.get::<_, i64>(0)),
+            Err(e) => format!("error {}", code_of(&e)),
+        });
+    }
+    // Tenant a's own writer sees both, the same way.
+    let mut sa = writer_a.session();
+    let own = sa
+        .query_one(probes[1].as_str(), &[])
+        .map_err(|e| code_of(&e));
+    su.execute("DELETE FROM outbox._claims WHERE id = $1", &[&claim])
+        .expect("end the claim");
+    su.execute("SELECT outbox.cancel($1, 'end of test')", &[&id])
+        .expect("cancel");
+    for (probe, outcome) in probes.iter().zip(&outcomes) {
+        assert!(outcome.ends_with("rows"), "{probe}: {outcome}");
+    }
+    assert_eq!(
+        own.err().as_deref(),
+        Some("22012"),
+        "a's writer reads its own claim"
+    );
+}
+
 #[test]
 fn messages_may_not_set_framing_routing_signing_or_key_headers() {
     let cluster = Cluster::from_env();
