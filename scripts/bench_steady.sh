@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The steady load alone: about 1,000 messages a second enqueued and delivered for SECONDS
+# The steady load alone: STEADY_RATE messages a second (1,000) enqueued and delivered for SECONDS
 # (default 3600) with a retention of 15 s (outbox.retention, outbox.ledger_retention, and
 # every channel's retry horizon shortened to 10 s), printing the size of the queue, claim,
 # attempt and ledger tables as it goes: they must stay flat. At the end it prints, for every
@@ -9,6 +9,7 @@
 # part of scripts/bench.sh (BENCH_STEADY_SECONDS).
 #
 # Usage: scripts/bench_steady.sh [SECONDS]
+#   STEADY_RATE (messages a second, enqueued a tenth every 100 ms: 1000),
 #   OUTBOX_BASE (/tmp/outbox_delivery_steady), OUTBOX_PGPORT (54823), OUTBOX_WORKERS (2),
 #   OUTBOX_PGBIN (a private prefix's bin directory with the build installed: scripts/
 #   pg_prefix.sh; by default the tree is installed into the system PostgreSQL).
@@ -24,5 +25,5 @@ bash scripts/setup.sh >/dev/null
 cargo build -q --release -p outbox_e2e --bin bench
 fresh_cluster >/dev/null
 trap 'bash scripts/cluster.sh stop >/dev/null 2>&1 || true' EXIT
-echo "machine: $(nproc) cores; $OUTBOX_WORKERS delivery workers; steady load for $SECONDS_OF_LOAD s"
-"${CARGO_TARGET_DIR:-target}/release/bench" --steady-only "$SECONDS_OF_LOAD"
+echo "machine: $(nproc) cores; $OUTBOX_WORKERS delivery workers; steady load of ${STEADY_RATE:-1000} msg/s for $SECONDS_OF_LOAD s"
+"${CARGO_TARGET_DIR:-target}/release/bench" --steady-only "$SECONDS_OF_LOAD" --steady-rate "${STEADY_RATE:-1000}"

@@ -11,8 +11,8 @@
 //! - with `--large-backlog N`, the same throughput for a backlog of N, and the execution
 //!   time of `SELECT * FROM outbox.metrics` and `outbox.prometheus()` with N queued.
 //!
-//! - with `--steady-seconds S`, a steady load of about 1,000 messages per second for S
-//!   seconds with retention of 15 s: the size of every table of the extension (with indexes
+//! - with `--steady-seconds S`, a steady load of `--steady-rate` messages per second (1,000)
+//!   for S seconds with retention of 15 s: the size of every table of the extension (with indexes
 //!   and TOAST) as it goes, to see that each stays flat, and the rows written to each
 //!   (`bench/steady.rs`).
 //!
@@ -38,7 +38,8 @@
 //!   (`scripts/bench_anchors.sh`).
 //!
 //! ```text
-//! bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--latency-samples 200]
+//! bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--steady-rate 1000]
+//!       [--latency-samples 200]
 //!       [--idle-rest-ms 25]
 //!       [--price-of-safety 0] [--several-databases 0] [--webhooks 0]
 //!       [--kinds 0 --nats-url URL --nats-pid PID --costs-json PATH]
@@ -909,7 +910,7 @@ fn main() {
     // The steady load alone (the sizes of the tables under it), for as long as asked.
     let seconds = arg("--steady-only", 0) as u64;
     if seconds > 0 {
-        steady::steady(&cluster, &sim, seconds);
+        steady::steady(&cluster, &sim, seconds, arg("--steady-rate", 1000) as u64);
         return;
     }
     let rounds = arg("--price-of-safety", 0);
@@ -986,7 +987,7 @@ fn main() {
 
     let seconds = arg("--steady-seconds", 0) as u64;
     if seconds > 0 {
-        steady::steady(&cluster, &sim, seconds);
+        steady::steady(&cluster, &sim, seconds, arg("--steady-rate", 1000) as u64);
     }
 
     // Last: the large backlog leaves a million rows behind.

@@ -1,6 +1,8 @@
-//! `--steady-seconds S` / `--steady-only S`: a steady load of about 1,000 messages a second
-//! for S seconds with a retention of 15 s, and the size of every table of the extension as
-//! it goes, to see that each stays flat.
+//! `--steady-seconds S` / `--steady-only S`: a steady load of `--steady-rate` messages a
+//! second (1,000 by default) for S seconds with a retention of 15 s, and the size of every
+//! table of the extension as it goes, to see that each stays flat. The load enqueues a
+//! tenth of the rate every 100 ms, each tenth in one transaction, on a schedule (a tick
+//! that runs late is followed by the next at once), and prints the rate it reached.
 //!
 //! Every table of the `outbox` schema is measured (with its indexes and TOAST; the ledger's
 //! generations together, as `ledger`), every 10 s. A line of the main ones is printed every
@@ -96,9 +98,11 @@ fn mb(bytes: i64) -> f64 {
     bytes as f64 / 1_048_576.0
 }
 
-/// The steady load. Every channel's retry horizon is shortened to 10 s, because the ledger
-/// keeps entries for at least the longest retry horizon of any channel.
-pub fn steady(cluster: &Cluster, sim: &Simulator, seconds: u64) {
+/// The steady load of `rate` messages a second. Every channel's retry horizon is shortened
+/// to 10 s, because the ledger keeps entries for at least the longest retry horizon of any
+/// channel.
+pub fn steady(cluster: &Cluster, sim: &Simulator, seconds: u64, rate: u64) {
+    let per_tick = (rate / 10).max(1) as i64;
     let mut c = cluster.connect();
     c.batch_execute(
         "SELECT outbox.alter_channel(name, '{\"retry\": {\"max_age_ms\": 10000}}') FROM outbox._channels",
@@ -120,6 +124,7 @@ pub fn steady(cluster: &Cluster, sim: &Simulator, seconds: u64) {
     let mut next_print = Duration::ZERO;
     let mut next_reading = Duration::ZERO;
     let mut n = 0i64;
+    let mut ticks = 0u32;
     while start.elapsed() < Duration::from_secs(seconds) {
         if start.elapsed() >= next_reading {
             let at = start.elapsed().as_secs_f64();
@@ -156,11 +161,11 @@ pub fn steady(cluster: &Cluster, sim: &Simulator, seconds: u64) {
             next_reading += Duration::from_secs(10);
         }
         c.execute(
-            "SELECT outbox.enqueue($1, '{\"steady\": true}'::jsonb, $2 || ':' || g) FROM generate_series(1, 100) g",
-            &[&ch, &format!("{ch}-{n}")],
+            "SELECT outbox.enqueue($1, '{\"steady\": true}'::jsonb, $2 || ':' || g) FROM generate_series(1, $3::int8) g",
+            &[&ch, &format!("{ch}-{n}"), &per_tick],
         )
         .unwrap();
-        n += 100;
+        n += per_tick;
         // A generation emptied and refilled within 10 s would be missed by the readings:
         // the ledger's files are looked at every 100 ms.
         let ledger_files = ledger_files(&mut c);
@@ -170,10 +175,15 @@ pub fn steady(cluster: &Cluster, sim: &Simulator, seconds: u64) {
                 l.files = ledger_files;
             }
         }
-        std::thread::sleep(Duration::from_millis(100));
+        ticks += 1;
+        let next_tick = start + Duration::from_millis(100) * ticks;
+        std::thread::sleep(next_tick.saturating_duration_since(Instant::now()));
     }
     let end = read_tables(&mut c);
-    println!("steady_end {n} enqueued in {seconds} s");
+    println!(
+        "steady_end {n} enqueued in {seconds} s: {:.0} msg/s (asked {rate})",
+        n as f64 / start.elapsed().as_secs_f64()
+    );
     println!(
         "steady_table: largest size (MB, with indexes) in each sixth of the run | last sixth / second | rows during the run: inserted, updated (HOT), deleted one by one | emptied whole"
     );
