@@ -193,7 +193,7 @@ pub unsafe extern "C-unwind" fn outbox_enqueue(fcinfo: pg_sys::FunctionCallInfo)
     if let Err(refusal) = enqueue_check::check(
         effect_key,
         ordering_key,
-        not_before.is_some_and(|t| t.is_infinity()),
+        not_before.is_some_and(|t| t.is_infinity() || t.is_neg_infinity()),
         payload_bytes,
         crate::gucs::max_payload_bytes(),
         headers_text.as_deref(),

@@ -142,6 +142,7 @@ fn enqueue_refuses_bad_input_and_writes_nothing() {
         ("SELECT outbox.enqueue('enq', '{}', 'k1', NULL, NULL, '{\"bad name\": \"v\"}')".to_string(), "22023"),
         ("SELECT outbox.enqueue('enq', '{}', E'k\\n1')".to_string(), "22023"),
         ("SELECT outbox.enqueue('enq', '{}', 'k1', not_before => 'infinity')".to_string(), "22023"),
+        ("SELECT outbox.enqueue('enq', '{}', 'k1', not_before => '-infinity')".to_string(), "22023"),
     ];
     for (sql, code) in cases {
         assert_eq!(sqlstate(&sql), code, "{sql}");
