@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# A queue behind one ordering key, beside another channel: N messages of one key wait
+# behind its first message, scheduled a year ahead (not_before), and 5,000 plain messages
+# of another channel are then enqueued and drained. Prints how long the plain messages
+# took and, with STATEMENTS=1, the workers' statements by total time. Figures only;
+# nothing is asserted. Runs on a throwaway cluster (port 54851, simulator on 18851).
+# Usage: scripts/bench_ordering_backlog.sh [N = 20000]
+#   PAUSE_KEYED=1: the keyed channel is paused before the drain (what docs/runbook.md
+#   advises while a key holds back its queue).
+source "$(dirname "$0")/lib.sh"
+N=${1:-20000}
+export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_ordering}
+export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54851}
+export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
+export OUTBOX_EXTRA_CONF="outbox.batch_size = 200
+${STATEMENTS:+shared_preload_libraries = 'outbox_delivery, pg_stat_statements'}"
+SINK_PORT=18851
+
+bash scripts/setup.sh >/dev/null
+bash scripts/cluster.sh install >/dev/null
+cargo build -q --release -p outbox_e2e --bin provider-sim
+fresh_cluster >/dev/null
+workers_ready
+"${CARGO_TARGET_DIR:-target}/release/provider-sim" --port $SINK_PORT --quiet --no-record-requests --no-record-bodies >/dev/null 2>&1 &
+SINK_PID=$!
+trap 'kill $SINK_PID 2>/dev/null || true; bash scripts/cluster.sh stop >/dev/null 2>&1 || true' EXIT
+psql() { bash scripts/cluster.sh psql -qAt "$@"; }
+OPTIONS='{"max_in_flight": 512, "max_unverifiable_in_flight": 512}'
+run_statements "SELECT outbox.create_channel('keyed', 'http://127.0.0.1:$SINK_PORT/ch/keyed', '$OPTIONS');
+SELECT outbox.create_channel('plain', 'http://127.0.0.1:$SINK_PORT/ch/plain', '$OPTIONS');
+SELECT outbox.enqueue('keyed', '{}', 'first', ordering_key => 'k', not_before => now() + interval '1 year');
+SELECT count(outbox.enqueue('keyed', '{}', 'waiting-' || g, ordering_key => 'k')) FROM generate_series(1, $N) g;
+${PAUSE_KEYED:+SELECT outbox.pause_channel('keyed', 'a key holds back its queue');}
+${STATEMENTS:+CREATE EXTENSION pg_stat_statements;}" 2>/dev/null
+sleep 2
+[ -n "${STATEMENTS:-}" ] && psql -c "SELECT pg_stat_statements_reset()" >/dev/null
+start=$(date +%s.%N)
+psql -c "SELECT count(outbox.enqueue('plain', '{}', 'plain-' || g)) FROM generate_series(1, 5000) g" >/dev/null
+until [ "$(psql -c "SELECT count(*) FROM outbox.ledger WHERE effect_key LIKE 'plain-%'")" -ge 5000 ]; do
+  sleep 0.02
+done
+end=$(date +%s.%N)
+echo "ordering_backlog $N waiting behind one key${PAUSE_KEYED:+ (their channel paused)}: 5000 plain messages of another channel delivered in $(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.2f", b - a }') s"
+if [ -n "${STATEMENTS:-}" ]; then
+  psql -c "SELECT round(total_exec_time)::int || ' ms | ' || calls || ' calls | ' || round((total_exec_time / calls)::numeric, 2) || ' ms a call | ' || left(regexp_replace(query, '\s+', ' ', 'g'), 80)
+             FROM pg_stat_statements ORDER BY total_exec_time DESC LIMIT 5"
+fi
