@@ -26,12 +26,13 @@ SINK_PID=$!
 trap 'kill $SINK_PID 2>/dev/null || true; bash scripts/cluster.sh stop >/dev/null 2>&1 || true' EXIT
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
 OPTIONS='{"max_in_flight": 512, "max_unverifiable_in_flight": 512}'
-run_statements "SELECT outbox.create_channel('keyed', 'http://127.0.0.1:$SINK_PORT/ch/keyed', '$OPTIONS');
+run_statements "SET client_min_messages = warning;
+SELECT outbox.create_channel('keyed', 'http://127.0.0.1:$SINK_PORT/ch/keyed', '$OPTIONS');
 SELECT outbox.create_channel('plain', 'http://127.0.0.1:$SINK_PORT/ch/plain', '$OPTIONS');
 SELECT outbox.enqueue('keyed', '{}', 'first', ordering_key => 'k', not_before => now() + interval '1 year');
 SELECT count(outbox.enqueue('keyed', '{}', 'waiting-' || g, ordering_key => 'k')) FROM generate_series(1, $N) g;
 ${PAUSE_KEYED:+SELECT outbox.pause_channel('keyed', 'a key holds back its queue');}
-${STATEMENTS:+CREATE EXTENSION pg_stat_statements;}" 2>/dev/null
+${STATEMENTS:+CREATE EXTENSION pg_stat_statements;}"
 sleep 2
 [ -n "${STATEMENTS:-}" ] && psql -c "SELECT pg_stat_statements_reset()" >/dev/null
 start=$(date +%s.%N)
