@@ -400,47 +400,65 @@ fn transient_sql_errors_retry_and_permanent_ones_fail_with_their_sqlstate() {
     assert_eq!(attempts, 1);
 }
 
+/// Enqueues on a new, paused `sql` channel of the application schema `s`, runs `change`
+/// (what makes its effect unavailable), resumes the channel and waits until the message
+/// failed; then runs `undo`, whatever the wait came to. Asserts that the message failed and
+/// that no worker restarted meanwhile; returns its last error.
+fn last_error_once_failed_after(
+    cluster: &Cluster,
+    c: &mut Client,
+    s: &str,
+    channel: &str,
+    change: &str,
+    undo: &str,
+) -> Option<String> {
+    sql_channel(
+        c,
+        channel,
+        &format!("{s}.create_task"),
+        &format!("{s}_effects"),
+    );
+    c.execute(
+        "SELECT outbox.pause_channel($1, 'making the effect unavailable')",
+        &[&channel],
+    )
+    .unwrap();
+    let id: i64 = one(
+        c,
+        "SELECT outbox.enqueue($1, '{\"title\": \"t\"}'::jsonb, $2)",
+        &[&channel, &unique("k")],
+    );
+    c.batch_execute(change).unwrap();
+    let pids = cluster.worker_pids(c);
+    c.execute("SELECT outbox.resume_channel($1)", &[&channel])
+        .unwrap();
+    let failed = wait_for_state(cluster, id, "failed", T);
+    c.batch_execute(undo).unwrap();
+    assert!(failed, "the message failed");
+    assert_eq!(cluster.worker_pids(c), pids, "the worker did not crash");
+    one(
+        c,
+        "SELECT last_error FROM outbox.messages WHERE id = $1",
+        &[&id],
+    )
+}
+
 #[test]
 fn a_dropped_function_fails_readably_and_the_worker_goes_on() {
     let cluster = Cluster::from_env();
     let mut c = cluster.connect();
     let s = app_schema(&mut c);
-    let ch = unique("fx_dropped");
-    sql_channel(
+    let error = last_error_once_failed_after(
+        &cluster,
         &mut c,
-        &ch,
-        &format!("{s}.create_task"),
-        &format!("{s}_effects"),
-    );
-    c.execute(
-        "SELECT outbox.pause_channel($1, 'dropping the function')",
-        &[&ch],
-    )
-    .unwrap();
-    let id: i64 = one(
-        &mut c,
-        "SELECT outbox.enqueue($1, '{\"title\": \"t\"}'::jsonb, $2)",
-        &[&ch, &unique("k")],
-    );
-    c.batch_execute(&format!("DROP FUNCTION {s}.create_task(jsonb, text)"))
-        .unwrap();
-    let pids = cluster.worker_pids(&mut c);
-    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
-        .unwrap();
-    assert!(wait_for_state(&cluster, id, "failed", T));
-    let error: Option<String> = one(
-        &mut c,
-        "SELECT last_error FROM outbox.messages WHERE id = $1",
-        &[&id],
+        &s,
+        &unique("fx_dropped"),
+        &format!("DROP FUNCTION {s}.create_task(jsonb, text)"),
+        "",
     );
     assert!(
         error.as_deref().unwrap_or("").contains("does not exist"),
         "{error:?}"
-    );
-    assert_eq!(
-        cluster.worker_pids(&mut c),
-        pids,
-        "the worker did not crash"
     );
 }
 
@@ -453,32 +471,13 @@ fn a_run_as_role_that_became_a_superuser_fails_readably_and_the_worker_goes_on()
     let cluster = Cluster::from_env();
     let mut c = cluster.connect();
     let s = app_schema(&mut c);
-    let role = format!("{s}_effects");
-    let ch = unique("fx_super");
-    sql_channel(&mut c, &ch, &format!("{s}.create_task"), &role);
-    c.execute(
-        "SELECT outbox.pause_channel($1, 'changing the role')",
-        &[&ch],
-    )
-    .unwrap();
-    let id: i64 = one(
+    let error = last_error_once_failed_after(
+        &cluster,
         &mut c,
-        "SELECT outbox.enqueue($1, '{\"title\": \"t\"}'::jsonb, $2)",
-        &[&ch, &unique("k")],
-    );
-    c.batch_execute(&format!("ALTER ROLE {role} SUPERUSER"))
-        .unwrap();
-    let pids = cluster.worker_pids(&mut c);
-    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
-        .unwrap();
-    let failed = wait_for_state(&cluster, id, "failed", T);
-    c.batch_execute(&format!("ALTER ROLE {role} NOSUPERUSER"))
-        .unwrap();
-    assert!(failed, "the message failed");
-    let error: Option<String> = one(
-        &mut c,
-        "SELECT last_error FROM outbox.messages WHERE id = $1",
-        &[&id],
+        &s,
+        &unique("fx_super"),
+        &format!("ALTER ROLE {s}_effects SUPERUSER"),
+        &format!("ALTER ROLE {s}_effects NOSUPERUSER"),
     );
     assert!(
         error
@@ -489,11 +488,6 @@ fn a_run_as_role_that_became_a_superuser_fails_readably_and_the_worker_goes_on()
     );
     let ran: i64 = one(&mut c, &format!("SELECT count(*) FROM {s}.tasks"), &[]);
     assert_eq!(ran, 0, "the function never ran");
-    assert_eq!(
-        cluster.worker_pids(&mut c),
-        pids,
-        "the worker did not crash"
-    );
 }
 
 /// An effect whose message's counter was set by hand to its limit runs once and is
