@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # A queue behind one ordering key, beside another channel: N messages of one key wait
 # behind its first message, scheduled a year ahead (not_before), and 5,000 plain messages
-# of another channel are then enqueued and drained. Prints how long the plain messages
-# took and, with STATEMENTS=1, the workers' statements by total time. Figures only;
+# of another channel are enqueued 2 s later and drained. Prints how many of the waiting
+# messages the workers had held by then (src/worker/key_hold.rs), how long the plain
+# messages took and, with STATEMENTS=1, the workers' statements by total time. Figures only;
 # nothing is asserted. Runs on a throwaway cluster (port 54851, simulator on 18851).
 # Usage: scripts/bench_ordering_backlog.sh [N = 20000]
 #   PAUSE_KEYED=1: the keyed channel is paused before the drain (what docs/runbook.md
 #   advises while a key holds back its queue).
+#   HELD_FIRST=1: the drain starts once every waiting message is held (at most 2 minutes).
 source "$(dirname "$0")/lib.sh"
 N=${1:-20000}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_ordering}
@@ -35,13 +37,20 @@ ${PAUSE_KEYED:+SELECT outbox.pause_channel('keyed', 'a key holds back its queue'
 ${STATEMENTS:+CREATE EXTENSION pg_stat_statements;}"
 sleep 2
 [ -n "${STATEMENTS:-}" ] && psql -c "SELECT pg_stat_statements_reset()" >/dev/null
+if [ -n "${HELD_FIRST:-}" ]; then
+  for _ in $(seq 600); do
+    [ "$(psql -c "SELECT count(*) FROM outbox._messages WHERE held_by_key")" -ge "$N" ] && break
+    sleep 0.2
+  done
+fi
+held=$(psql -c "SELECT count(*) FROM outbox._messages WHERE held_by_key")
 start=$(date +%s.%N)
 psql -c "SELECT count(outbox.enqueue('plain', '{}', 'plain-' || g)) FROM generate_series(1, 5000) g" >/dev/null
 until [ "$(psql -c "SELECT count(*) FROM outbox.ledger WHERE effect_key LIKE 'plain-%'")" -ge 5000 ]; do
   sleep 0.02
 done
 end=$(date +%s.%N)
-echo "ordering_backlog $N waiting behind one key${PAUSE_KEYED:+ (their channel paused)}: 5000 plain messages of another channel delivered in $(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.2f", b - a }') s"
+echo "ordering_backlog $N waiting behind one key${PAUSE_KEYED:+ (their channel paused)}, $held of them held at the start: 5000 plain messages of another channel delivered in $(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.2f", b - a }') s"
 if [ -n "${STATEMENTS:-}" ]; then
   psql -c "SELECT round(total_exec_time)::int || ' ms | ' || calls || ' calls | ' || round((total_exec_time / calls)::numeric, 2) || ' ms a call | ' || left(regexp_replace(query, '\s+', ' ', 'g'), 80)
              FROM pg_stat_statements ORDER BY total_exec_time DESC LIMIT 5"

@@ -51,7 +51,7 @@ $$;
 -- after message `after`, in due order.
 CREATE FUNCTION public.claim_batch(ch int, after int8) RETURNS public.claim_batches LANGUAGE sql AS $$
     WITH d AS (SELECT m.id FROM outbox._messages m
-                WHERE m.channel_id = ch AND m.state = 'queued' AND m.id > after
+                WHERE m.channel_id = ch AND m.state = 'queued' AND NOT m.held_by_key AND m.id > after
                 ORDER BY m.next_attempt_at, m.id LIMIT 200)
     INSERT INTO public.claim_batches (channel_id, worker, lease_until, started_at, ids)
     SELECT ch, 1, now() + interval '1 min', clock_timestamp(), array_agg(id) FROM d
@@ -61,7 +61,7 @@ $$;
 CREATE FUNCTION public.claim_sending() RETURNS int8[] LANGUAGE sql AS $$
     WITH d AS (SELECT m.id FROM outbox._messages m
                 WHERE m.channel_id = (SELECT id FROM outbox._channels WHERE name = 'proto')
-                  AND m.state = 'queued' ORDER BY m.next_attempt_at, m.id LIMIT 200 FOR UPDATE SKIP LOCKED),
+                  AND m.state = 'queued' AND NOT m.held_by_key ORDER BY m.next_attempt_at, m.id LIMIT 200 FOR UPDATE SKIP LOCKED),
          c AS (UPDATE outbox._messages m SET state = 'sending', attempts = m.attempts + 1,
                       lease_until = now() + interval '1 min', lease_owner = 1,
                       first_attempt_at = coalesce(m.first_attempt_at, now()),
@@ -136,7 +136,7 @@ BEGIN CALL public.drain_batch_rows_into_history(batches, false); END $$;
 -- Batch-row claims that lock the messages they take.
 CREATE FUNCTION public.claim_batch_locked(ch int, after int8) RETURNS public.claim_batches LANGUAGE sql AS $$
     WITH d AS (SELECT m.id FROM outbox._messages m
-                WHERE m.channel_id = ch AND m.state = 'queued' AND m.id > after
+                WHERE m.channel_id = ch AND m.state = 'queued' AND NOT m.held_by_key AND m.id > after
                 ORDER BY m.next_attempt_at, m.id LIMIT 200 FOR UPDATE SKIP LOCKED)
     INSERT INTO public.claim_batches (channel_id, worker, lease_until, started_at, ids)
     SELECT ch, 1, now() + interval '1 min', clock_timestamp(), array_agg(id) FROM d
@@ -150,7 +150,7 @@ CREATE TABLE public.in_flight (message_id int8 PRIMARY KEY, channel_id int NOT N
   lease_owner int NOT NULL, lease_until timestamptz NOT NULL, started_at timestamptz NOT NULL, pid int NOT NULL);
 CREATE FUNCTION public.claim_in_flight(ch int, after int8) RETURNS int8[] LANGUAGE sql AS $$
     WITH d AS (SELECT m.id, m.attempts FROM outbox._messages m
-                WHERE m.channel_id = ch AND m.state = 'queued' AND m.id > after
+                WHERE m.channel_id = ch AND m.state = 'queued' AND NOT m.held_by_key AND m.id > after
                   AND NOT EXISTS (SELECT 1 FROM public.in_flight f WHERE f.message_id = m.id)
                 ORDER BY m.next_attempt_at, m.id LIMIT 200 FOR UPDATE OF m SKIP LOCKED),
          c AS (INSERT INTO public.in_flight

@@ -38,11 +38,15 @@ WITH per_channel AS (
     SELECT c.id,
            c.name AS channel,
            n.queued, n.sending, n.uncertain, n.exhausted, n.failed,
-           (SELECT greatest(0, extract(epoch FROM pg_catalog.now() - h.next_attempt_at))::numeric(12, 3)
-              FROM (SELECT m.next_attempt_at FROM outbox._messages m
-                     WHERE m.channel_id = c.id AND m.state = 'queued'
-                       AND m.id NOT IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w)
-                     ORDER BY m.next_attempt_at LIMIT 1) h) AS oldest_queued_age_s,
+           -- The head of each part of the channel's due index: the messages free to be
+           -- claimed, and those held behind their ordering key, which wait too.
+           (SELECT greatest(0, extract(epoch FROM pg_catalog.now() - min(h.next_attempt_at)))::numeric(12, 3)
+              FROM (VALUES (false), (true)) AS part(held)
+             CROSS JOIN LATERAL (
+                   SELECT m.next_attempt_at FROM outbox._messages m
+                    WHERE m.channel_id = c.id AND m.state = 'queued' AND m.held_by_key = part.held
+                      AND m.id NOT IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w)
+                    ORDER BY m.next_attempt_at LIMIT 1) h) AS oldest_queued_age_s,
            coalesce((SELECT sum(b.delivered) FROM outbox._channel_minutes b
                       WHERE b.channel_id = c.id AND b.minute >= date_trunc('minute', pg_catalog.now()) - interval '4 minutes'), 0)::bigint AS delivered_5m,
            coalesce((SELECT sum(b.failed) FROM outbox._channel_minutes b

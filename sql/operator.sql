@@ -103,13 +103,15 @@ BEGIN
 END
 $fn$;
 
+-- Not held behind its key: the claim checks the order itself, and a worker holds the
+-- message again if an earlier one of its key is pending.
 CREATE FUNCTION outbox._requeue(id bigint) RETURNS void
 LANGUAGE sql VOLATILE
 AS $fn$
     UPDATE outbox._messages m
        SET state = 'queued', next_attempt_at = pg_catalog.now(), budget_base = m.attempts,
            budget_started_at = pg_catalog.now(), lease_until = NULL, lease_owner = NULL,
-           updated_at = pg_catalog.now()
+           held_by_key = false, updated_at = pg_catalog.now()
      WHERE m.id = _requeue.id;
     SELECT outbox._wake_at_commit();
 $fn$;

@@ -1013,16 +1013,99 @@ BEGIN
 END
 $fn$;
 
+-- Ordering keys: a message that waits behind an earlier one of its key is held out of the
+-- claim's part of the due index.
+-- Held behind its ordering key: an earlier message of the same key was pending when a
+-- worker looked (src/worker/key_hold.rs), so no claim could take this one. A held
+-- message leaves the due part of its channel's due index, which the claim would
+-- otherwise step over entry by entry at each claim; the message before it releases it
+-- when it stops being pending (outbox._release_key). Only ever a hint for the claim,
+-- which checks the order itself.
+ALTER TABLE outbox._messages ADD COLUMN held_by_key boolean NOT NULL DEFAULT false;
+ALTER TABLE outbox._messages
+    ADD CONSTRAINT message_held_has_key CHECK (NOT held_by_key OR ordering_key IS NOT NULL);
+DROP INDEX outbox._messages_due_idx;
+-- Messages held behind their ordering key sort apart (held_by_key), so that the claim,
+-- which reads `NOT held_by_key`, never steps over them; a count of a channel's queue
+-- still reads one index.
+CREATE INDEX _messages_due_idx ON outbox._messages (channel_id, held_by_key, next_attempt_at, id)
+    WHERE state = 'queued';
+-- Holding behind ordering keys (src/worker/key_hold.rs): the queued messages of a key not
+-- held, by key, in which every one but the first of its key waits (a worker holds it); and
+-- the held ones, by key, whose first is released if nothing pending is left before it.
+CREATE INDEX _messages_key_unheld_idx ON outbox._messages (tenant, ordering_key, id)
+    WHERE ordering_key IS NOT NULL AND state = 'queued' AND NOT held_by_key;
+CREATE INDEX _messages_key_held_idx ON outbox._messages (tenant, ordering_key, id)
+    WHERE state = 'queued' AND held_by_key;
+-- Releasing a key's next message: when a pending message of a key (queued or uncertain)
+-- stops being pending, in any way (its record, a reconcile, an operator's action, its
+-- deletion), the key's first pending message is released if it is held, and the workers
+-- are woken at commit. It runs after the statement, so that the first pending message is
+-- the one the statement left. SECURITY DEFINER: it fires for the worker's role and for
+-- operator functions alike, and reads and writes only the key's own rows.
+CREATE FUNCTION outbox._release_key() RETURNS trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_first bigint;
+    v_held boolean;
+BEGIN
+    SELECT m.id, m.held_by_key INTO v_first, v_held
+      FROM outbox._messages m
+     WHERE m.tenant = OLD.tenant AND m.ordering_key = OLD.ordering_key
+       AND m.state IN ('queued', 'uncertain')
+     ORDER BY m.id
+     LIMIT 1;
+    IF v_held THEN
+        UPDATE outbox._messages m SET held_by_key = false WHERE m.id = v_first AND m.held_by_key;
+        PERFORM outbox._wake_at_commit();
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+COMMENT ON FUNCTION outbox._release_key() IS
+    'Releases the first pending message of an ordering key when the one before it stops being pending (a trigger of outbox._messages).';
+REVOKE ALL ON FUNCTION outbox._release_key() FROM PUBLIC;
+CREATE TRIGGER _messages_release_key_after_update
+    AFTER UPDATE OF state ON outbox._messages
+    FOR EACH ROW
+    WHEN (OLD.ordering_key IS NOT NULL AND OLD.state IN ('queued', 'uncertain')
+          AND NEW.state NOT IN ('queued', 'uncertain'))
+    EXECUTE FUNCTION outbox._release_key();
+CREATE TRIGGER _messages_release_key_after_delete
+    AFTER DELETE ON outbox._messages
+    FOR EACH ROW
+    WHEN (OLD.ordering_key IS NOT NULL AND OLD.state IN ('queued', 'uncertain'))
+    EXECUTE FUNCTION outbox._release_key();
+
+CREATE OR REPLACE FUNCTION outbox._requeue(id bigint) RETURNS void
+LANGUAGE sql VOLATILE
+AS $fn$
+    UPDATE outbox._messages m
+       SET state = 'queued', next_attempt_at = pg_catalog.now(), budget_base = m.attempts,
+           budget_started_at = pg_catalog.now(), lease_until = NULL, lease_owner = NULL,
+           held_by_key = false, updated_at = pg_catalog.now()
+     WHERE m.id = _requeue.id;
+    SELECT outbox._wake_at_commit();
+$fn$;
+
+
 CREATE OR REPLACE VIEW outbox.metrics AS
 WITH per_channel AS (
     SELECT c.id,
            c.name AS channel,
            n.queued, n.sending, n.uncertain, n.exhausted, n.failed,
-           (SELECT greatest(0, extract(epoch FROM pg_catalog.now() - h.next_attempt_at))::numeric(12, 3)
-              FROM (SELECT m.next_attempt_at FROM outbox._messages m
-                     WHERE m.channel_id = c.id AND m.state = 'queued'
-                       AND m.id NOT IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w)
-                     ORDER BY m.next_attempt_at LIMIT 1) h) AS oldest_queued_age_s,
+           -- The head of each part of the channel's due index: the messages free to be
+           -- claimed, and those held behind their ordering key, which wait too.
+           (SELECT greatest(0, extract(epoch FROM pg_catalog.now() - min(h.next_attempt_at)))::numeric(12, 3)
+              FROM (VALUES (false), (true)) AS part(held)
+             CROSS JOIN LATERAL (
+                   SELECT m.next_attempt_at FROM outbox._messages m
+                    WHERE m.channel_id = c.id AND m.state = 'queued' AND m.held_by_key = part.held
+                      AND m.id NOT IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w)
+                    ORDER BY m.next_attempt_at LIMIT 1) h) AS oldest_queued_age_s,
            coalesce((SELECT sum(b.delivered) FROM outbox._channel_minutes b
                       WHERE b.channel_id = c.id AND b.minute >= date_trunc('minute', pg_catalog.now()) - interval '4 minutes'), 0)::bigint AS delivered_5m,
            coalesce((SELECT sum(b.failed) FROM outbox._channel_minutes b

@@ -103,14 +103,25 @@ CREATE TABLE outbox._messages (
     -- record's updates are not HOT anyway: they change `state`, which the partial indexes read.)
     attempt_started_at timestamptz,
     attempt_pid      integer,
-    CONSTRAINT message_effect_key_unique UNIQUE (tenant, effect_key)
+    -- Held behind its ordering key: an earlier message of the same key was pending when a
+    -- worker looked (src/worker/key_hold.rs), so no claim could take this one. A held
+    -- message leaves the due part of its channel's due index, which the claim would
+    -- otherwise step over entry by entry at each claim; the message before it releases it
+    -- when it stops being pending (outbox._release_key). Only ever a hint for the claim,
+    -- which checks the order itself.
+    held_by_key      boolean            NOT NULL DEFAULT false,
+    CONSTRAINT message_effect_key_unique UNIQUE (tenant, effect_key),
+    CONSTRAINT message_held_has_key CHECK (NOT held_by_key OR ordering_key IS NOT NULL)
 ) WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.05);
 ALTER SEQUENCE outbox._messages_id_seq OWNED BY outbox._messages.id;
 COMMENT ON TABLE outbox._messages IS 'Outbox messages (private; read outbox.messages).';
 
 -- Claiming due work: a small partial index that holds only queued rows, per channel, in
 -- due order. At a backlog of millions the claim reads the head of it and nothing else.
-CREATE INDEX _messages_due_idx ON outbox._messages (channel_id, next_attempt_at, id)
+-- Messages held behind their ordering key sort apart (held_by_key), so that the claim,
+-- which reads `NOT held_by_key`, never steps over them; a count of a channel's queue
+-- still reads one index.
+CREATE INDEX _messages_due_idx ON outbox._messages (channel_id, held_by_key, next_attempt_at, id)
     WHERE state = 'queued';
 -- A message in flight is a queued row in a claim (outbox._claims): no row is `sending` but
 -- one written so by hand, which recovery adopts into a claim whose lease has ended and then
@@ -119,6 +130,55 @@ CREATE INDEX _messages_sending_idx ON outbox._messages (id) WHERE state = 'sendi
 -- Ordering keys: "is an earlier message with my key still pending?"
 CREATE INDEX _messages_ordering_idx ON outbox._messages (tenant, ordering_key, id)
     WHERE ordering_key IS NOT NULL AND state IN ('queued', 'sending', 'uncertain');
+-- Holding behind ordering keys (src/worker/key_hold.rs): the queued messages of a key not
+-- held, by key, in which every one but the first of its key waits (a worker holds it); and
+-- the held ones, by key, whose first is released if nothing pending is left before it.
+CREATE INDEX _messages_key_unheld_idx ON outbox._messages (tenant, ordering_key, id)
+    WHERE ordering_key IS NOT NULL AND state = 'queued' AND NOT held_by_key;
+CREATE INDEX _messages_key_held_idx ON outbox._messages (tenant, ordering_key, id)
+    WHERE state = 'queued' AND held_by_key;
+-- Releasing a key's next message: when a pending message of a key (queued or uncertain)
+-- stops being pending, in any way (its record, a reconcile, an operator's action, its
+-- deletion), the key's first pending message is released if it is held, and the workers
+-- are woken at commit. It runs after the statement, so that the first pending message is
+-- the one the statement left. SECURITY DEFINER: it fires for the worker's role and for
+-- operator functions alike, and reads and writes only the key's own rows.
+CREATE FUNCTION outbox._release_key() RETURNS trigger
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_first bigint;
+    v_held boolean;
+BEGIN
+    SELECT m.id, m.held_by_key INTO v_first, v_held
+      FROM outbox._messages m
+     WHERE m.tenant = OLD.tenant AND m.ordering_key = OLD.ordering_key
+       AND m.state IN ('queued', 'uncertain')
+     ORDER BY m.id
+     LIMIT 1;
+    IF v_held THEN
+        UPDATE outbox._messages m SET held_by_key = false WHERE m.id = v_first AND m.held_by_key;
+        PERFORM outbox._wake_at_commit();
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+COMMENT ON FUNCTION outbox._release_key() IS
+    'Releases the first pending message of an ordering key when the one before it stops being pending (a trigger of outbox._messages).';
+CREATE TRIGGER _messages_release_key_after_update
+    AFTER UPDATE OF state ON outbox._messages
+    FOR EACH ROW
+    WHEN (OLD.ordering_key IS NOT NULL AND OLD.state IN ('queued', 'uncertain')
+          AND NEW.state NOT IN ('queued', 'uncertain'))
+    EXECUTE FUNCTION outbox._release_key();
+CREATE TRIGGER _messages_release_key_after_delete
+    AFTER DELETE ON outbox._messages
+    FOR EACH ROW
+    WHEN (OLD.ordering_key IS NOT NULL AND OLD.state IN ('queued', 'uncertain'))
+    EXECUTE FUNCTION outbox._release_key();
+
 -- Work queue: the (few) messages waiting for a human.
 CREATE INDEX _messages_attention_idx ON outbox._messages (state, updated_at)
     WHERE state IN ('uncertain', 'exhausted', 'failed');

@@ -70,7 +70,8 @@ WITH flying AS MATERIALIZED (
        -- VACUUM, before its room ruled it out).
      WHERE CASE WHEN ch.room > 0
                 THEN (SELECT true FROM outbox._messages q
-                       WHERE q.channel_id = ch.id AND q.state = 'queued' AND q.next_attempt_at <= now()
+                       WHERE q.channel_id = ch.id AND q.state = 'queued' AND NOT q.held_by_key
+                         AND q.next_attempt_at <= now()
                          AND (q.next_attempt_at, q.id) >= (ch.floor_at, ch.floor_id)
                          AND q.id NOT IN (SELECT flying.id FROM flying)
                        LIMIT 1)
@@ -88,6 +89,8 @@ WITH flying AS MATERIALIZED (
              FROM outbox._messages m
             WHERE m.channel_id = ready.id
               AND m.state = 'queued'
+              -- Held behind its key (crate::worker::key_hold): out of the part read here.
+              AND NOT m.held_by_key
               AND m.next_attempt_at <= now()
               AND (m.next_attempt_at, m.id) >= (ready.floor_at, ready.floor_id)
               AND m.id NOT IN (SELECT flying.id FROM flying)
@@ -163,7 +166,7 @@ SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infi
                                  / greatest(outbox._option_int(c.options, '{rate_limit,per_second}'), 1)
                                  * interval '1 millisecond' END) AS next_attempt_at
          FROM outbox._messages m
-        WHERE m.channel_id = c.id AND m.state = 'queued'
+        WHERE m.channel_id = c.id AND m.state = 'queued' AND NOT m.held_by_key
           AND m.id NOT IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w)
         ORDER BY m.next_attempt_at LIMIT 1)
         LIMIT 1) n

@@ -11,7 +11,7 @@ use super::flight::{self, Bell, Sends};
 use super::record::{self, Outcomes, Tally};
 use super::send::{self, unusable_channel};
 use super::sweep::SweepClock;
-use super::{flow, lease, recovery, retention, slots};
+use super::{flow, key_hold, lease, recovery, retention, slots};
 use crate::channels::lookup::Lookup;
 use crate::channels::options::Kind;
 use crate::channels::pool_budget;
@@ -118,6 +118,8 @@ pub struct Worker {
     cursors: ClaimCursors,
     /// When lost leases and due lookups were last looked for, on the clock of `started`.
     sweeps: SweepClock,
+    /// When messages waiting behind their ordering key were last held, and from where.
+    key_holds: key_hold::HoldClock,
     started: Instant,
     /// The batches under way, oldest first.
     flights: Vec<Flight>,
@@ -171,6 +173,7 @@ impl Worker {
             longest_retry_horizon_ms: 0,
             cursors: ClaimCursors::default(),
             sweeps: SweepClock::default(),
+            key_holds: key_hold::HoldClock::default(),
             started: Instant::now(),
             flights: Vec::new(),
             claim_wanted: true,
@@ -617,6 +620,45 @@ impl Worker {
                 .unwrap_or_else(|e| panic!("outbox_delivery worker: recording lookups failed: {e}"))
             }),
         );
+    }
+
+    /// Holds the messages that wait behind their ordering key, when it is time to
+    /// (`key_hold`), in a transaction of its own between two cycles; now and then also
+    /// releases the held messages that nothing is before any more. Only the first worker
+    /// of each database does: two would read the same index entries.
+    pub fn hold_keys(&mut self) {
+        if !self.index.is_multiple_of(gucs::workers().max(1)) {
+            return;
+        }
+        let now = self.started.elapsed().as_millis() as i64;
+        let Some(step) = self.key_holds.due(now) else {
+            return;
+        };
+        let (held, released) = identity::transaction(self.role, || {
+            Spi::connect_mut(|client| -> SpiResult<(key_hold::Held, i32)> {
+                if !key_hold::try_lock(client)? {
+                    // Another worker holds: this one reads from the start, later.
+                    return Ok((key_hold::Held::default(), 0));
+                }
+                let released = if step.release_stranded {
+                    key_hold::release_stranded(client)?
+                } else {
+                    0
+                };
+                Ok((key_hold::hold(client, &step.from)?, released))
+            })
+            .unwrap_or_else(|e| {
+                panic!("outbox_delivery worker: holding messages behind their ordering key failed: {e}")
+            })
+        });
+        let count = held.held;
+        self.key_holds.ran(now, &step, held);
+        if count > 0 || released > 0 {
+            debug1!(
+                "outbox_delivery worker {}: held {count} message(s) behind their ordering key, released {released} no longer behind one",
+                self.index
+            );
+        }
     }
 
     /// Runs retention in short transactions: finished queue rows a batch at a time, then

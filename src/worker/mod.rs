@@ -13,6 +13,7 @@ pub mod decide;
 pub mod descriptors;
 pub mod flight;
 pub mod flow;
+pub mod key_hold;
 pub mod lease;
 pub mod record;
 pub mod recovery;
@@ -434,6 +435,9 @@ fn deliver(mut worker: cycle::Worker) -> ! {
             served_database::leave_if_gone(index, &database, served_database::look_around());
             last_look = Instant::now();
         }
+        guarded(index, &database, "holding behind ordering keys", || {
+            worker.hold_keys()
+        });
         if last_retention.elapsed() >= RETENTION_EVERY {
             guarded(index, &database, "retention", || worker.retention());
             last_retention = Instant::now();

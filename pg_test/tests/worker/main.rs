@@ -25,6 +25,7 @@ mod concurrency;
 mod crashes;
 mod delivery;
 mod flights;
+mod key_holds;
 mod leases;
 mod retention;
 
