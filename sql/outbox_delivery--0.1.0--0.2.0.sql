@@ -1105,7 +1105,9 @@ WITH per_channel AS (
                    SELECT m.next_attempt_at FROM outbox._messages m
                     WHERE m.channel_id = c.id AND m.state = 'queued' AND m.held_by_key = part.held
                       AND m.id NOT IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w)
-                    ORDER BY m.next_attempt_at LIMIT 1) h) AS oldest_queued_age_s,
+                    ORDER BY m.next_attempt_at LIMIT 1) h
+            -- NULL, not 0, for a channel with nothing queued.
+            HAVING count(*) > 0) AS oldest_queued_age_s,
            coalesce((SELECT sum(b.delivered) FROM outbox._channel_minutes b
                       WHERE b.channel_id = c.id AND b.minute >= date_trunc('minute', pg_catalog.now()) - interval '4 minutes'), 0)::bigint AS delivered_5m,
            coalesce((SELECT sum(b.failed) FROM outbox._channel_minutes b
