@@ -635,27 +635,28 @@ impl Worker {
             return;
         };
         let (held, released) = identity::transaction(self.role, || {
-            Spi::connect_mut(|client| -> SpiResult<(key_hold::Held, i32)> {
-                if !key_hold::try_lock(client)? {
-                    // Another worker holds: this one reads from the start, later.
-                    return Ok((key_hold::Held::default(), 0));
-                }
-                let released = if step.release_stranded {
-                    key_hold::release_stranded(client)?
-                } else {
-                    0
-                };
-                Ok((key_hold::hold(client, &step.from)?, released))
-            })
+            Spi::connect_mut(
+                |client| -> SpiResult<(key_hold::Held, key_hold::Released)> {
+                    if !key_hold::try_lock(client)? {
+                        // Another worker holds: this one reads from the start, later.
+                        return Ok(Default::default());
+                    }
+                    let released = match &step.release_stranded {
+                        Some(after) => key_hold::release_stranded(client, after)?,
+                        None => key_hold::Released::default(),
+                    };
+                    Ok((key_hold::hold(client, &step.from)?, released))
+                },
+            )
             .unwrap_or_else(|e| {
                 panic!("outbox_delivery worker: holding messages behind their ordering key failed: {e}")
             })
         });
-        let count = held.held;
-        self.key_holds.ran(now, &step, held);
-        if count > 0 || released > 0 {
+        let (count, freed) = (held.held, released.released);
+        self.key_holds.ran(now, &step, held, released);
+        if count > 0 || freed > 0 {
             debug1!(
-                "outbox_delivery worker {}: held {count} message(s) behind their ordering key, released {released} no longer behind one",
+                "outbox_delivery worker {}: held {count} message(s) behind their ordering key, released {freed} no longer behind one",
                 self.index
             );
         }

@@ -39,6 +39,9 @@ pub const HOLD_EVERY_MS: i64 = 1_000;
 pub const RELEASE_STRANDED_EVERY_MS: i64 = 10_000;
 /// Index entries read per statement at most.
 pub const HOLD_SCAN: i32 = 10_000;
+/// Keys with held messages read per release of the stranded at most: how many a tenant
+/// made is theirs to choose, and the release goes on from where it stopped.
+pub const RELEASE_KEYS: i32 = 2_000;
 
 /// $1, $2, $3: where to start (tenant, ordering key, id; the first entry read, which the
 /// statement before read last); $4: entries read at most; $5: `HOLD_AFTER_MS`. Reads the
@@ -88,25 +91,29 @@ SELECT last.tenant, last.ordering_key, last.id, (SELECT count(*) FROM scanned)::
                       LIMIT 1) last ON true",
 );
 
-/// The first held message of each key (a skip over the index of held messages, one probe a
-/// key) that no pending message of its key is before any more, released: a release missed
-/// by a race of two transactions, or a row changed by hand. Returns how many.
+/// $1, $2: the key after which to read (tenant, ordering key; empty strings: from the
+/// start); $3: keys read at most. The first held message of each key from there on (a
+/// skip over the index of held messages, one probe a key) that no pending message of its
+/// key is before any more, released: a release missed by a race of two transactions, or a
+/// row changed by hand. Returns the last key read (NULLs when none was), how many keys it
+/// read and how many messages it released.
 pub(crate) static RELEASE_STRANDED: Statement = Statement::planned_once(
     "
 WITH RECURSIVE firsts AS (
-    (SELECT h.tenant, h.ordering_key, h.id FROM outbox._messages h
-      WHERE h.state = 'queued' AND h.held_by_key
+    (SELECT h.tenant, h.ordering_key, h.id, 1 AS n FROM outbox._messages h
+      WHERE h.state = 'queued' AND h.held_by_key AND (h.tenant, h.ordering_key) > ($1, $2)
       ORDER BY h.tenant, h.ordering_key, h.id
       LIMIT 1)
     UNION ALL
-    SELECT n.tenant, n.ordering_key, n.id
+    SELECT nx.tenant, nx.ordering_key, nx.id, f.n + 1
       FROM firsts f
      CROSS JOIN LATERAL (
            SELECT h.tenant, h.ordering_key, h.id FROM outbox._messages h
             WHERE h.state = 'queued' AND h.held_by_key
               AND (h.tenant, h.ordering_key) > (f.tenant, f.ordering_key)
             ORDER BY h.tenant, h.ordering_key, h.id
-            LIMIT 1) n
+            LIMIT 1) nx
+     WHERE f.n < $3
 ), stranded AS (
     SELECT f.id FROM firsts f
      WHERE NOT EXISTS (SELECT 1 FROM outbox._messages e
@@ -118,7 +125,10 @@ WITH RECURSIVE firsts AS (
        AND m.state::text = 'queued' AND m.held_by_key
  RETURNING m.id
 )
-SELECT count(*)::int4 FROM released",
+SELECT last.tenant, last.ordering_key, (SELECT count(*) FROM firsts)::int4,
+       (SELECT count(*) FROM released)::int4
+  FROM (SELECT 1) one
+  LEFT JOIN LATERAL (SELECT f.tenant, f.ordering_key FROM firsts f ORDER BY f.n DESC LIMIT 1) last ON true",
 );
 
 /// One worker of a database holds (the first, `Worker::hold_keys`), and only while no
@@ -201,12 +211,48 @@ pub fn hold(client: &mut SpiClient<'_>, from: &Entry) -> SpiResult<Held> {
     })
 }
 
-/// Releases held messages that nothing pending is before; returns how many.
-pub fn release_stranded(client: &mut SpiClient<'_>) -> SpiResult<i32> {
-    let rows = spi::run(client, &RELEASE_STRANDED, None, &[])?;
-    Ok(match rows.into_iter().next() {
-        Some(row) => row.get::<i32>(1)?.unwrap_or(0),
-        None => 0,
+/// An ordering key of a tenant: where a release of the stranded goes on from.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Key {
+    pub tenant: String,
+    pub ordering_key: String,
+}
+
+/// What one release of the stranded did.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Released {
+    /// The last key read, if any was.
+    pub last: Option<Key>,
+    pub read: i32,
+    pub released: i32,
+}
+
+/// Releases held messages that nothing pending is before, reading keys after `after`.
+pub fn release_stranded(client: &mut SpiClient<'_>, after: &Key) -> SpiResult<Released> {
+    let rows = spi::run(
+        client,
+        &RELEASE_STRANDED,
+        None,
+        &[
+            after.tenant.as_str().into(),
+            after.ordering_key.as_str().into(),
+            RELEASE_KEYS.into(),
+        ],
+    )?;
+    let Some(row) = rows.into_iter().next() else {
+        return Ok(Released::default());
+    };
+    let last = match (row.get::<String>(1)?, row.get::<String>(2)?) {
+        (Some(tenant), Some(ordering_key)) => Some(Key {
+            tenant,
+            ordering_key,
+        }),
+        _ => None,
+    };
+    Ok(Released {
+        last,
+        read: row.get::<i32>(3)?.unwrap_or(0),
+        released: row.get::<i32>(4)?.unwrap_or(0),
     })
 }
 
@@ -215,8 +261,8 @@ pub fn release_stranded(client: &mut SpiClient<'_>) -> SpiResult<i32> {
 pub struct HoldStep {
     /// Read the index from this entry on.
     pub from: Entry,
-    /// Also release the stranded.
-    pub release_stranded: bool,
+    /// Also release the stranded, reading keys after this one.
+    pub release_stranded: Option<Key>,
 }
 
 /// One worker's bookkeeping of holds, on its monotonic clock (ms). Pure.
@@ -226,6 +272,8 @@ pub struct HoldClock {
     last_release_ms: Option<i64>,
     /// Where the next step reads from; `None`: from the start.
     from: Option<Entry>,
+    /// The key after which the next release of the stranded reads; `None`: from the start.
+    release_after: Option<Key>,
     more: bool,
 }
 
@@ -238,16 +286,23 @@ impl HoldClock {
         }
         Some(HoldStep {
             from: self.from.clone().unwrap_or_else(Entry::start),
-            release_stranded: elapsed(self.last_release_ms, RELEASE_STRANDED_EVERY_MS),
+            release_stranded: elapsed(self.last_release_ms, RELEASE_STRANDED_EVERY_MS)
+                .then(|| self.release_after.clone().unwrap_or_default()),
         })
     }
 
-    /// Notes that `step` ran at `now_ms` and did `held`. A step that read the index to its
-    /// end sends the next one to the start; one that stopped short, to the entry it read
-    /// last, which the next one reads again as the entry before its first.
-    pub fn ran(&mut self, now_ms: i64, step: &HoldStep, held: Held) {
-        if step.release_stranded {
+    /// Notes that `step` ran at `now_ms` and did `held` (and `released`, when it released
+    /// the stranded). A step that read the index to its end sends the next one to the
+    /// start; one that stopped short, to the entry it read last, which the next one reads
+    /// again as the entry before its first. The same for the keys of the release.
+    pub fn ran(&mut self, now_ms: i64, step: &HoldStep, held: Held, released: Released) {
+        if step.release_stranded.is_some() {
             self.last_release_ms = Some(now_ms);
+            self.release_after = if released.read >= RELEASE_KEYS {
+                released.last
+            } else {
+                None
+            };
         }
         self.last_hold_ms = Some(now_ms);
         let full = held.read >= HOLD_SCAN;
@@ -296,7 +351,7 @@ mod tests {
             HoldClock::default().due(5),
             Some(HoldStep {
                 from: Entry::start(),
-                release_stranded: true
+                release_stranded: Some(Key::default())
             })
         );
     }
@@ -305,13 +360,13 @@ mod tests {
     fn a_step_that_reads_to_the_end_sends_the_next_to_the_start_a_second_later() {
         let mut c = HoldClock::default();
         let step = c.due(0).unwrap();
-        c.ran(0, &step, read(entry("k", 40), 7, 3));
+        c.ran(0, &step, read(entry("k", 40), 7, 3), Released::default());
         assert_eq!(c.due(HOLD_EVERY_MS - 1), None);
         assert_eq!(
             c.due(HOLD_EVERY_MS),
             Some(HoldStep {
                 from: Entry::start(),
-                release_stranded: false
+                release_stranded: None
             })
         );
     }
@@ -320,7 +375,12 @@ mod tests {
     fn a_full_step_that_held_is_followed_at_once_from_its_last_entry() {
         let mut c = HoldClock::default();
         let step = c.due(0).unwrap();
-        c.ran(0, &step, read(entry("k", 9_000), HOLD_SCAN, 5_000));
+        c.ran(
+            0,
+            &step,
+            read(entry("k", 9_000), HOLD_SCAN, 5_000),
+            Released::default(),
+        );
         assert_eq!(c.due(1).map(|s| s.from), Some(entry("k", 9_000)));
     }
 
@@ -328,7 +388,12 @@ mod tests {
     fn a_full_step_that_held_nothing_goes_on_a_second_later() {
         let mut c = HoldClock::default();
         let step = c.due(0).unwrap();
-        c.ran(0, &step, read(entry("m", 12), HOLD_SCAN, 0));
+        c.ran(
+            0,
+            &step,
+            read(entry("m", 12), HOLD_SCAN, 0),
+            Released::default(),
+        );
         assert_eq!(c.due(1), None);
         assert_eq!(c.due(HOLD_EVERY_MS).map(|s| s.from), Some(entry("m", 12)));
     }
@@ -337,7 +402,7 @@ mod tests {
     fn an_empty_index_is_read_from_the_start_each_time() {
         let mut c = HoldClock::default();
         let step = c.due(0).unwrap();
-        c.ran(0, &step, Held::default());
+        c.ran(0, &step, Held::default(), Released::default());
         assert_eq!(c.due(HOLD_EVERY_MS).map(|s| s.from), Some(Entry::start()));
     }
 
@@ -345,16 +410,49 @@ mod tests {
     fn stranded_messages_are_released_every_ten_seconds() {
         let mut c = HoldClock::default();
         let step = c.due(0).unwrap();
-        c.ran(0, &step, Held::default());
+        c.ran(0, &step, Held::default(), Released::default());
         let mut releases = 0;
         let mut t = 0;
         while t < 60_000 {
             t += HOLD_EVERY_MS;
             if let Some(step) = c.due(t) {
-                releases += step.release_stranded as i32;
-                c.ran(t, &step, Held::default());
+                releases += step.release_stranded.is_some() as i32;
+                c.ran(t, &step, Held::default(), Released::default());
             }
         }
         assert_eq!(releases, (60_000 / RELEASE_STRANDED_EVERY_MS) as i32);
+    }
+
+    #[test]
+    fn a_release_that_read_all_its_keys_goes_on_after_the_last_ten_seconds_later() {
+        let mut c = HoldClock::default();
+        let step = c.due(0).unwrap();
+        let key = Key {
+            tenant: "default".into(),
+            ordering_key: "k-77".into(),
+        };
+        let full = Released {
+            last: Some(key.clone()),
+            read: RELEASE_KEYS,
+            released: 0,
+        };
+        c.ran(0, &step, Held::default(), full);
+        assert_eq!(c.due(HOLD_EVERY_MS).map(|s| s.release_stranded), Some(None));
+        assert_eq!(
+            c.due(RELEASE_STRANDED_EVERY_MS).map(|s| s.release_stranded),
+            Some(Some(key))
+        );
+        let step = c.due(RELEASE_STRANDED_EVERY_MS).unwrap();
+        let short = Released {
+            last: None,
+            read: 3,
+            released: 1,
+        };
+        c.ran(RELEASE_STRANDED_EVERY_MS, &step, Held::default(), short);
+        assert_eq!(
+            c.due(2 * RELEASE_STRANDED_EVERY_MS)
+                .map(|s| s.release_stranded),
+            Some(Some(Key::default()))
+        );
     }
 }
