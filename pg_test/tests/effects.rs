@@ -133,6 +133,51 @@ fn effect_runs_as_its_least_privilege_role() {
     assert_eq!(by, "worker");
 }
 
+/// A function declared `RETURNS SETOF text` that returns no row has run: its message is
+/// delivered without an external id, as after a NULL, with its write committed once.
+/// Before, reading the missing row failed the message with XX000.
+#[test]
+fn an_effect_that_returns_no_row_is_delivered_without_an_external_id() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let s = app_schema(&mut c);
+    c.batch_execute(&format!(
+        r#"
+        CREATE FUNCTION {s}.file_quietly(payload jsonb, effect_key text) RETURNS SETOF text LANGUAGE sql AS $$
+            INSERT INTO {s}.tasks (effect_key, title) VALUES (effect_key, 'quiet');
+            SELECT NULL::text WHERE false;
+        $$;
+        GRANT EXECUTE ON FUNCTION {s}.file_quietly(jsonb, text) TO {s}_effects;
+        "#
+    ))
+    .expect("function");
+    let ch = unique("fx_no_row");
+    sql_channel(
+        &mut c,
+        &ch,
+        &format!("{s}.file_quietly"),
+        &format!("{s}_effects"),
+    );
+    let key = unique("k");
+    let id: i64 = one(
+        &mut c,
+        "SELECT outbox.enqueue($1, '{}'::jsonb, $2)",
+        &[&ch, &key],
+    );
+    assert!(
+        wait_for_state(&cluster, id, "delivered", T),
+        "{:?}",
+        c.query_one(
+            "SELECT state::text, last_error FROM outbox.messages WHERE id = $1",
+            &[&id]
+        )
+        .map(|r| (r.get::<_, String>(0), r.get::<_, Option<String>>(1)))
+    );
+    assert_eq!(external_id_of(&mut c, id), None);
+    assert_eq!(tasks(&mut c, &s, &key), 1, "the function's write, once");
+    assert_eq!(ledger_recorded_by(&mut c, id), "worker");
+}
+
 /// Puts the server's `synchronous_commit` back when the test ends, however it ends.
 struct ServerCommitLevel<'a>(&'a Cluster);
 

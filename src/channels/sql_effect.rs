@@ -149,9 +149,17 @@ pub fn call_effect(
                     // The name comes from the catalog, quoted by quote_ident: no input
                     // reaches the SQL text.
                     let call = format!("SELECT {qualified}($1::jsonb, $2::text)");
+                    // A function declared `RETURNS SETOF text` may return no row: it ran,
+                    // and returned no external id, as one that returns NULL.
                     client
                         .update(call.as_str(), Some(1), &[payload.into(), effect_key.into()])
-                        .and_then(|rows| rows.first().get_one::<String>())
+                        .and_then(|rows| {
+                            if rows.is_empty() {
+                                Ok(None)
+                            } else {
+                                rows.first().get_one::<String>()
+                            }
+                        })
                         .map(EffectOutcome::Returned)
                 }))
                 .map_err(spi_error)?;
