@@ -1158,6 +1158,19 @@ BEGIN ATOMIC
            END;
 END;
 
+-- A NULL or empty role to bind is refused with a hint.
+CREATE OR REPLACE FUNCTION outbox._check_binding(role name, tenant text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+AS $fn$
+BEGIN
+    IF role IS NULL OR role = '' THEN
+        RAISE EXCEPTION 'role must not be NULL or empty' USING ERRCODE = '22023',
+            HINT = 'Name the role whose sessions act for the tenant, for example bind_tenant(''app_writer'', ''acme'').';
+    END IF;
+    PERFORM outbox._check_tenant_name(tenant, 'tenant', true);
+END
+$fn$;
+
 -- The views that run with their owner's rights are security barriers: a condition of the
 -- reader's own is evaluated only on the rows their filter lets through.
 ALTER VIEW outbox.channels SET (security_barrier = true);

@@ -167,7 +167,8 @@ LANGUAGE plpgsql IMMUTABLE
 AS $fn$
 BEGIN
     IF role IS NULL OR role = '' THEN
-        RAISE EXCEPTION 'role must not be NULL or empty' USING ERRCODE = '22023';
+        RAISE EXCEPTION 'role must not be NULL or empty' USING ERRCODE = '22023',
+            HINT = 'Name the role whose sessions act for the tenant, for example bind_tenant(''app_writer'', ''acme'').';
     END IF;
     PERFORM outbox._check_tenant_name(tenant, 'tenant', true);
 END

@@ -52,6 +52,22 @@ fn bind_tenant_refuses_bad_input_and_writes_nothing() {
     }
     assert_eq!(count("SELECT count(*) FROM outbox._tenant_bindings"), before);
     assert_eq!(count("SELECT count(*) FROM outbox._operator_log"), log_before);
+    Spi::run(
+        "CREATE OR REPLACE FUNCTION pg_temp.hint_of(stmt text) RETURNS text LANGUAGE plpgsql AS $$
+         DECLARE h text;
+         BEGIN
+             EXECUTE stmt;
+             RETURN NULL;
+         EXCEPTION WHEN OTHERS THEN
+             GET STACKED DIAGNOSTICS h = PG_EXCEPTION_HINT;
+             RETURN h;
+         END $$",
+    )
+    .expect("helper");
+    let hint = Spi::get_one::<String>("SELECT pg_temp.hint_of('SELECT outbox.bind_tenant(NULL, ''acme'')')")
+        .expect("spi")
+        .unwrap_or_default();
+    assert!(hint.contains("bind_tenant('app_writer', 'acme')"), "{hint:?}");
 
     Spi::run("SELECT outbox.bind_tenant('t_app', 'acme'); SELECT outbox.bind_tenant('t_app', 'acme')")
         .expect("bind twice");
