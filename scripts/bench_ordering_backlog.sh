@@ -46,13 +46,14 @@ ${PAUSE_KEYED:+SELECT outbox.pause_channel('keyed', 'a key holds back its queue'
 ${STATEMENTS:+CREATE EXTENSION pg_stat_statements;}"
 sleep 2
 [ -n "${STATEMENTS:-}" ] && psql -c "SELECT pg_stat_statements_reset()" >/dev/null
+held_now() { psql -c "SELECT count(*) FROM outbox._messages WHERE held_by_key"; }
 if [ -n "${HELD_FIRST:-}" ]; then
   for _ in $(seq 600); do
-    [ "$(psql -c "SELECT count(*) FROM outbox._messages WHERE held_by_key")" -ge "$N" ] && break
+    [ "$(held_now)" -ge "$N" ] && break
     sleep 0.2
   done
 fi
-held=$(psql -c "SELECT count(*) FROM outbox._messages WHERE held_by_key")
+held=$(held_now)
 start=$(date +%s.%N)
 psql -c "SELECT count(outbox.enqueue('plain', '{}', 'plain-' || g)) FROM generate_series(1, 5000) g" >/dev/null
 until [ "$(psql -c "SELECT count(*) FROM outbox.ledger WHERE effect_key LIKE 'plain-%'")" -ge 5000 ]; do

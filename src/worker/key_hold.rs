@@ -147,23 +147,14 @@ pub fn try_lock(client: &mut SpiClient<'_>) -> SpiResult<bool> {
         .unwrap_or(false))
 }
 
-/// An entry of the index of messages not held: (tenant, ordering key, id).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// An entry of the index of messages not held: (tenant, ordering key, id). The default,
+/// empty strings and id 0, is before every entry: a tenant and a key are never empty, an
+/// id never 0.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Entry {
     pub tenant: String,
     pub ordering_key: String,
     pub id: i64,
-}
-
-impl Entry {
-    /// Before every entry: a tenant and a key are never empty, an id never 0.
-    pub fn start() -> Entry {
-        Entry {
-            tenant: String::new(),
-            ordering_key: String::new(),
-            id: 0,
-        }
-    }
 }
 
 /// What one run of [`hold`] did.
@@ -285,7 +276,7 @@ impl HoldClock {
             return None;
         }
         Some(HoldStep {
-            from: self.from.clone().unwrap_or_else(Entry::start),
+            from: self.from.clone().unwrap_or_default(),
             release_stranded: elapsed(self.last_release_ms, RELEASE_STRANDED_EVERY_MS)
                 .then(|| self.release_after.clone().unwrap_or_default()),
         })
@@ -333,7 +324,7 @@ mod tests {
 
     #[test]
     fn the_start_is_before_every_entry() {
-        let start = Entry::start();
+        let start = Entry::default();
         let first = Entry {
             tenant: "\u{1}".into(),
             ordering_key: "\u{1}".into(),
@@ -350,7 +341,7 @@ mod tests {
         assert_eq!(
             HoldClock::default().due(5),
             Some(HoldStep {
-                from: Entry::start(),
+                from: Entry::default(),
                 release_stranded: Some(Key::default())
             })
         );
@@ -365,7 +356,7 @@ mod tests {
         assert_eq!(
             c.due(HOLD_EVERY_MS),
             Some(HoldStep {
-                from: Entry::start(),
+                from: Entry::default(),
                 release_stranded: None
             })
         );
@@ -403,7 +394,7 @@ mod tests {
         let mut c = HoldClock::default();
         let step = c.due(0).unwrap();
         c.ran(0, &step, Held::default(), Released::default());
-        assert_eq!(c.due(HOLD_EVERY_MS).map(|s| s.from), Some(Entry::start()));
+        assert_eq!(c.due(HOLD_EVERY_MS).map(|s| s.from), Some(Entry::default()));
     }
 
     #[test]

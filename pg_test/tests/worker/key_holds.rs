@@ -4,14 +4,14 @@
 
 use super::*;
 
+/// Messages of channel `$1` held behind their key.
+const HELD: &str =
+    "SELECT count(*) FROM outbox._messages m JOIN outbox._channels k ON k.id = m.channel_id
+                     WHERE k.name = $1 AND m.held_by_key";
+
 /// Messages of channel `ch` held behind their key.
 fn held(c: &mut Client, ch: &str) -> i64 {
-    count(
-        c,
-        "SELECT count(*) FROM outbox._messages m JOIN outbox._channels k ON k.id = m.channel_id
-          WHERE k.name = $1 AND m.held_by_key",
-        &[&ch],
-    )
+    count(c, HELD, &[&ch])
 }
 
 /// The `seq` of each request the provider stored, in the order it stored them.
@@ -63,14 +63,7 @@ fn a_queue_behind_a_key_is_held_counted_and_released_in_order() {
     wait_message(&cluster, other, "delivered");
 
     assert!(
-        wait_for_count(
-            &cluster,
-            SETTLE,
-            "SELECT count(*) FROM outbox._messages m JOIN outbox._channels k ON k.id = m.channel_id
-              WHERE k.name = $1 AND m.held_by_key",
-            &[&ch],
-            |n| n == WAITING
-        ),
+        wait_for_count(&cluster, SETTLE, HELD, &[&ch], |n| n == WAITING),
         "the messages behind the first were not all held: {} of {WAITING}",
         held(&mut c, &ch)
     );
