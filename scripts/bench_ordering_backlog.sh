@@ -12,6 +12,9 @@
 #   DISTINCT_KEYS=1: the N messages have a key each and are all scheduled a year ahead, so
 #   that none waits and none is due: what reading the keys' index costs while nothing is
 #   held (STATEMENTS=1 shows the statement that holds).
+#   UNCERTAIN_HEADS=1: N keys, each stopped at a first message left `uncertain` (as a
+#   provider that drops every connection leaves them on a channel that cannot be asked),
+#   with one due message behind it.
 source "$(dirname "$0")/lib.sh"
 N=${1:-20000}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_ordering}
@@ -33,6 +36,13 @@ psql() { bash scripts/cluster.sh psql -qAt "$@"; }
 OPTIONS='{"max_in_flight": 512, "max_unverifiable_in_flight": 512}'
 if [ -n "${DISTINCT_KEYS:-}" ]; then
   KEY="'k-' || g" NOT_BEFORE="now() + interval '1 year'" WHAT="of as many keys, scheduled a year ahead"
+elif [ -n "${UNCERTAIN_HEADS:-}" ]; then
+  KEY="'k-' || g" NOT_BEFORE="NULL" WHAT="each behind an uncertain message of its key"
+  HEADS="SELECT count(outbox.enqueue('keyed', '{}', 'head-' || g, ordering_key => 'k-' || g,
+                                     not_before => now() + interval '1 year'))
+  FROM generate_series(1, $N) g;
+UPDATE outbox._messages SET state = 'uncertain', attempts = 1
+ WHERE effect_key LIKE 'head-%';"
 else
   KEY="'k'" NOT_BEFORE="NULL" WHAT="waiting behind one key"
 fi
@@ -40,6 +50,7 @@ run_statements "SET client_min_messages = warning;
 SELECT outbox.create_channel('keyed', 'http://127.0.0.1:$SINK_PORT/ch/keyed', '$OPTIONS');
 SELECT outbox.create_channel('plain', 'http://127.0.0.1:$SINK_PORT/ch/plain', '$OPTIONS');
 SELECT outbox.enqueue('keyed', '{}', 'first', ordering_key => 'k', not_before => now() + interval '1 year');
+${HEADS:-}
 SELECT count(outbox.enqueue('keyed', '{}', 'waiting-' || g, ordering_key => $KEY, not_before => $NOT_BEFORE))
   FROM generate_series(1, $N) g;
 ${PAUSE_KEYED:+SELECT outbox.pause_channel('keyed', 'a key holds back its queue');}

@@ -1030,11 +1030,12 @@ DROP INDEX outbox._messages_due_idx;
 -- still reads one index.
 CREATE INDEX _messages_due_idx ON outbox._messages (channel_id, held_by_key, next_attempt_at, id)
     WHERE state = 'queued';
--- Holding behind ordering keys (src/worker/key_hold.rs): the queued messages of a key not
--- held, by key, in which every one but the first of its key waits (a worker holds it); and
--- the held ones, by key, whose first is released if nothing pending is left before it.
+-- Holding behind ordering keys (src/worker/key_hold.rs): the pending messages of a key
+-- not held (queued or uncertain), by key, in which every one but the first of its key waits
+-- (a worker holds it if it is queued); and the held ones, by key, whose first is released
+-- if nothing pending is left before it.
 CREATE INDEX _messages_key_unheld_idx ON outbox._messages (tenant, ordering_key, id)
-    WHERE ordering_key IS NOT NULL AND state = 'queued' AND NOT held_by_key;
+    WHERE ordering_key IS NOT NULL AND state IN ('queued', 'uncertain') AND NOT held_by_key;
 CREATE INDEX _messages_key_held_idx ON outbox._messages (tenant, ordering_key, id)
     WHERE state = 'queued' AND held_by_key;
 -- Releasing a key's next message: when a pending message of a key (queued or uncertain)

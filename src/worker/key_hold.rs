@@ -13,12 +13,13 @@
 //! order itself, so a message wrongly left free is still not sent out of order; one wrongly
 //! left held would wait, and [`RELEASE_STRANDED`] frees it.
 //!
-//! - Which messages wait is read from the index of the queued messages of a key not held,
-//!   by (tenant, key, id): each entry after the first of its key is behind the one before
-//!   it. No lookup per message: a queue of many keys with a message or two each costs an
-//!   index entry a message, read once a cycle. The first of a key is never held, even when
-//!   an `uncertain` message is before it: the claim then passes over one message, not the
-//!   whole queue.
+//! - Which messages wait is read from the index of the pending messages of a key not held
+//!   (queued or uncertain), by (tenant, key, id): each entry after the first of its key is
+//!   behind the one before it. No lookup per message: a queue of many keys with a message
+//!   or two each costs an index entry a message, read once a cycle. An `uncertain` message
+//!   is never held, but the queued one after it is, as after a queued one: many keys each
+//!   stopped at an uncertain message (a provider that drops every connection) cost the
+//!   claims nothing either.
 //! - A worker goes through that index [`HOLD_SCAN`] entries at a time, from where it
 //!   stopped ([`HoldClock`]), around and around: once a second, and at once again while it
 //!   holds some.
@@ -45,7 +46,7 @@ pub const RELEASE_KEYS: i32 = 2_000;
 
 /// $1, $2, $3: where to start (tenant, ordering key, id; the first entry read, which the
 /// statement before read last); $4: entries read at most; $5: `HOLD_AFTER_MS`. Reads the
-/// index of queued messages of a key that are not held, by key, and holds each message
+/// index of pending messages of a key that are not held, by key, and holds each message
 /// queued for at least `$5` that the entry before it, of the same key, is before (with a
 /// share lock on that one, skipped when locked). Returns the last entry read (NULLs when
 /// none was), how many it read and how many it held.
@@ -57,7 +58,8 @@ WITH scanned AS MATERIALIZED (
            coalesce(lag(u.tenant) OVER w = u.tenant AND lag(u.ordering_key) OVER w = u.ordering_key,
                     false) AS behind
       FROM (SELECT k.tenant, k.ordering_key, k.id FROM outbox._messages k
-             WHERE k.ordering_key IS NOT NULL AND k.state = 'queued' AND NOT k.held_by_key
+             WHERE k.ordering_key IS NOT NULL AND k.state IN ('queued', 'uncertain')
+               AND NOT k.held_by_key
                AND (k.tenant, k.ordering_key, k.id) >= ($1, $2, $3)
              ORDER BY k.tenant, k.ordering_key, k.id
              LIMIT $4) u

@@ -167,3 +167,79 @@ fn a_message_held_with_nothing_before_it_is_released() {
     assert_eq!(outbox_e2e::helpers::code_of(&e), "23514", "{e}");
     wait_message(&cluster, plain, "delivered");
 }
+
+/// A key stopped at an `uncertain` message (a provider that dropped the connection after
+/// reading the request, on a channel that can neither dedupe nor be asked): every queued
+/// message behind it is held, the first one too, and the operator's `resolve` releases
+/// them in order.
+#[test]
+fn a_queue_behind_an_uncertain_message_is_held_whole() {
+    const WAITING: i64 = 3;
+    let (cluster, mut c, sim) = cluster_and_sim();
+    cluster.wait_for_worker();
+    let ch = sim_channel(&mut c, &sim, "w_key_uncertain", r#"{}"#);
+    sim.set_plan(&ch, vec![Action::DropAfterRead { store: true }]);
+    let okey = unique("conversation");
+    let first = enqueue_with(
+        &mut c,
+        &ch,
+        r#"{"seq": 0}"#,
+        &unique("first"),
+        Some(&okey),
+        None,
+    );
+    wait_message(&cluster, first, "uncertain");
+    {
+        let mut tx = c.transaction().unwrap();
+        for i in 1..=WAITING {
+            enqueue_with(
+                &mut tx,
+                &ch,
+                &format!(r#"{{"seq": {i}}}"#),
+                &unique(&format!("wait{i}")),
+                Some(&okey),
+                None,
+            );
+        }
+        tx.commit().unwrap();
+    }
+    assert!(
+        wait_for_count(&cluster, SETTLE, HELD, &[&ch], |n| n == WAITING),
+        "the messages behind the uncertain one were not all held: {} of {WAITING}",
+        held(&mut c, &ch)
+    );
+    assert_eq!(
+        one::<String>(
+            &mut c,
+            "SELECT state::text FROM outbox._messages WHERE id = $1 AND NOT held_by_key",
+            &[&first]
+        ),
+        "uncertain",
+        "the uncertain message itself is not held"
+    );
+    assert_eq!(sim.send_count(&ch), 1, "nothing behind it was sent");
+
+    let after: String = one(
+        &mut c,
+        "SELECT outbox.resolve($1, 'delivered', 'seen in the provider console')::text",
+        &[&first],
+    );
+    assert_eq!(after, "delivered");
+    assert!(
+        wait_for_count(
+            &cluster,
+            SETTLE,
+            "SELECT count(*) FROM outbox.ledger l JOIN outbox.messages m ON m.id = l.message_id
+              WHERE m.channel = $1",
+            &[&ch],
+            |n| n == WAITING + 1
+        ),
+        "the held queue did not drain: {} held, {} sent",
+        held(&mut c, &ch),
+        sim.send_count(&ch)
+    );
+    let expected: Vec<i64> = (0..=WAITING).collect();
+    assert_eq!(stored_seqs(&sim, &ch), expected, "order at the provider");
+    assert_eq!(sim.send_count(&ch), WAITING as usize + 1, "one send each");
+    assert_eq!(held(&mut c, &ch), 0);
+}
