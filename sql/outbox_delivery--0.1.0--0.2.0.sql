@@ -1172,6 +1172,26 @@ BEGIN
 END
 $fn$;
 
+-- The operator log's rows about a channel are shown to the roles that may see the channel.
+CREATE FUNCTION outbox._log_channel_visible(channel text) RETURNS boolean
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT outbox._caller_is_superuser()
+        OR pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_admin', 'USAGE')
+        OR EXISTS (SELECT 1 FROM outbox._channels c
+                    WHERE c.name = _log_channel_visible.channel
+                      AND outbox._channel_visible(c.options -> 'tenants'))
+$fn$;
+COMMENT ON FUNCTION outbox._log_channel_visible(text) IS
+    'May the calling role see the operator log''s rows about this channel? Those of a channel it may see.';
+REVOKE ALL ON FUNCTION outbox._log_channel_visible(text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox._log_channel_visible(text) TO outbox_operator, outbox_admin;
+ALTER POLICY tenant_rows ON outbox._operator_log
+    USING (tenant = ANY ((SELECT outbox._visible_tenants())::text[])
+           OR (tenant IS NULL AND outbox._log_channel_visible(channel)));
+
 -- The views that run with their owner's rights are security barriers: a condition of the
 -- reader's own is evaluated only on the rows their filter lets through.
 ALTER VIEW outbox.channels SET (security_barrier = true);

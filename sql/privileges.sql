@@ -14,6 +14,9 @@ GRANT EXECUTE ON FUNCTION
     outbox._masked_options(jsonb),
     outbox._channel_visible(jsonb)
     TO outbox_writer, outbox_operator, outbox_admin;
+-- What the operator log's row-level security calls as its reader (it answers about the
+-- reader alone): the roles that read outbox.operator_log.
+GRANT EXECUTE ON FUNCTION outbox._log_channel_visible(text) TO outbox_operator, outbox_admin;
 
 GRANT USAGE ON SCHEMA outbox TO outbox_writer, outbox_operator, outbox_admin, outbox_worker, pg_monitor;
 -- The messages in flight that outbox.messages and outbox.attempts read as their reader;

@@ -148,6 +148,40 @@ $fn$;
 COMMENT ON FUNCTION outbox._visible_tenants() IS
     'The tenants whose rows the calling role may see: its bindings, or the one named by outbox.tenant.';
 
+-- May the calling role see a channel? Admins see every channel, writers and operators
+-- those whose option tenants lists one of their tenants (or '*'): outbox.channels, and the
+-- operator log's rows about channels.
+CREATE FUNCTION outbox._channel_visible(tenants jsonb) RETURNS boolean
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT outbox._caller_is_superuser()
+        OR pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_admin', 'USAGE')
+        OR tenants IS NULL
+        OR tenants ? '*'
+        OR tenants ?| outbox._visible_tenants()
+$fn$;
+COMMENT ON FUNCTION outbox._channel_visible(jsonb) IS
+    'May the calling role see a channel that serves these tenants? Admins see every channel.';
+
+-- May the calling role see the operator log's rows about this channel (its creation, a
+-- change of its options, a pause, its circuit)? Those of a channel it may see, as
+-- outbox.channels shows it, now; those of a channel that no longer exists, admins only.
+CREATE FUNCTION outbox._log_channel_visible(channel text) RETURNS boolean
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT outbox._caller_is_superuser()
+        OR pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_admin', 'USAGE')
+        OR EXISTS (SELECT 1 FROM outbox._channels c
+                    WHERE c.name = _log_channel_visible.channel
+                      AND outbox._channel_visible(c.options -> 'tenants'))
+$fn$;
+COMMENT ON FUNCTION outbox._log_channel_visible(text) IS
+    'May the calling role see the operator log''s rows about this channel? Those of a channel it may see.';
+
 -- May the calling role see a row of this tenant? (Used inside SECURITY DEFINER functions,
 -- where row-level security does not apply. The helpers below run only inside those
 -- functions, with their pinned search_path: no one else may execute them, and leaving out
@@ -236,8 +270,11 @@ CREATE POLICY tenant_rows ON outbox._attempts FOR SELECT
     USING (tenant = ANY ((SELECT outbox._visible_tenants())::text[]));
 CREATE POLICY tenant_rows ON outbox._ledger FOR SELECT
     USING (tenant = ANY ((SELECT outbox._visible_tenants())::text[]));
+-- A row about a message or a binding is its tenant's; a row about a channel (no tenant) is
+-- shown to the roles that may see the channel.
 CREATE POLICY tenant_rows ON outbox._operator_log FOR SELECT
-    USING (tenant IS NULL OR tenant = ANY ((SELECT outbox._visible_tenants())::text[]));
+    USING (tenant = ANY ((SELECT outbox._visible_tenants())::text[])
+           OR (tenant IS NULL AND outbox._log_channel_visible(channel)));
 
 CREATE POLICY worker_rows ON outbox._messages TO outbox_worker USING (true) WITH CHECK (true);
 CREATE POLICY worker_rows ON outbox._attempts TO outbox_worker USING (true) WITH CHECK (true);

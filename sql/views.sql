@@ -6,20 +6,7 @@
 -- The view runs with its owner's rights, so it is a security barrier: a condition of the
 -- reader's own is evaluated only on the rows its filter lets through, never first (the
 -- filter, a function, costs more than any cheap condition the planner would put before it).
-CREATE FUNCTION outbox._channel_visible(tenants jsonb) RETURNS boolean
-LANGUAGE sql STABLE
-SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-    SELECT outbox._caller_is_superuser()
-        OR pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_admin', 'USAGE')
-        OR tenants IS NULL
-        OR tenants ? '*'
-        OR tenants ?| outbox._visible_tenants()
-$fn$;
-COMMENT ON FUNCTION outbox._channel_visible(jsonb) IS
-    'May the calling role see a channel that serves these tenants? Admins see every channel.';
-
+-- Which channels a role may see is outbox._channel_visible (sql/tenancy.sql).
 CREATE VIEW outbox.channels WITH (security_barrier) AS
 SELECT c.id,
        c.name,

@@ -3,7 +3,8 @@
 //! 1. An enqueue by a tenant a channel does not list is refused with 42501 and writes
 //!    nothing; a listed tenant enqueues as before; `["*"]` (the default) serves everyone.
 //! 2. A writer never learns the options of a channel that does not serve it:
-//!    `outbox.channels` does not show it; an admin sees every channel.
+//!    `outbox.channels` does not show it; an admin sees every channel. Nor does an
+//!    operator read the operator log's rows about it.
 //! 3. Message headers may not set framing or routing headers, the signing headers or the
 //!    channel's key headers (22023, naming the header, nothing written); a row that holds
 //!    one anyway (written by hand) is not sent with it.
@@ -18,7 +19,8 @@ use std::time::Duration;
 
 const T: Duration = Duration::from_secs(30);
 
-/// A writer role bound to one tenant; dropped with its binding when the test ends.
+/// A role bound to one tenant, a writer unless made in another group; dropped with its
+/// binding when the test ends.
 struct Writer<'a> {
     cluster: &'a Cluster,
     role: String,
@@ -27,13 +29,18 @@ struct Writer<'a> {
 
 impl<'a> Writer<'a> {
     fn new(cluster: &'a Cluster, tenant: &str) -> Writer<'a> {
-        let role = unique("ct_writer");
+        Writer::in_role(cluster, tenant, "outbox_writer")
+    }
+
+    /// A role of `group` (outbox_writer, outbox_operator) bound to `tenant`.
+    fn in_role(cluster: &'a Cluster, tenant: &str, group: &str) -> Writer<'a> {
+        let role = unique("ct_role");
         let mut c = cluster.connect();
         c.batch_execute(&format!(
-            "CREATE ROLE {} NOLOGIN IN ROLE outbox_writer",
+            "CREATE ROLE {} NOLOGIN IN ROLE {group}",
             ident(&role)
         ))
-        .expect("create writer");
+        .expect("create role");
         c.execute("SELECT outbox.bind_tenant($1, $2)", &[&role, &tenant])
             .expect("bind");
         Writer {
@@ -184,6 +191,76 @@ fn a_writer_sees_only_the_channels_that_serve_its_tenant() {
     drop(sadmin);
     su.batch_execute(&format!("DROP ROLE {}", ident(&admin)))
         .expect("drop");
+}
+
+/// The operator log's rows about a channel (its creation, its pause, a change of its
+/// options) are shown to the operators of the tenants it serves, as `outbox.channels` is,
+/// and follow its option `tenants` when it changes.
+#[test]
+fn an_operator_reads_the_log_of_the_channels_that_serve_its_tenant() {
+    let cluster = Cluster::from_env();
+    let mut su = cluster.connect();
+    let (a, b) = (unique("cta"), unique("ctb"));
+    let only_a = paused_channel(
+        &mut su,
+        &format!(r#"{{"tenants": ["{a}"], "headers": {{"Authorization": "Bearer SECRET-A"}}}}"#),
+    );
+    let everyone = paused_channel(&mut su, "{}");
+    let operator_a = Writer::in_role(&cluster, &a, "outbox_operator");
+    let operator_b = Writer::in_role(&cluster, &b, "outbox_operator");
+    let rows = |c: &mut Client, ch: &str| -> i64 {
+        one(
+            c,
+            "SELECT count(*) FROM outbox.operator_log WHERE channel = $1",
+            &[&ch],
+        )
+    };
+    let all_of_only_a = rows(&mut su, &only_a);
+    assert!(
+        all_of_only_a >= 2,
+        "its creation and its pause are logged: {all_of_only_a}"
+    );
+    let (mut sa, mut sb) = (operator_a.session(), operator_b.session());
+    assert_eq!(rows(&mut sa, &only_a), all_of_only_a);
+    assert_eq!(
+        rows(&mut sb, &only_a),
+        0,
+        "tenant b's operator reads the log of a channel that serves only a"
+    );
+    assert_eq!(rows(&mut sb, &everyone), rows(&mut su, &everyone));
+    assert!(rows(&mut sb, &everyone) >= 2);
+    // The table behind the view shows b the rows about the channels that serve b, no other
+    // row without a tenant.
+    let seen_by_b: i64 = one(
+        &mut sb,
+        "SELECT count(*) FROM outbox._operator_log WHERE tenant IS NULL",
+        &[],
+    );
+    let serving_b: i64 = one(
+        &mut su,
+        "SELECT count(*) FROM outbox._operator_log o
+          WHERE o.tenant IS NULL
+            AND EXISTS (SELECT 1 FROM outbox._channels c
+                         WHERE c.name = o.channel
+                           AND (c.options -> 'tenants' IS NULL OR c.options -> 'tenants' ? '*'
+                                OR c.options -> 'tenants' ? $1))",
+        &[&b],
+    );
+    assert_eq!(seen_by_b, serving_b);
+    // Listing b shows it the channel's whole log, its earlier rows too.
+    su.execute(
+        "SELECT outbox.alter_channel($1, $2::text::jsonb)",
+        &[&only_a, &format!(r#"{{"tenants": ["{a}", "{b}"]}}"#)],
+    )
+    .expect("alter");
+    let now_all = rows(&mut su, &only_a);
+    assert_eq!(rows(&mut sb, &only_a), now_all);
+    let detail: String = one(
+        &mut sb,
+        "SELECT string_agg(coalesce(detail::text, ''), ' ') FROM outbox.operator_log WHERE channel = $1",
+        &[&only_a],
+    );
+    assert!(!detail.contains("SECRET-A"), "{detail}");
 }
 
 /// A condition of the reader's own, cheaper than a view's filter, is not evaluated on the
