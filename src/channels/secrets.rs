@@ -123,16 +123,79 @@ fn _masked_url(url: &str) -> String {
     mask_url(url)
 }
 
-/// The options as `outbox.channels` shows them.
+/// The options as `outbox.channels` shows them; options that cannot be read as JSON here
+/// ([`masked_options_text`]) are shown as one mask.
 #[pg_extern(immutable, parallel_safe, strict)]
-fn _masked_options(options: pgrx::JsonB) -> pgrx::JsonB {
-    pgrx::JsonB(mask_options(&options.0))
+fn _masked_options(options: JsonbText) -> pgrx::JsonB {
+    pgrx::JsonB(masked_options_text(&options.0))
 }
+
+/// [`mask_options`] of a jsonb's text. A value nested deeper than the JSON reader's limit
+/// (128 levels; `create_channel` and `alter_channel` refuse such options, but a row can be
+/// changed by hand, and any reader of the view may call this) is masked whole: nothing of
+/// it is shown, and reading the view does not fail.
+pub fn masked_options_text(text: &str) -> Value {
+    serde_json::from_str::<Value>(text).map_or_else(
+        |_| Value::String(MASK.into()),
+        |options| mask_options(&options),
+    )
+}
+
+/// A jsonb argument as its text (`jsonb_out`), not yet parsed: pgrx's `JsonB` parses it on
+/// the way in, and fails with XX000 on a value its reader refuses.
+struct JsonbText(String);
+
+impl FromDatum for JsonbText {
+    unsafe fn from_polymorphic_datum(
+        datum: pg_sys::Datum,
+        is_null: bool,
+        _: pg_sys::Oid,
+    ) -> Option<JsonbText> {
+        if is_null {
+            return None;
+        }
+        // jsonb_out detoasts its argument and returns a palloc'd C string in the current
+        // memory context, which the call's end frees.
+        let text = unsafe {
+            pgrx::direct_function_call::<&core::ffi::CStr>(pg_sys::jsonb_out, &[Some(datum)])
+        }?;
+        Some(JsonbText(text.to_string_lossy().into_owned()))
+    }
+}
+
+// SAFETY: the value is read with FromDatum above, from a jsonb argument (the SQL type the
+// mapping below declares), and never returned.
+unsafe impl<'fcx> pgrx::callconv::ArgAbi<'fcx> for JsonbText {
+    unsafe fn unbox_arg_unchecked(arg: pgrx::callconv::Arg<'_, 'fcx>) -> Self {
+        let index = arg.index();
+        unsafe { arg.unbox_arg_using_from_datum() }
+            .unwrap_or_else(|| panic!("argument {index} must not be null"))
+    }
+
+    unsafe fn unbox_nullable_arg(
+        arg: pgrx::callconv::Arg<'_, 'fcx>,
+    ) -> pgrx::nullable::Nullable<Self> {
+        unsafe { arg.unbox_arg_using_from_datum() }.into()
+    }
+}
+
+pgrx::impl_sql_translatable!(JsonbText, arg_only = "jsonb");
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn options_too_deep_to_read_are_masked_whole() {
+        let deep = format!("{}\"SECRET\"{}", "[".repeat(300), "]".repeat(300));
+        assert_eq!(masked_options_text(&deep), json!(MASK));
+        assert_eq!(masked_options_text("not json"), json!(MASK));
+        assert_eq!(
+            masked_options_text(r#"{"headers": {"A": "SECRET"}, "n": 1}"#),
+            json!({"headers": {"A": MASK}, "n": 1})
+        );
+    }
 
     #[test]
     fn nats_credentials_are_masked() {

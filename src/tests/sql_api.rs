@@ -102,6 +102,23 @@ fn channel_options_are_normalized_and_secrets_masked() {
     assert!(!logged.contains("s3cret"), "the operator log must not keep secrets: {logged}");
 }
 
+/// Options too deep to read (written by hand: create_channel refuses them) are shown as one
+/// mask, and the view still answers; a direct call with such a value too. A NULL stays NULL.
+#[pg_test]
+fn options_too_deep_to_read_are_masked_whole() {
+    channel("deep");
+    let deep = format!("{}\"SECRET\"{}", "[".repeat(300), "]".repeat(300));
+    Spi::run(&format!(
+        "UPDATE outbox._channels SET options = options || jsonb_build_object('x', '{deep}'::jsonb) WHERE name = 'deep'"
+    ))
+    .unwrap();
+    let shown = Spi::get_one::<String>("SELECT options::text FROM outbox.channels WHERE name = 'deep'").unwrap();
+    assert_eq!(shown.as_deref(), Some("\"********\""));
+    let direct = Spi::get_one::<String>(&format!("SELECT outbox._masked_options('{deep}'::jsonb)::text")).unwrap();
+    assert_eq!(direct.as_deref(), Some("\"********\""));
+    assert_eq!(count("SELECT count(*) FROM outbox._masked_options(NULL) m WHERE m IS NULL"), 1);
+}
+
 #[pg_test]
 fn alter_channel_merges_and_refuses_atomically() {
     channel("alt");
