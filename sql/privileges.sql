@@ -1,11 +1,12 @@
 -- outbox_delivery: who may do what (docs/security.md). Runs last, when every function of
--- the extension exists. Nothing is granted to PUBLIC but the function row-level security
--- calls, which only tells the caller its own tenants.
+-- the extension exists. Nothing is granted to PUBLIC but the functions row-level security
+-- calls, which only tell the caller its own tenants and the channels it may see.
 
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA outbox FROM PUBLIC;
 REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox._visible_tenants() TO PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox._visible_channels() TO PUBLIC;
 -- What outbox.channels calls as its reader (functions a view calls are checked against the
 -- reader): masking, and whether the reader may see a channel (it answers about the reader
 -- alone). Granted to the roles that read the view.
@@ -14,9 +15,6 @@ GRANT EXECUTE ON FUNCTION
     outbox._masked_options(jsonb),
     outbox._channel_visible(jsonb)
     TO outbox_writer, outbox_operator, outbox_admin;
--- What the operator log's row-level security calls as its reader (it answers about the
--- reader alone): the roles that read outbox.operator_log.
-GRANT EXECUTE ON FUNCTION outbox._log_channel_visible(text) TO outbox_operator, outbox_admin;
 
 GRANT USAGE ON SCHEMA outbox TO outbox_writer, outbox_operator, outbox_admin, outbox_worker, pg_monitor;
 -- The messages in flight that outbox.messages and outbox.attempts read as their reader;

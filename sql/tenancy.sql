@@ -165,22 +165,24 @@ $fn$;
 COMMENT ON FUNCTION outbox._channel_visible(jsonb) IS
     'May the calling role see a channel that serves these tenants? Admins see every channel.';
 
--- May the calling role see the operator log's rows about this channel (its creation, a
--- change of its options, a pause, its circuit)? Those of a channel it may see, as
--- outbox.channels shows it, now; those of a channel that no longer exists, admins only.
-CREATE FUNCTION outbox._log_channel_visible(channel text) RETURNS boolean
+-- The channels whose rows of the operator log (its creation, a change of its options, a
+-- pause, its circuit: rows without a tenant) the calling role may read: for an operator or
+-- an admin, those outbox.channels shows it, as their option tenants stands now; for any
+-- other role, none. The log's row-level security reads it once per query (a hashed
+-- subquery), so it is granted to PUBLIC as outbox._visible_tenants is, and it answers
+-- about the caller alone. A row about a channel deleted by hand is a superuser's to read.
+CREATE FUNCTION outbox._visible_channels() RETURNS SETOF text
 LANGUAGE sql STABLE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
-    SELECT outbox._caller_is_superuser()
-        OR pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_admin', 'USAGE')
-        OR EXISTS (SELECT 1 FROM outbox._channels c
-                    WHERE c.name = _log_channel_visible.channel
-                      AND outbox._channel_visible(c.options -> 'tenants'))
+    SELECT c.name FROM outbox._channels c
+     WHERE (pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_operator', 'USAGE')
+            OR pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_admin', 'USAGE'))
+       AND outbox._channel_visible(c.options -> 'tenants')
 $fn$;
-COMMENT ON FUNCTION outbox._log_channel_visible(text) IS
-    'May the calling role see the operator log''s rows about this channel? Those of a channel it may see.';
+COMMENT ON FUNCTION outbox._visible_channels() IS
+    'The channels whose rows of the operator log the calling role may read: those outbox.channels shows an operator or an admin.';
 
 -- May the calling role see a row of this tenant? (Used inside SECURITY DEFINER functions,
 -- where row-level security does not apply. The helpers below run only inside those
@@ -274,7 +276,7 @@ CREATE POLICY tenant_rows ON outbox._ledger FOR SELECT
 -- shown to the roles that may see the channel.
 CREATE POLICY tenant_rows ON outbox._operator_log FOR SELECT
     USING (tenant = ANY ((SELECT outbox._visible_tenants())::text[])
-           OR (tenant IS NULL AND outbox._log_channel_visible(channel)));
+           OR (tenant IS NULL AND channel IN (SELECT outbox._visible_channels())));
 
 CREATE POLICY worker_rows ON outbox._messages TO outbox_worker USING (true) WITH CHECK (true);
 CREATE POLICY worker_rows ON outbox._attempts TO outbox_worker USING (true) WITH CHECK (true);

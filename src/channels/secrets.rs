@@ -130,10 +130,11 @@ fn _masked_options(options: JsonbText) -> pgrx::JsonB {
     pgrx::JsonB(masked_options_text(&options.0))
 }
 
-/// [`mask_options`] of a jsonb's text. A value nested deeper than the JSON reader's limit
-/// (128 levels; `create_channel` and `alter_channel` refuse such options, but a row can be
-/// changed by hand, and any reader of the view may call this) is masked whole: nothing of
-/// it is shown, and reading the view does not fail.
+/// [`mask_options`] of a jsonb's text. A value the JSON reader refuses (nested deeper than
+/// 128 levels, or a number out of its range such as `1e400`; `create_channel` and
+/// `alter_channel` refuse such options, but a row can be changed by hand, and any reader
+/// of the view may call this) is masked whole: nothing of it is shown, and reading the
+/// view does not fail.
 pub fn masked_options_text(text: &str) -> Value {
     serde_json::from_str::<Value>(text).map_or_else(
         |_| Value::String(MASK.into()),
@@ -154,12 +155,15 @@ impl FromDatum for JsonbText {
         if is_null {
             return None;
         }
-        // jsonb_out detoasts its argument and returns a palloc'd C string in the current
-        // memory context, which the call's end frees.
+        // jsonb_out detoasts its argument and returns a C string palloc'd in the current
+        // memory context, freed here once copied (as pgrx's JsonB does). The database's
+        // encoding is UTF-8, which pgrx requires.
         let text = unsafe {
             pgrx::direct_function_call::<&core::ffi::CStr>(pg_sys::jsonb_out, &[Some(datum)])
         }?;
-        Some(JsonbText(text.to_string_lossy().into_owned()))
+        let owned = text.to_string_lossy().into_owned();
+        unsafe { pg_sys::pfree(text.as_ptr() as *mut core::ffi::c_void) };
+        Some(JsonbText(owned))
     }
 }
 
@@ -191,6 +195,7 @@ mod tests {
         let deep = format!("{}\"SECRET\"{}", "[".repeat(300), "]".repeat(300));
         assert_eq!(masked_options_text(&deep), json!(MASK));
         assert_eq!(masked_options_text("not json"), json!(MASK));
+        assert_eq!(masked_options_text(r#"{"n": 1e400}"#), json!(MASK));
         assert_eq!(
             masked_options_text(r#"{"headers": {"A": "SECRET"}, "n": 1}"#),
             json!({"headers": {"A": MASK}, "n": 1})

@@ -112,8 +112,11 @@ fn options_too_deep_to_read_are_masked_whole() {
         "UPDATE outbox._channels SET options = options || jsonb_build_object('x', '{deep}'::jsonb) WHERE name = 'deep'"
     ))
     .unwrap();
-    let shown = Spi::get_one::<String>("SELECT options::text FROM outbox.channels WHERE name = 'deep'").unwrap();
+    // Every column of the view, as a reader selects them.
+    let shown = Spi::get_one::<String>("SELECT (c.options)::text FROM (SELECT * FROM outbox.channels) c WHERE name = 'deep'")
+        .unwrap();
     assert_eq!(shown.as_deref(), Some("\"********\""));
+    assert_eq!(count("SELECT count(*) FROM (SELECT row_to_json(c)::text FROM outbox.channels c WHERE name = 'deep') r"), 1);
     let direct = Spi::get_one::<String>(&format!("SELECT outbox._masked_options('{deep}'::jsonb)::text")).unwrap();
     assert_eq!(direct.as_deref(), Some("\"********\""));
     assert_eq!(count("SELECT count(*) FROM outbox._masked_options(NULL) m WHERE m IS NULL"), 1);

@@ -371,14 +371,34 @@ fn an_ordering_key_behind_an_uncertain_message_leaves_the_workers_asleep() {
         .unwrap();
 
     // The second is due and cannot be claimed: the workers claim it a few times a second,
-    // not a thousand (each claim is a transaction of its own).
-    std::thread::sleep(Duration::from_millis(1500));
+    // not a thousand (each claim is a transaction of its own). Measured within its first
+    // second, before it has waited long enough to be held (key_hold::HOLD_AFTER_MS), while
+    // the claims still meet it.
+    std::thread::sleep(Duration::from_millis(50));
+    let before = commits(&mut c);
+    std::thread::sleep(Duration::from_millis(800));
+    let during = commits(&mut c) - before;
+    assert!(
+        during < 80,
+        "{during} transactions in 0.8 s while the only due message waits for its ordering key"
+    );
+    // Then it is held, and the workers stay as quiet.
+    assert!(
+        wait_for_count(
+            &cluster,
+            SETTLE,
+            "SELECT count(*) FROM outbox._messages WHERE id = $1 AND held_by_key",
+            &[&second],
+            |n| n == 1
+        ),
+        "the message behind the uncertain one was not held"
+    );
     let before = commits(&mut c);
     std::thread::sleep(Duration::from_secs(3));
     let during = commits(&mut c) - before;
     assert!(
         during < 300,
-        "{during} transactions in 3 s while the only due message waits for its ordering key"
+        "{during} transactions in 3 s while the only due message is held behind its ordering key"
     );
     let m = message(&mut c, second).unwrap().unwrap();
     assert_eq!((m.state.as_str(), m.attempts), ("queued", 0));
