@@ -623,42 +623,53 @@ impl Worker {
     }
 
     /// Holds the messages that wait behind their ordering key, when it is time to
-    /// (`key_hold`), in a transaction of its own between two cycles; now and then also
+    /// (`key_hold`), in transactions of their own between two cycles; now and then also
     /// releases the held messages that nothing is before any more. Only the first worker
-    /// of each database does: two would read the same index entries.
+    /// of each database does: two would read the same index entries. While steps hold a
+    /// whole scan's worth (a burst behind one key), it goes on for up to
+    /// [`key_hold::HOLD_BURST_MS`] instead of claiming between them: until a message is
+    /// held, every claim of its channel passes over it, so a claim between two steps is as
+    /// slow as the burst is long.
     pub fn hold_keys(&mut self) {
         if !self.index.is_multiple_of(gucs::workers().max(1)) {
             return;
         }
-        let now = self.started.elapsed().as_millis() as i64;
-        let Some(step) = self.key_holds.due(now) else {
-            return;
-        };
-        let (held, released) = identity::transaction(self.role, || {
-            Spi::connect_mut(
-                |client| -> SpiResult<(key_hold::Held, key_hold::Released)> {
-                    if !key_hold::try_lock(client)? {
-                        // Another worker holds: this one reads from the start, later.
-                        return Ok(Default::default());
-                    }
-                    let released = match &step.release_stranded {
-                        Some(after) => key_hold::release_stranded(client, after)?,
-                        None => key_hold::Released::default(),
-                    };
-                    Ok((key_hold::hold(client, &step.from)?, released))
-                },
-            )
-            .unwrap_or_else(|e| {
-                panic!("outbox_delivery worker: holding messages behind their ordering key failed: {e}")
-            })
-        });
-        let (count, freed) = (held.held, released.released);
-        self.key_holds.ran(now, &step, held, released);
-        if count > 0 || freed > 0 {
-            debug1!(
-                "outbox_delivery worker {}: held {count} message(s) behind their ordering key, released {freed} no longer behind one",
-                self.index
-            );
+        let began = self.started.elapsed().as_millis() as i64;
+        loop {
+            let now = self.started.elapsed().as_millis() as i64;
+            let Some(step) = self.key_holds.due(now) else {
+                return;
+            };
+            let (held, released) = identity::transaction(self.role, || {
+                Spi::connect_mut(
+                    |client| -> SpiResult<(key_hold::Held, key_hold::Released)> {
+                        if !key_hold::try_lock(client)? {
+                            // Another worker holds: this one reads from the start, later.
+                            return Ok(Default::default());
+                        }
+                        let released = match &step.release_stranded {
+                            Some(after) => key_hold::release_stranded(client, after)?,
+                            None => key_hold::Released::default(),
+                        };
+                        Ok((key_hold::hold(client, &step.from)?, released))
+                    },
+                )
+                .unwrap_or_else(|e| {
+                    panic!("outbox_delivery worker: holding messages behind their ordering key failed: {e}")
+                })
+            });
+            let (count, freed) = (held.held, released.released);
+            self.key_holds.ran(now, &step, held, released);
+            if count > 0 || freed > 0 {
+                debug1!(
+                    "outbox_delivery worker {}: held {count} message(s) behind their ordering key, released {freed} no longer behind one",
+                    self.index
+                );
+            }
+            let now = self.started.elapsed().as_millis() as i64;
+            if !self.key_holds.in_burst(now - began) || super::stop_requested() {
+                return;
+            }
         }
     }
 

@@ -22,7 +22,10 @@
 //!   claims nothing either.
 //! - A worker goes through that index [`HOLD_SCAN`] entries at a time, from where it
 //!   stopped ([`HoldClock`]), around and around: once a second, and at once again while it
-//!   holds some.
+//!   holds some. While each step holds some of a whole scan (a burst), it goes on step
+//!   after step for up to [`HOLD_BURST_MS`] before it claims again: a claim between two
+//!   steps passes over every message of the burst not held yet (100,000 behind one key
+//!   slowed another channel's drain for 14 s, then 3–5 s; BENCHMARKS.md).
 //! - A message is held once it has waited [`HOLD_AFTER_MS`]: one behind a message in
 //!   flight for a moment is not written twice (held, released) for a wait of a few claims.
 //! - Holding takes a share lock on the message before, and skips one that is locked: that
@@ -40,6 +43,9 @@ pub const HOLD_EVERY_MS: i64 = 1_000;
 pub const RELEASE_STRANDED_EVERY_MS: i64 = 10_000;
 /// Index entries read per statement at most.
 pub const HOLD_SCAN: i32 = 10_000;
+/// How long a worker goes on holding, step after step, while each step holds some of a
+/// whole scan's worth (a burst), before it claims again.
+pub const HOLD_BURST_MS: i64 = 2_000;
 /// Keys with held messages read per release of the stranded at most: how many a tenant
 /// made is theirs to choose, and the release goes on from where it stopped.
 pub const RELEASE_KEYS: i32 = 2_000;
@@ -302,6 +308,13 @@ impl HoldClock {
         self.from = if full { held.last } else { None };
         self.more = full && held.held > 0;
     }
+
+    /// Whether to run the next step at once, before claiming, `elapsed_ms` after the first
+    /// step of this turn: the last one read a whole scan and held some, and the turn has
+    /// not lasted [`HOLD_BURST_MS`].
+    pub fn in_burst(&self, elapsed_ms: i64) -> bool {
+        self.more && elapsed_ms < HOLD_BURST_MS
+    }
 }
 
 #[cfg(test)]
@@ -375,6 +388,37 @@ mod tests {
             Released::default(),
         );
         assert_eq!(c.due(1).map(|s| s.from), Some(entry("k", 9_000)));
+    }
+
+    #[test]
+    fn a_burst_is_held_step_after_step_for_two_seconds_at_most() {
+        let mut c = HoldClock::default();
+        let step = c.due(0).unwrap();
+        c.ran(
+            0,
+            &step,
+            read(entry("k", 9_000), HOLD_SCAN, 5_000),
+            Released::default(),
+        );
+        assert!(c.in_burst(0) && c.in_burst(HOLD_BURST_MS - 1));
+        assert!(!c.in_burst(HOLD_BURST_MS));
+        // A step that read less than a whole scan ends the burst, as one that held nothing.
+        let step = c.due(1).unwrap();
+        c.ran(
+            1,
+            &step,
+            read(entry("k", 9_500), 500, 500),
+            Released::default(),
+        );
+        assert!(!c.in_burst(1));
+        let step = c.due(HOLD_EVERY_MS + 1).unwrap();
+        c.ran(
+            HOLD_EVERY_MS + 1,
+            &step,
+            read(entry("m", 12), HOLD_SCAN, 0),
+            Released::default(),
+        );
+        assert!(!c.in_burst(0));
     }
 
     #[test]
