@@ -1172,7 +1172,6 @@ BEGIN
 END
 $fn$;
 
--- The operator log's rows about a channel are shown to the operators of the tenants it serves.
 -- The channels whose rows of the operator log (its creation, a change of its options, a
 -- pause, its circuit: rows without a tenant) the calling role may read: for an operator or
 -- an admin, those outbox.channels shows it, as their option tenants stands now; for any

@@ -625,8 +625,8 @@ impl Worker {
     /// Holds the messages that wait behind their ordering key, when it is time to
     /// (`key_hold`), in transactions of their own between two cycles; now and then also
     /// releases the held messages that nothing is before any more. Only the first worker
-    /// of each database does: two would read the same index entries. While steps hold a
-    /// whole scan's worth (a burst behind one key), it goes on for up to
+    /// of each database does: two would read the same index entries. While steps hold half
+    /// a scan's worth or more (a burst behind one key), it goes on for up to
     /// [`key_hold::HOLD_BURST_MS`] instead of claiming between them: until a message is
     /// held, every claim of its channel passes over it, so a claim between two steps is as
     /// slow as the burst is long.

@@ -22,10 +22,10 @@
 //!   claims nothing either.
 //! - A worker goes through that index [`HOLD_SCAN`] entries at a time, from where it
 //!   stopped ([`HoldClock`]), around and around: once a second, and at once again while it
-//!   holds some. While each step holds some of a whole scan (a burst), it goes on step
-//!   after step for up to [`HOLD_BURST_MS`] before it claims again: a claim between two
-//!   steps passes over every message of the burst not held yet (100,000 behind one key
-//!   slowed another channel's drain for 14 s, then 3–5 s; BENCHMARKS.md).
+//!   holds some. While each step holds at least half of a whole scan (a burst), it goes
+//!   on step after step for up to [`HOLD_BURST_MS`] before it claims again: a claim
+//!   between two steps passes over every message of the burst not held yet (100,000
+//!   behind one key slowed another channel's drain for 14 s; BENCHMARKS.md).
 //! - A message is held once it has waited [`HOLD_AFTER_MS`]: one behind a message in
 //!   flight for a moment is not written twice (held, released) for a wait of a few claims.
 //! - Holding takes a share lock on the message before, and skips one that is locked: that
@@ -43,9 +43,10 @@ pub const HOLD_EVERY_MS: i64 = 1_000;
 pub const RELEASE_STRANDED_EVERY_MS: i64 = 10_000;
 /// Index entries read per statement at most.
 pub const HOLD_SCAN: i32 = 10_000;
-/// How long a worker goes on holding, step after step, while each step holds some of a
-/// whole scan's worth (a burst), before it claims again.
-pub const HOLD_BURST_MS: i64 = 2_000;
+/// How long a worker goes on holding, step after step, while each step holds at least
+/// half a scan's worth (a burst), before it claims again. Meanwhile it neither claims nor
+/// records, nor looks whether its database is being dropped.
+pub const HOLD_BURST_MS: i64 = 1_000;
 /// Keys with held messages read per release of the stranded at most: how many a tenant
 /// made is theirs to choose, and the release goes on from where it stopped.
 pub const RELEASE_KEYS: i32 = 2_000;
@@ -274,6 +275,8 @@ pub struct HoldClock {
     /// The key after which the next release of the stranded reads; `None`: from the start.
     release_after: Option<Key>,
     more: bool,
+    /// The last step held at least half a scan: a burst ([`HoldClock::in_burst`]).
+    burst: bool,
 }
 
 impl HoldClock {
@@ -307,13 +310,14 @@ impl HoldClock {
         let full = held.read >= HOLD_SCAN;
         self.from = if full { held.last } else { None };
         self.more = full && held.held > 0;
+        self.burst = full && held.held >= HOLD_SCAN / 2;
     }
 
     /// Whether to run the next step at once, before claiming, `elapsed_ms` after the first
-    /// step of this turn: the last one read a whole scan and held some, and the turn has
-    /// not lasted [`HOLD_BURST_MS`].
+    /// step of this turn: the last one read a whole scan and held at least half of it, and
+    /// the turn has not lasted [`HOLD_BURST_MS`].
     pub fn in_burst(&self, elapsed_ms: i64) -> bool {
-        self.more && elapsed_ms < HOLD_BURST_MS
+        self.burst && elapsed_ms < HOLD_BURST_MS
     }
 }
 
@@ -402,6 +406,16 @@ mod tests {
         );
         assert!(c.in_burst(0) && c.in_burst(HOLD_BURST_MS - 1));
         assert!(!c.in_burst(HOLD_BURST_MS));
+        // A whole scan of which fewer than half were held goes on at once, as before, but
+        // after a claim: no burst.
+        let step = c.due(1).unwrap();
+        c.ran(
+            1,
+            &step,
+            read(entry("k", 9_900), HOLD_SCAN, HOLD_SCAN / 2 - 1),
+            Released::default(),
+        );
+        assert!(c.due(2).is_some() && !c.in_burst(0));
         // A step that read less than a whole scan ends the burst, as one that held nothing.
         let step = c.due(1).unwrap();
         c.ran(

@@ -371,18 +371,34 @@ fn an_ordering_key_behind_an_uncertain_message_leaves_the_workers_asleep() {
         .unwrap();
 
     // The second is due and cannot be claimed: the workers claim it a few times a second,
-    // not a thousand (each claim is a transaction of its own). Measured within its first
-    // second, before it has waited long enough to be held (key_hold::HOLD_AFTER_MS), while
-    // the claims still meet it.
-    std::thread::sleep(Duration::from_millis(50));
+    // not a thousand (each claim is a transaction of its own). It is not held meanwhile
+    // (its creation moved ahead: a message is held once it has waited a second,
+    // key_hold::HOLD_AFTER_MS), so that the claims meet it.
+    c.execute(
+        "UPDATE outbox._messages SET created_at = now() + interval '1 hour' WHERE id = $1",
+        &[&second],
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
     let before = commits(&mut c);
-    std::thread::sleep(Duration::from_millis(800));
+    std::thread::sleep(Duration::from_secs(3));
     let during = commits(&mut c) - before;
     assert!(
-        during < 80,
-        "{during} transactions in 0.8 s while the only due message waits for its ordering key"
+        during < 300,
+        "{during} transactions in 3 s while the only due message waits for its ordering key"
     );
-    // Then it is held, and the workers stay as quiet.
+    let held: bool = one(
+        &mut c,
+        "SELECT held_by_key FROM outbox._messages WHERE id = $1",
+        &[&second],
+    );
+    assert!(!held, "the claims met the message, not held");
+    // Once it has waited long enough, it is held, and the workers stay as quiet.
+    c.execute(
+        "UPDATE outbox._messages SET created_at = now() - interval '2 seconds' WHERE id = $1",
+        &[&second],
+    )
+    .unwrap();
     assert!(
         wait_for_count(
             &cluster,
