@@ -395,7 +395,7 @@ mod tests {
     }
 
     #[test]
-    fn a_burst_is_held_step_after_step_for_two_seconds_at_most() {
+    fn a_burst_is_held_step_after_step_for_one_turn_at_most() {
         let mut c = HoldClock::default();
         let step = c.due(0).unwrap();
         c.ran(
