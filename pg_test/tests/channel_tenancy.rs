@@ -96,6 +96,16 @@ fn paused_channel(c: &mut Client, options: &str) -> String {
     ch
 }
 
+/// A paused channel that serves tenant `a` alone, with a secret header (`SECRET-A`), and a
+/// paused channel that serves everyone.
+fn channels_of_a_and_everyone(su: &mut Client, a: &str) -> (String, String) {
+    let only_a = paused_channel(
+        su,
+        &format!(r#"{{"tenants": ["{a}"], "headers": {{"Authorization": "Bearer SECRET-A"}}}}"#),
+    );
+    (only_a, paused_channel(su, "{}"))
+}
+
 #[test]
 fn a_tenant_a_channel_does_not_list_may_not_enqueue_on_it() {
     let cluster = Cluster::from_env();
@@ -147,11 +157,7 @@ fn a_writer_sees_only_the_channels_that_serve_its_tenant() {
     let cluster = Cluster::from_env();
     let mut su = cluster.connect();
     let (a, b) = (unique("cta"), unique("ctb"));
-    let only_a = paused_channel(
-        &mut su,
-        &format!(r#"{{"tenants": ["{a}"], "headers": {{"Authorization": "Bearer SECRET-A"}}}}"#),
-    );
-    let everyone = paused_channel(&mut su, "{}");
+    let (only_a, everyone) = channels_of_a_and_everyone(&mut su, &a);
     let (writer_a, writer_b) = (Writer::new(&cluster, &a), Writer::new(&cluster, &b));
     let visible = |c: &mut Client, ch: &str| -> bool {
         c.query_one(
@@ -201,11 +207,7 @@ fn an_operator_reads_the_log_of_the_channels_that_serve_its_tenant() {
     let cluster = Cluster::from_env();
     let mut su = cluster.connect();
     let (a, b) = (unique("cta"), unique("ctb"));
-    let only_a = paused_channel(
-        &mut su,
-        &format!(r#"{{"tenants": ["{a}"], "headers": {{"Authorization": "Bearer SECRET-A"}}}}"#),
-    );
-    let everyone = paused_channel(&mut su, "{}");
+    let (only_a, everyone) = channels_of_a_and_everyone(&mut su, &a);
     let operator_a = Writer::in_role(&cluster, &a, "outbox_operator");
     let operator_b = Writer::in_role(&cluster, &b, "outbox_operator");
     let rows = |c: &mut Client, ch: &str| -> i64 {

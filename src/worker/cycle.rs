@@ -634,9 +634,10 @@ impl Worker {
         if !self.index.is_multiple_of(gucs::workers().max(1)) {
             return;
         }
-        let began = self.started.elapsed().as_millis() as i64;
+        let clock = || self.started.elapsed().as_millis() as i64;
+        let began = clock();
         loop {
-            let now = self.started.elapsed().as_millis() as i64;
+            let now = clock();
             let Some(step) = self.key_holds.due(now) else {
                 return;
             };
@@ -666,8 +667,7 @@ impl Worker {
                     self.index
                 );
             }
-            let now = self.started.elapsed().as_millis() as i64;
-            if !self.key_holds.in_burst(now - began) || super::stop_requested() {
+            if !self.key_holds.in_burst(clock() - began) || super::stop_requested() {
                 return;
             }
         }

@@ -330,6 +330,13 @@ fn commits(c: &mut postgres::Client) -> i64 {
     .get(0)
 }
 
+/// The transactions the database committed during `span`, counted from here.
+fn commits_within(c: &mut Client, span: Duration) -> i64 {
+    let before = commits(c);
+    std::thread::sleep(span);
+    commits(c) - before
+}
+
 #[test]
 fn an_ordering_key_behind_an_uncertain_message_leaves_the_workers_asleep() {
     let (cluster, mut c, sim) = cluster_and_sim();
@@ -380,9 +387,7 @@ fn an_ordering_key_behind_an_uncertain_message_leaves_the_workers_asleep() {
     )
     .unwrap();
     std::thread::sleep(Duration::from_millis(1500));
-    let before = commits(&mut c);
-    std::thread::sleep(Duration::from_secs(3));
-    let during = commits(&mut c) - before;
+    let during = commits_within(&mut c, Duration::from_secs(3));
     assert!(
         during < 300,
         "{during} transactions in 3 s while the only due message waits for its ordering key"
@@ -409,9 +414,7 @@ fn an_ordering_key_behind_an_uncertain_message_leaves_the_workers_asleep() {
         ),
         "the message behind the uncertain one was not held"
     );
-    let before = commits(&mut c);
-    std::thread::sleep(Duration::from_secs(3));
-    let during = commits(&mut c) - before;
+    let during = commits_within(&mut c, Duration::from_secs(3));
     assert!(
         during < 300,
         "{during} transactions in 3 s while the only due message is held behind its ordering key"

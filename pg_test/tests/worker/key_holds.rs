@@ -14,6 +14,23 @@ fn held(c: &mut Client, ch: &str) -> i64 {
     count(c, HELD, &[&ch])
 }
 
+/// Waits until `n` messages of channel `ch` are in the ledger.
+fn wait_drained(cluster: &Cluster, c: &mut Client, sim: &Simulator, ch: &str, n: i64) {
+    assert!(
+        wait_for_count(
+            cluster,
+            SETTLE,
+            "SELECT count(*) FROM outbox.ledger l JOIN outbox.messages m ON m.id = l.message_id
+              WHERE m.channel = $1",
+            &[&ch],
+            |got| got == n
+        ),
+        "the held queue did not drain: {} held, {} sent",
+        held(c, ch),
+        sim.send_count(ch)
+    );
+}
+
 /// The `seq` of each request the provider stored, in the order it stored them.
 fn stored_seqs(sim: &Simulator, ch: &str) -> Vec<i64> {
     sim.stored(ch)
@@ -107,19 +124,7 @@ fn a_queue_behind_a_key_is_held_counted_and_released_in_order() {
         &[&first],
     );
     assert_eq!(after, "cancelled");
-    assert!(
-        wait_for_count(
-            &cluster,
-            SETTLE,
-            "SELECT count(*) FROM outbox.ledger l JOIN outbox.messages m ON m.id = l.message_id
-              WHERE m.channel = $1",
-            &[&ch],
-            |n| n == WAITING + 1
-        ),
-        "the held queue did not drain: {} held, {} sent",
-        held(&mut c, &ch),
-        sim.send_count(&ch)
-    );
+    wait_drained(&cluster, &mut c, &sim, &ch, WAITING + 1);
     let mut expected = vec![-5];
     expected.extend(1..=WAITING);
     assert_eq!(stored_seqs(&sim, &ch), expected, "order at the provider");
@@ -225,19 +230,7 @@ fn a_queue_behind_an_uncertain_message_is_held_whole() {
         &[&first],
     );
     assert_eq!(after, "delivered");
-    assert!(
-        wait_for_count(
-            &cluster,
-            SETTLE,
-            "SELECT count(*) FROM outbox.ledger l JOIN outbox.messages m ON m.id = l.message_id
-              WHERE m.channel = $1",
-            &[&ch],
-            |n| n == WAITING + 1
-        ),
-        "the held queue did not drain: {} held, {} sent",
-        held(&mut c, &ch),
-        sim.send_count(&ch)
-    );
+    wait_drained(&cluster, &mut c, &sim, &ch, WAITING + 1);
     let expected: Vec<i64> = (0..=WAITING).collect();
     assert_eq!(stored_seqs(&sim, &ch), expected, "order at the provider");
     assert_eq!(sim.send_count(&ch), WAITING as usize + 1, "one send each");
