@@ -194,9 +194,10 @@ kill $SINK_PID 2>/dev/null || true
 
 # 4. Delivery throughput and latency ------------------------------------------------------
 #    1,000 idle samples and 500 under load: a p99 of 200 samples is their second slowest,
-#    of 100 their slowest.
+#    of 100 their slowest. Then 200 idle samples 300 ms apart, as an application that
+#    commits now and then finds the workers (about a minute).
 "$BIN/bench" --sim-port "${BENCH_SIM_PORT:-0}" --backlog "$BACKLOG" --large-backlog "$LARGE_BACKLOG" --latency-samples 1000 \
-  --steady-seconds "${BENCH_STEADY_SECONDS:-120}" | tee "$WORK/delivery.out"
+  --rested-samples 200 --rested-ms 300 --steady-seconds "${BENCH_STEADY_SECONDS:-120}" | tee "$WORK/delivery.out"
 
 claim_only_round "after the deliveries"
 

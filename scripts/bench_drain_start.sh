@@ -2,11 +2,13 @@
 # Where the first milliseconds of a short drain go, on a channel new to the workers (its
 # connections still to be opened, as each drain of scripts/bench.sh is) and on the same
 # channel drained again right after (its connections open): when the first claim took
-# messages, when the first record committed, when 1,000 were delivered, and the drain's
-# rate. The drain is watched from the server by a loop that looks every 2 ms (the channel's
-# counter and the claims in flight), on the server's clock from just before the resume's
-# call; that loop shares the cores with the drain, and its rates run a little below
-# bench.sh's. Figures only; nothing is asserted. Runs on a throwaway cluster (port 54849).
+# messages, when the first record began, when the record of the 1,000th message began,
+# and the drain's rate to the start of its last record. Every time is the server's own,
+# from the resume's transaction (its `outbox.operator_log` row): the claims' times as the
+# ledger keeps them (`attempt_started_at`) and the records' (`recorded_at`, when each
+# record's transaction began), so nothing looks at the drain while it starts; a look
+# every 20 ms waits for its end. Figures only; nothing is asserted. Runs on a throwaway
+# cluster (port 54849).
 # Usage: scripts/bench_drain_start.sh [backlog = 10000] [rounds = 3]
 #   OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200)
 source "$(dirname "$0")/lib.sh"
@@ -26,7 +28,7 @@ fresh_cluster >/dev/null
 workers_ready
 
 # One drain of channel $1, its backlog loaded and settled first (as bench.sh does); prints
-# "first claim, first record, 1,000 delivered (ms after the resume's call), msg/s".
+# "first claim | first record | the 1,000th message's record (ms after the resume) | msg/s".
 drain() {
   local ch=$1 before
   psql -c "SELECT outbox.pause_channel('$ch', 'loading the backlog')" >/dev/null
@@ -34,37 +36,36 @@ drain() {
                                        '$ch:' || g || ':' || clock_timestamp()::text))
              FROM generate_series(1, $N) g" >/dev/null
   psql -c "VACUUM ANALYZE outbox._messages" -c "CHECKPOINT" >/dev/null
-  before=$(psql -c "SELECT coalesce((SELECT s.delivered_total FROM outbox._channel_stats s
-                      JOIN outbox._channels c ON c.id = s.channel_id WHERE c.name = '$ch'), 0)")
-  # One session: the resume (committed by itself, so that it wakes the workers), then the
-  # looks, each statement of the loop under a snapshot of its own.
-  psql -F ' ' -c "CREATE TEMP TABLE looks (ms float8, delivered bigint, first_claim_ms float8)" \
-    -c "CREATE TEMP TABLE resumed AS SELECT clock_timestamp() AS at" \
-    -c "SELECT outbox.resume_channel('$ch')" -c "
-      DO \$\$
-      DECLARE t0 timestamptz := (SELECT at FROM resumed); d bigint;
-      BEGIN
-        LOOP
-          d := coalesce((SELECT s.delivered_total FROM outbox._channel_stats s
-                          JOIN outbox._channels c ON c.id = s.channel_id WHERE c.name = '$ch'), 0) - $before;
-          INSERT INTO looks
-          SELECT extract(epoch FROM clock_timestamp() - t0) * 1000, d,
-                 (SELECT extract(epoch FROM min(w.started_at) - t0) * 1000 FROM outbox._claims w
-                   JOIN outbox._channels c ON c.id = w.channel_id WHERE c.name = '$ch');
-          EXIT WHEN d >= $N;
-          PERFORM pg_sleep(0.002);
+  # The ledger entries of this drain: its messages' ids come after every earlier one's.
+  before=$(psql -c "SELECT coalesce(max(message_id), 0) FROM outbox._ledger")
+  psql -c "SELECT outbox.resume_channel('$ch')" -c "
+      DO \$\$ BEGIN
+        FOR i IN 1 .. 3000 LOOP
+          EXIT WHEN NOT EXISTS (SELECT 1 FROM outbox._messages m JOIN outbox._channels c ON c.id = m.channel_id
+                                 WHERE c.name = '$ch' AND m.state IN ('queued', 'sending'));
+          PERFORM pg_sleep(0.02);
         END LOOP;
       END \$\$" -c "
-      SELECT round(min(first_claim_ms)::numeric, 1), round(min(ms) FILTER (WHERE delivered > 0)::numeric, 1),
-             round(min(ms) FILTER (WHERE delivered >= least(1000, $N))::numeric, 1),
-             round($N / (max(ms) / 1000))
-        FROM looks"
+      WITH resumed AS (
+          SELECT max(o.at) AS at FROM outbox._operator_log o
+           WHERE o.action = 'resume_channel' AND o.channel = '$ch'
+      ), moved AS (
+          SELECT l.attempt_started_at, l.recorded_at,
+                 row_number() OVER (ORDER BY l.recorded_at) AS nth
+            FROM outbox._ledger l JOIN outbox._channels c ON c.id = l.channel_id
+           WHERE c.name = '$ch' AND l.message_id > $before
+      )
+      SELECT round(extract(epoch FROM min(m.attempt_started_at) - r.at)::numeric * 1000, 1),
+             round(extract(epoch FROM min(m.recorded_at) - r.at)::numeric * 1000, 1),
+             round(extract(epoch FROM min(m.recorded_at) FILTER (WHERE m.nth = least(1000, $N)) - r.at)::numeric * 1000, 1),
+             round(count(*) / extract(epoch FROM max(m.recorded_at) - r.at)::numeric)
+        FROM moved m, resumed r GROUP BY r.at"
 }
 
-echo "drain of $N: first claim ms | first record ms | 1,000 delivered ms | msg/s"
+echo "drain of $N: first claim | first record | the 1,000th message's record (ms after the resume) | msg/s to the last record"
 for r in $(seq 1 "$ROUNDS"); do
   ch="start_$r"
   psql -c "SELECT outbox.create_channel('$ch', 'http://127.0.0.1:$SINK_PORT/ch/$ch', '{\"max_in_flight\": 512, \"max_unverifiable_in_flight\": 512, \"external_id\": \"/id\"}'::jsonb)" >/dev/null 2>&1
-  echo "round $r, a new channel:     $(drain "$ch" | tail -n1 | tr ' ' '|' | sed 's/|/ | /g')"
-  echo "round $r, the same again:    $(drain "$ch" | tail -n1 | tr ' ' '|' | sed 's/|/ | /g')"
+  echo "round $r, a new channel:     $(drain "$ch" | tail -n1 | sed 's/|/ | /g')"
+  echo "round $r, the same again:    $(drain "$ch" | tail -n1 | sed 's/|/ | /g')"
 done

@@ -3,11 +3,14 @@
 //! lookup (`claim::claim_lookups`).
 //!
 //! Both statements find nothing almost always, and planning them took about 0.6 ms of
-//! every claim transaction: a quarter of the time from a COMMIT to its message's request
-//! when the worker is idle, and a cost paid again for every batch of a backlog. Their work
-//! is not urgent to the millisecond (a lease lasts `outbox.lease_ms`, a lookup waits for
-//! its backoff), so a worker sweeps at its first cycle, then at most every
-//! [`SWEEP_EVERY_MS`], and again at once while a sweep comes back full.
+//! every claim transaction they ran in: a quarter of the time from a COMMIT to its
+//! message's request when the worker is idle, and a cost paid again for every batch of a
+//! backlog. Their work is not urgent to the millisecond (a lease lasts `outbox.lease_ms`, a
+//! lookup waits for its backoff), so a worker sweeps at its first cycle, then at most every
+//! [`SWEEP_EVERY_MS`], and again at once while a sweep comes back full; and it sweeps in a
+//! transaction of its own after the cycle's claim has started its sends, so that a commit
+//! that wakes a worker idle for longer than that is not sent after a sweep
+//! (`cycle::Worker::sweep`).
 //!
 //! Pure bookkeeping on the worker's monotonic clock.
 

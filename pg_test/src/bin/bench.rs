@@ -4,7 +4,8 @@
 //! - latency from COMMIT of an enqueue to the request arriving at the sink, p50/p99,
 //!   idle and while a backlog is being delivered. An idle sample is committed
 //!   `--idle-rest-ms` (25) after the request of the one before arrived, a loaded one 5 ms
-//!   after it.
+//!   after it; with `--rested-samples N`, N idle samples more, each `--rested-ms` (300)
+//!   after the one before: a worker idle for longer than its periodic work's interval.
 //!
 //! Prints one `name value unit` line per figure. Never asserts anything.
 //!
@@ -40,7 +41,7 @@
 //! ```text
 //! bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--steady-rate 1000]
 //!       [--latency-samples 200]
-//!       [--idle-rest-ms 25]
+//!       [--idle-rest-ms 25] [--rested-samples 0 --rested-ms 300]
 //!       [--price-of-safety 0] [--several-databases 0] [--webhooks 0]
 //!       [--kinds 0 --nats-url URL --nats-pid PID --costs-json PATH]
 //!       [--anchors 0 --handwritten-loops 1,2] [--sim-port 0]
@@ -936,6 +937,15 @@ fn main() {
         "disk_flush_after_rest_p50 {f50:.2} ms (8 kB + fdatasync every {} ms; p90 {f90:.2} ms, p99 {f99:.2} ms)",
         idle_rest.as_millis()
     );
+    // An application that commits a message now and then: the workers have been idle for
+    // longer than the interval of their periodic work (a sweep every 250 ms) when the
+    // commit wakes them. The lines `latency_idle_after_{R}ms_p50` and so on.
+    let rested_samples = arg("--rested-samples", 0);
+    if rested_samples > 0 {
+        let rest = Duration::from_millis(arg("--rested-ms", 300) as u64);
+        latency(&cluster, &sim, rested_samples, rest)
+            .print(&format!("idle_after_{}ms", rest.as_millis()));
+    }
 
     let small = small_drains(&cluster, &sim, backlog, "");
 
