@@ -12,6 +12,8 @@
 # Usage: scripts/bench_drain_start.sh [backlog = 10000] [rounds = 3]
 #   OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200)
 source "$(dirname "$0")/lib.sh"
+# A statement that fails inside `$(drain …)` stops the script, not only the substitution.
+shopt -s inherit_errexit
 N=${1:-10000}
 ROUNDS=${2:-3}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_drain_start}
@@ -41,10 +43,13 @@ drain() {
   psql -c "SELECT outbox.resume_channel('$ch')" -c "
       DO \$\$ BEGIN
         FOR i IN 1 .. 3000 LOOP
-          EXIT WHEN NOT EXISTS (SELECT 1 FROM outbox._messages m JOIN outbox._channels c ON c.id = m.channel_id
-                                 WHERE c.name = '$ch' AND m.state IN ('queued', 'sending'));
+          IF NOT EXISTS (SELECT 1 FROM outbox._messages m JOIN outbox._channels c ON c.id = m.channel_id
+                          WHERE c.name = '$ch' AND m.state = 'queued') THEN
+            RETURN;
+          END IF;
           PERFORM pg_sleep(0.02);
         END LOOP;
+        RAISE EXCEPTION 'the drain of $ch did not end within 60 s';
       END \$\$" -c "
       WITH resumed AS (
           SELECT max(o.at) AS at FROM outbox._operator_log o

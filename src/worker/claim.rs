@@ -104,8 +104,8 @@ WITH flying AS MATERIALIZED (
      LIMIT $1
 ), claimed AS (
     -- An attempt starts when it is claimed, not when the claim's transaction began: the
-    -- sweep and the wait for the claim lock come first, and an attempt of another worker
-    -- may be recorded in between.
+    -- wait for the claim lock comes first, and an attempt of another worker may be
+    -- recorded in between.
     INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
     SELECT due.channel_id, $3, $4, now() + $2 * interval '1 millisecond', pg_catalog.clock_timestamp(),
            array_agg(due.id ORDER BY due.id)

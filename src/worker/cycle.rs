@@ -125,8 +125,8 @@ pub struct Worker {
     /// Whether the next cycle claims: more may be due (the last claim was full, a record
     /// freed room, a commit woke the worker).
     claim_wanted: bool,
-    /// After an empty claim with batches still under way: when to claim again unwoken (the
-    /// next message is due, or the sweep is), as an idle worker would.
+    /// With batches under way: when to claim again unwoken, as an idle worker would (the
+    /// next message is due, or at once when a sweep took attempts back or ran lookups).
     claim_at: Option<Instant>,
     /// What the sends ring when a batch's first and last answers arrive.
     bell: Arc<Bell>,
@@ -198,12 +198,18 @@ impl Worker {
         self.flights.iter().map(Flight::outstanding).sum()
     }
 
-    /// One cycle: claim when there is room for a batch and more may be due, then wait for
-    /// what the batches under way come to and record it (`flight`).
+    /// One cycle: claim when there is room for a batch and more may be due, and sweep when
+    /// a sweep is due (`sweep`), then wait for what the batches under way come to and
+    /// record it (`flight`).
     pub fn run_once(&mut self) -> CycleReport {
         let fault = gucs::fault_injection();
         let batch_size = gucs::batch_size();
         let mut next_due = None;
+        // The first cycle sweeps before it claims: it takes back the attempts its slot left
+        // open before it started, and no commit is waiting for it.
+        if self.first_cycle {
+            self.sweep();
+        }
         // With no batch under way the worker was idle until now: it claims.
         if (self.claim_wanted || self.flights.is_empty())
             && flight::may_claim(self.outstanding(), batch_size)
@@ -465,11 +471,13 @@ impl Worker {
 
     /// When a sweep is due (`sweep`): the attempts whose lease ran out, taken back, and the
     /// `uncertain` messages due for a lookup, claimed, in a transaction of its own; then
-    /// those lookups. It runs after the claim's sends are under way, not before the claim:
-    /// a worker that a commit woke sends first. (In the claim's transaction, a sweep came
-    /// due at every wake of a worker idle for 250 ms or more, and took about 1.8 ms of the
-    /// COMMIT → request of one message; BENCHMARKS.md.) Returns whether it took attempts
-    /// back or ran lookups, after which more may be due.
+    /// those lookups. After the first cycle it runs once the claim's sends are under way,
+    /// not before the claim: a worker that a commit woke sends first. (In the claim's
+    /// transaction, a sweep came due at every wake of a worker idle for 250 ms or more, and
+    /// took about 1.8 ms of the COMMIT → request of one message; BENCHMARKS.md.) Its
+    /// statements run in a subtransaction: one that fails is logged and tried again at the
+    /// next sweep, and the batches under way are still recorded. Returns whether it took
+    /// attempts back or ran lookups, after which more may be due.
     fn sweep(&mut self) -> bool {
         let sweep_at = self.started.elapsed().as_millis() as i64;
         if !self.sweeps.due(sweep_at) {
@@ -478,26 +486,38 @@ impl Worker {
         let (index, pid, role) = (self.index, self.pid, self.role);
         let include_own_slot = std::mem::replace(&mut self.first_cycle, false);
         let jitter = &mut self.jitter;
-        let (channels, lost, lookups) = identity::transaction(
+        let swept = identity::transaction(
             role,
             AssertUnwindSafe(|| {
-                Spi::connect_mut(|client| -> SpiResult<(Channels, usize, Vec<LookupJob>)> {
-                    let channels = Channels::load(client)?;
-                    let lease_ms = lease::lease_ms(gucs::lease_ms(), channels.longest_attempt_ms());
-                    let lost = recover_lost_leases(
-                        client,
-                        &channels,
-                        jitter,
-                        include_own_slot,
-                        index,
-                        pid,
-                    )?;
-                    let lookups = claim::claim_lookups(client, LOOKUPS_PER_SWEEP, lease_ms)?;
-                    Ok((channels, lost, lookups))
+                crate::spi::subtransaction(|| {
+                    Spi::connect_mut(|client| -> SpiResult<(Channels, usize, Vec<LookupJob>)> {
+                        let channels = Channels::load(client)?;
+                        let lease_ms =
+                            lease::lease_ms(gucs::lease_ms(), channels.longest_attempt_ms());
+                        let lost = recover_lost_leases(
+                            client,
+                            &channels,
+                            jitter,
+                            include_own_slot,
+                            index,
+                            pid,
+                        )?;
+                        let lookups = claim::claim_lookups(client, LOOKUPS_PER_SWEEP, lease_ms)?;
+                        Ok((channels, lost, lookups))
+                    })
                 })
-                .unwrap_or_else(|e| panic!("outbox_delivery worker: sweep failed: {e}"))
             }),
         );
+        let (channels, lost, lookups) = match swept {
+            Ok(swept) => swept,
+            Err((sqlstate, message)) => {
+                warning!(
+                    "outbox_delivery worker {index}: the sweep for lost leases and due lookups failed ({sqlstate}: {message}); it is tried again at the next sweep"
+                );
+                self.sweeps.swept(sweep_at, false);
+                return false;
+            }
+        };
         let more = lost as i64 >= RECOVER_PER_SWEEP || lookups.len() as i32 >= LOOKUPS_PER_SWEEP;
         self.sweeps.swept(sweep_at, more);
         let found = lost > 0 || !lookups.is_empty();
