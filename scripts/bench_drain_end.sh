@@ -18,12 +18,8 @@ export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
 export OUTBOX_EXTRA_CONF="outbox.batch_size = ${BATCH:-200}"
 SINK_PORT=${SINK_PORT:-18807}
 
-bash scripts/setup.sh >/dev/null
-bash scripts/cluster.sh install >/dev/null
-start_quiet_sink "$SINK_PORT"
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
-fresh_cluster >/dev/null
-workers_ready
+start_drain_bench "$SINK_PORT"
 
 echo "drain of $N: msg/s to the poll that saw its end | to its last record | the poll's wait (ms)"
 polled="" recorded="" waits=""

@@ -22,12 +22,8 @@ export OUTBOX_WORKERS=${OUTBOX_WORKERS:-2}
 export OUTBOX_EXTRA_CONF="outbox.batch_size = ${BATCH:-200}"
 SINK_PORT=${SINK_PORT:-18808}
 
-bash scripts/setup.sh >/dev/null
-bash scripts/cluster.sh install >/dev/null
-start_quiet_sink "$SINK_PORT"
 psql() { bash scripts/cluster.sh psql -qAt "$@"; }
-fresh_cluster >/dev/null
-workers_ready
+start_drain_bench "$SINK_PORT"
 
 # One drain of channel $1, its backlog loaded and settled first (as bench.sh does); prints
 # "first claim | first record | the 1,000th message's record (ms after the resume) | msg/s".

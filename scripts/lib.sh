@@ -71,6 +71,17 @@ start_quiet_sink() {
   trap 'bash scripts/cluster.sh stop immediate >/dev/null 2>&1 || true; kill $SINK_PID 2>/dev/null || true' EXIT
 }
 
+# The start of a drain benchmark on a throwaway cluster of its own: the machine set up, the
+# tree's build installed, the quiet simulator on port $1 (start_quiet_sink), then a fresh
+# cluster whose workers serve its database.
+start_drain_bench() {
+  bash scripts/setup.sh >/dev/null
+  bash scripts/cluster.sh install >/dev/null
+  start_quiet_sink "$1"
+  fresh_cluster >/dev/null
+  workers_ready
+}
+
 # SQL for the content of a larger payload of about $2 bytes, for row `g` of a
 # generate_series: with $1 `hex`, hexadecimal digits, which compress little (a token, an
 # encrypted or encoded attachment); with `json`, an array of small objects, which compress
