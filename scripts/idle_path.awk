@@ -44,7 +44,8 @@ tid != pid {
   if (ev == "epoll_woke" && pending[pid] && handed[pid] > commit_ret[pid] && thread_woke[pid] < handed[pid]) {
     thread_woke[pid] = t
   }
-  if (ev == "writev" && pending[pid]) {
+  # The request: one write of an `http://` channel's own connections, a writev of reqwest's.
+  if ((ev == "write" || ev == "writev") && pending[pid]) {
     line[pid] = pending_line[pid]
     step(pid, "commit returned -> sends handed over", handed[pid] - commit_ret[pid])
     step(pid, "handed over -> send thread awake", thread_woke[pid] - handed[pid])

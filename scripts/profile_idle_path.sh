@@ -12,7 +12,7 @@
 #   - the commit and the WAL flush in it;
 #   - from the commit's return to the sends' hand-over to the send thread (the worker's
 #     write to the thread's eventfd), from there to the send thread's wake (its return from
-#     epoll_wait), and to the request's write (its writev).
+#     epoll_wait), and to the request's write (`write`, or `writev` through reqwest).
 # Medians and 90th percentiles over the claims seen, then the same steps of the record
 # transaction that follows. Figures only; nothing is asserted. Runs on a throwaway cluster
 # (port 54824); needs root, and perf (Debian's linux-perf, installed here when missing).
@@ -60,9 +60,11 @@ for f in WaitEventSetWait%return StartTransactionCommand CommitTransactionComman
   perf probe -q -x "$PGBIN/postgres" -a "$GROUP:$name=$f" >/dev/null
 done
 # The claim's own function marks a claim transaction: a probe on the extension's symbol,
-# placed by its offset in the file (perf cannot parse a Rust name).
+# placed by its offset in the file (perf cannot parse a Rust name). `claim_due` may be
+# inlined into its caller; `claim_from`, which it calls, then stands for it.
 LIB=$("$PGBIN/pg_config" --pkglibdir)/outbox_delivery.so
-ADDR=$(nm "$LIB" | awk '/claim9claim_due17h/ && !found {print $1; found = 1}')
+ADDR=$(nm "$LIB" | awk '/ t .*worker5claim(9claim_due|10claim_from)17h/ && !found {print $1; found = 1}')
+[ -n "$ADDR" ] || { echo "no claim function found in $LIB to probe" >&2; exit 2; }
 read -r SEG_OFF SEG_VADDR < <(readelf -lW "$LIB" | awk '$1 == "LOAD" && /R E/ && !found {print $2, $3; found = 1}')
 perf probe -q -x "$LIB" -a "$GROUP:claim_due=$(printf '0x%x' $((16#$ADDR - SEG_VADDR + SEG_OFF)))" >/dev/null
 
