@@ -1,8 +1,9 @@
 //! One worker cycle, in named phases: claim (one transaction); sort and start the sends with
-//! no transaction open (`send`); sweep for lost leases and due lookups (at most every 250 ms,
-//! see `sweep`; one transaction) and run the lookups; then wait for what the batches under
-//! way come to, and run the `sql` effects and record every outcome that arrived (one
-//! transaction). Up to [`flight::FLIGHTS`] batches are under way at once (`flight`).
+//! no transaction open (`send`); wait for what the batches under way come to, and run the
+//! `sql` effects and record every outcome that arrived (one transaction). A sweep for lost
+//! leases and due lookups (at most every 250 ms, see `sweep`; one transaction, then the
+//! lookups) runs beside the sends of a busy worker's claim, and after the record of a
+//! worker that was idle. Up to [`flight::FLIGHTS`] batches are under way at once (`flight`).
 
 use super::claim::{self, Channels, Job, LookupJob, NextDue};
 use super::claim_cursor::ClaimCursors;
@@ -198,9 +199,10 @@ impl Worker {
         self.flights.iter().map(Flight::outstanding).sum()
     }
 
-    /// One cycle: claim when there is room for a batch and more may be due, and sweep when
-    /// a sweep is due (`sweep`), then wait for what the batches under way come to and
-    /// record it (`flight`).
+    /// One cycle: claim when there is room for a batch and more may be due, wait for what
+    /// the batches under way come to and record it (`flight`), and sweep when a sweep is
+    /// due (`sweep`): beside the sends of a busy worker's claim, after the record of an
+    /// idle one's.
     pub fn run_once(&mut self) -> CycleReport {
         let fault = gucs::fault_injection();
         let batch_size = gucs::batch_size();
@@ -208,36 +210,48 @@ impl Worker {
         // The first cycle sweeps before it claims: it takes back the attempts its slot left
         // open before it started, and no commit is waiting for it.
         if self.first_cycle {
-            self.sweep();
+            self.sweep_and_claim_again();
         }
         // With no batch under way the worker was idle until now: it claims.
-        if (self.claim_wanted || self.flights.is_empty())
-            && flight::may_claim(self.outstanding(), batch_size)
-        {
+        let idle = self.flights.is_empty();
+        if (self.claim_wanted || idle) && flight::may_claim(self.outstanding(), batch_size) {
             next_due = self.claim_and_send(batch_size, fault);
             // With batches under way, the claim after one that took all it could comes
             // when an idle worker's would: at the next due time, within the poll interval.
             let (wait, _) = super::idle_wait(next_due, now_ms(), gucs::poll_interval());
             self.claim_at = Some(Instant::now() + wait);
-            if self.sweep() {
-                // Attempts taken back may be due at once: the worker claims again without
-                // sleeping, and beside its batches under way without waiting for them.
-                self.claim_wanted = true;
-                self.claim_at = Some(Instant::now());
+            // A busy worker sweeps beside the sends it has just started, off the path from
+            // its record to its next claim.
+            if !idle {
+                self.sweep_and_claim_again();
             }
         }
+        if !self.flights.is_empty() && self.wait_for_arrivals(batch_size) {
+            self.land(fault);
+        }
+        // A worker that was idle sweeps last: a sweep run right after its claim held the
+        // core that its send thread, woken by the claim, was to write the requests on
+        // (BENCHMARKS.md). A busy worker that did not claim sweeps here too.
+        self.sweep_and_claim_again();
         if self.flights.is_empty() {
             return CycleReport {
                 busy: self.claim_wanted,
                 next_due,
             };
         }
-        if self.wait_for_arrivals(batch_size) {
-            self.land(fault);
-        }
         CycleReport {
             busy: true,
             next_due: None,
+        }
+    }
+
+    /// Sweeps when a sweep is due (`sweep`). Attempts taken back may be due at once: then
+    /// the worker claims again without sleeping, and beside its batches under way without
+    /// waiting for them.
+    fn sweep_and_claim_again(&mut self) {
+        if self.sweep() {
+            self.claim_wanted = true;
+            self.claim_at = Some(Instant::now());
         }
     }
 
@@ -471,10 +485,13 @@ impl Worker {
 
     /// When a sweep is due (`sweep`): the attempts whose lease ran out, taken back, and the
     /// `uncertain` messages due for a lookup, claimed, in a transaction of its own; then
-    /// those lookups. After the first cycle it runs once the claim's sends are under way,
-    /// not before the claim: a worker that a commit woke sends first. (In the claim's
+    /// those lookups. After the first cycle it never runs before the claim, and a worker
+    /// that was idle runs it at the end of the cycle, once what arrived is recorded: a
+    /// worker that a commit woke sends first, and its send thread, woken onto the worker's
+    /// core, writes the requests before the sweep holds that core. (In the claim's
     /// transaction, a sweep came due at every wake of a worker idle for 250 ms or more, and
-    /// took about 1.8 ms of the COMMIT → request of one message; BENCHMARKS.md.) Its
+    /// took about 1.8 ms of the COMMIT → request of one message; right after the claim, the
+    /// send thread waited for it; BENCHMARKS.md.) Its
     /// statements run in a subtransaction: one that fails is logged and tried again at the
     /// next sweep, and the batches under way are still recorded. Returns whether it took
     /// attempts back or ran lookups, after which more may be due.

@@ -8,8 +8,9 @@
 //! backlog. Their work is not urgent to the millisecond (a lease lasts `outbox.lease_ms`, a
 //! lookup waits for its backoff), so a worker sweeps at its first cycle, then at most every
 //! [`SWEEP_EVERY_MS`], and again at once while a sweep comes back full; and it sweeps in a
-//! transaction of its own after the cycle's claim has started its sends, so that a commit
-//! that wakes a worker idle for longer than that is not sent after a sweep
+//! transaction of its own: a busy worker beside the sends its claim has just started, one
+//! that was idle at the end of its cycle, once the answers that arrived are recorded, so
+//! that a commit that wakes a worker idle for longer than that is not sent after a sweep
 //! (`cycle::Worker::sweep`).
 //!
 //! Pure bookkeeping on the worker's monotonic clock.
