@@ -28,7 +28,9 @@
 #   for what: a lock, the WAL's flush at a commit, a read), SYSCALLS=1 (the system calls of
 #   the workers, every thread, and of the simulator during the drain, a message each, from
 #   strace -c, which it needs: a drain traced so is several times slower, and its rate means
-#   nothing)
+#   nothing), SCHEDSTAT=1 (each thread of the workers and of the simulator: its time on a
+#   CPU and its time runnable but waiting for one, a message each, from the kernel's
+#   /proc/PID/task/TID/schedstat read before and after the drain)
 source "$(dirname "$0")/lib.sh"
 N=${1:-60000}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_profile}
@@ -73,6 +75,16 @@ sample_server_cpu() {
   done
 }
 process_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# One line per thread of the processes $@: pid, tid, name, ns on a CPU, ns runnable and
+# waiting for a CPU, time slices (schedstat).
+thread_schedstats() {
+  local p t
+  for p in "$@"; do
+    for t in /proc/"$p"/task/*; do
+      echo "$p ${t##*/} $(tr ' ' _ <"$t/comm") $(cat "$t/schedstat")"
+    done
+  done
+}
 # Every 5 s: seconds, messages delivered so far, the vacuums running, WAL bytes and full-page
 # images so far, checkpoints so far, the machine's CPU ticks (user nice system idle iowait
 # irq softirq steal) and the page cache's Dirty and Writeback kB.
@@ -182,6 +194,12 @@ for run in $(seq 1 "${RUNS:-1}"); do
     strace -c -f -p "$SINK_PID" -o "$OUTBOX_BASE/strace.sink" 2>/dev/null & STRACES="$STRACES $!"
     sleep 1
   fi
+  if [ -n "${SCHEDSTAT:-}" ]; then
+    workers_ready
+    # shellcheck disable=SC2046  # a list of pids
+    thread_schedstats $(psql -c "SELECT pid FROM pg_stat_activity WHERE backend_type LIKE 'outbox_delivery worker%'") \
+      $SINK_PID >"$OUTBOX_BASE/schedstat.0"
+  fi
   k0=$(process_ticks $SINK_PID)
   lsn0=$(psql -c "SELECT pg_current_wal_lsn()")
   t0=$(date +%s%N)
@@ -195,6 +213,10 @@ for run in $(seq 1 "${RUNS:-1}"); do
   fi
   while [ "$(psql -c "SELECT $DRAINING")" != f ]; do sleep 0.2; done
   t1=$(date +%s%N)
+  if [ -n "${SCHEDSTAT:-}" ]; then
+    # shellcheck disable=SC2046  # the threads read before the drain
+    thread_schedstats $(cut -d' ' -f1 "$OUTBOX_BASE/schedstat.0" | sort -u) >"$OUTBOX_BASE/schedstat.1"
+  fi
   k1=$(process_ticks $SINK_PID)
   kill $SAMPLER; wait $SAMPLER 2>/dev/null || true
   # Readings of the statements due after the drain ended are not taken.
@@ -238,6 +260,14 @@ for run in $(seq 1 "${RUNS:-1}"); do
     cat "$OUTBOX_BASE/waits.txt"
   fi
   if [ -n "${TIMELINE:-}" ]; then print_timeline "$OUTBOX_BASE/machine.samples"; fi
+  if [ -n "${SCHEDSTAT:-}" ]; then
+    echo "threads during the drain, a message each (schedstat): us on a CPU, us runnable and waiting for a CPU, time slices"
+    awk -v n="$N" 'NR == FNR { cpu[$2] = $4; wait[$2] = $5; slices[$2] = $6; next }
+                   ($2 in cpu) && ($4 - cpu[$2]) / n >= 100 {
+                     printf "  %-7s %-7s %-16s %6.1f %6.1f %8d\n", $1, $2, $3,
+                            ($4 - cpu[$2]) / n / 1e3, ($5 - wait[$2]) / n / 1e3, $6 - slices[$2] }' \
+      "$OUTBOX_BASE/schedstat.0" "$OUTBOX_BASE/schedstat.1"
+  fi
   if [ -n "$STRACES" ]; then
     echo "system calls a message, the workers (every thread) and the simulator (strace -c; calls, of which failed):"
     for who in worker sink; do
