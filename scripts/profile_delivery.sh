@@ -75,6 +75,8 @@ sample_server_cpu() {
   done
 }
 process_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# The pids of the workers' backends.
+worker_pids() { psql -c "SELECT pid FROM pg_stat_activity WHERE backend_type LIKE 'outbox_delivery worker%'"; }
 # One line per thread of the processes $@: pid, tid, name, ns on a CPU, ns runnable and
 # waiting for a CPU, time slices (schedstat).
 thread_schedstats() {
@@ -188,7 +190,7 @@ for run in $(seq 1 "${RUNS:-1}"); do
   if [ -n "${SYSCALLS:-}" ]; then
     rm -f "$OUTBOX_BASE"/strace.*
     workers_ready
-    for p in $(psql -c "SELECT pid FROM pg_stat_activity WHERE backend_type LIKE 'outbox_delivery worker%'"); do
+    for p in $(worker_pids); do
       strace -c -f -p "$p" -o "$OUTBOX_BASE/strace.worker.$p" 2>/dev/null & STRACES="$STRACES $!"
     done
     strace -c -f -p "$SINK_PID" -o "$OUTBOX_BASE/strace.sink" 2>/dev/null & STRACES="$STRACES $!"
@@ -197,8 +199,7 @@ for run in $(seq 1 "${RUNS:-1}"); do
   if [ -n "${SCHEDSTAT:-}" ]; then
     workers_ready
     # shellcheck disable=SC2046  # a list of pids
-    thread_schedstats $(psql -c "SELECT pid FROM pg_stat_activity WHERE backend_type LIKE 'outbox_delivery worker%'") \
-      $SINK_PID >"$OUTBOX_BASE/schedstat.0"
+    thread_schedstats $(worker_pids) $SINK_PID >"$OUTBOX_BASE/schedstat.0"
   fi
   k0=$(process_ticks $SINK_PID)
   lsn0=$(psql -c "SELECT pg_current_wal_lsn()")
@@ -262,6 +263,7 @@ for run in $(seq 1 "${RUNS:-1}"); do
   if [ -n "${TIMELINE:-}" ]; then print_timeline "$OUTBOX_BASE/machine.samples"; fi
   if [ -n "${SCHEDSTAT:-}" ]; then
     echo "threads during the drain, a message each (schedstat): us on a CPU, us runnable and waiting for a CPU, time slices"
+    # Threads that ran under 0.1 us a message (idle helpers) are left out.
     awk -v n="$N" 'NR == FNR { cpu[$2] = $4; wait[$2] = $5; slices[$2] = $6; next }
                    ($2 in cpu) && ($4 - cpu[$2]) / n >= 100 {
                      printf "  %-7s %-7s %-16s %6.1f %6.1f %8d\n", $1, $2, $3,

@@ -491,10 +491,10 @@ impl Worker {
     /// core, writes the requests before the sweep holds that core. (In the claim's
     /// transaction, a sweep came due at every wake of a worker idle for 250 ms or more, and
     /// took about 1.8 ms of the COMMIT → request of one message; right after the claim, the
-    /// send thread waited for it; BENCHMARKS.md.) Its
-    /// statements run in a subtransaction: one that fails is logged and tried again at the
-    /// next sweep, and the batches under way are still recorded. Returns whether it took
-    /// attempts back or ran lookups, after which more may be due.
+    /// send thread waited for it; BENCHMARKS.md.) Its statements run in a subtransaction:
+    /// one that fails is logged and tried again at the next sweep, and the batches under
+    /// way are still recorded. Returns whether it took attempts back or ran lookups, after
+    /// which more may be due.
     fn sweep(&mut self) -> bool {
         let sweep_at = self.started.elapsed().as_millis() as i64;
         if !self.sweeps.due(sweep_at) {
