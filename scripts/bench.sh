@@ -158,7 +158,12 @@ WITH c AS (SELECT id FROM public.plain_outbox WHERE channel_id = 1 AND state = '
             ORDER BY next_attempt_at, id LIMIT 100 FOR UPDATE SKIP LOCKED)
 UPDATE public.plain_outbox p SET state = 'delivered', updated_at = now() FROM c WHERE p.id = c.id;
 SQL
-# One round: prints "claim_only_loop_round N msg/s (WHEN)" and adds the rate to CLAIM_ROUNDS.
+# One round: prints "claim_only_loop_round N msg/s (WHEN)", with the WAL and full-page
+# images a message, and adds the rate to CLAIM_ROUNDS.
+# The load is checkpointed before the loop starts, as every drain it is compared with is
+# (the bench program's settle, the anchors): the load's WAL passes max_wal_size, and
+# without it the loop ran while the checkpoint that began wrote 12,000-25,000 buffers, its
+# rounds spread wider (BENCHMARKS.md, 2026-12-06, the loop after a checkpoint).
 CLAIM_ROUNDS=""
 claim_only_round() {
   psql >/dev/null <<SQL
@@ -166,12 +171,17 @@ TRUNCATE public.plain_outbox;
 INSERT INTO public.plain_outbox (tenant, channel_id, effect_key, payload, next_attempt_at)
 SELECT 'default', 1, 'k' || g, '{"text": "benchmark message"}', now() FROM generate_series(1, 2000000) g;
 VACUUM ANALYZE public.plain_outbox;
+CHECKPOINT;
 SQL
-  local rate
+  local rate lsn0 fpi0 wal
+  read -r lsn0 fpi0 <<<"$(psql -AtF' ' -c "SELECT pg_current_wal_lsn(), wal_fpi FROM pg_stat_wal")"
   rate=$(( $(pgb -c 1 -j 1 -T "$DURATION" -f "$WORK/claim.sql" | tps) * 100 ))
+  wal=$(psql -AtF' ' -c "SELECT round((pg_current_wal_lsn() - '$lsn0') / greatest($rate * $DURATION, 1)) || ' B,',
+                                round((wal_fpi - $fpi0)::numeric / greatest($rate * $DURATION, 1), 3)
+                           FROM pg_stat_wal")
   psql -c "TRUNCATE public.plain_outbox" >/dev/null
   CLAIM_ROUNDS="$CLAIM_ROUNDS $rate"
-  echo "claim_only_loop_round $rate msg/s ($1; plain SQL, 100 per claim, 1 connection, no HTTP)"
+  echo "claim_only_loop_round $rate msg/s ($1; plain SQL, 100 per claim, 1 connection, no HTTP; after a CHECKPOINT; WAL a message $wal full-page images)"
 }
 claim_only_round "before the deliveries"
 

@@ -25,6 +25,10 @@
 #   in_flight_history  the claim locks each message it takes and inserts a narrow row for it
 #                      into a table of attempts under way (message id, attempt, lease); the
 #                      record deletes that row and moves the message into the history
+#   append_only        the queue is never written after its enqueue (as PgQ's event tables):
+#                      batch rows without locks, a narrow ledger entry a message, the queue
+#                      emptied whole afterwards (untimed); its "left" counts the rows it
+#                      leaves for that emptying
 # Usage: scripts/bench_write_paths.sh [rounds = 3]   (DESIGNS="today history" picks designs)
 source "$(dirname "$0")/lib.sh"
 ROUNDS=${1:-3}
@@ -125,7 +129,7 @@ BEGIN
     SELECT g.id, g.tenant, g.channel_id, 'delivered', g.effect_key, g.ordering_key, g.payload, g.headers,
            g.not_before, g.next_attempt_at, g.attempts + 1, g.budget_base, g.budget_started_at,
            g.reconcile_attempts, NULL, NULL, coalesce(g.first_attempt_at, now()), NULL, NULL, 200,
-           'msg-' || g.id, g.owner, g.created_at, now(), now(), clock_timestamp(), 1
+           'msg-' || g.id, g.owner, g.created_at, now(), now(), clock_timestamp(), 1, false
       FROM gone g;
     DELETE FROM public.claim_batches WHERE id = b;
     COMMIT;
@@ -173,8 +177,37 @@ BEGIN
     SELECT g.id, g.tenant, g.channel_id, 'delivered', g.effect_key, g.ordering_key, g.payload, g.headers,
            g.not_before, g.next_attempt_at, g.attempt_sent, g.budget_base, g.budget_started_at,
            g.reconcile_attempts, NULL, NULL, coalesce(g.first_attempt_at, g.sent_at), NULL, NULL, 200,
-           'msg-' || g.id, g.owner, g.created_at, now(), now(), g.sent_at, g.sent_by
+           'msg-' || g.id, g.owner, g.created_at, now(), now(), g.sent_at, g.sent_by, false
       FROM gone g;
+    COMMIT;
+  END LOOP;
+END $$;
+-- A queue that is never written after its enqueue, as PgQ's event tables: the claim writes
+-- one row for its batch and locks nothing, the record writes a narrow ledger entry a message
+-- (its key, its id, the external id) and nothing else; which messages are delivered is read
+-- from the ledger, and retention empties the queue's table whole (here after the drain,
+-- untimed). What a delivery costs at the least, with no state kept per message.
+CREATE PROCEDURE public.drain_append_only(batches int) LANGUAGE plpgsql AS $$
+DECLARE ids int8[]; tenants text[]; keys text[]; b int8; ch int; pos int8 := 0;
+BEGIN
+  SELECT id INTO ch FROM outbox._channels WHERE name = 'proto';
+  FOR i IN 1..batches LOOP
+    WITH d AS (SELECT m.id, m.tenant, m.effect_key FROM outbox._messages m
+                WHERE m.channel_id = ch AND m.state = 'queued' AND NOT m.held_by_key AND m.id > pos
+                ORDER BY m.next_attempt_at, m.id LIMIT 200),
+         c AS (INSERT INTO public.claim_batches (channel_id, worker, lease_until, started_at, ids)
+               SELECT ch, 1, now() + interval '1 min', clock_timestamp(), array_agg(d.id ORDER BY d.id) FROM d
+               RETURNING id)
+    SELECT (SELECT c.id FROM c), array_agg(d.id ORDER BY d.id), array_agg(d.tenant ORDER BY d.id),
+           array_agg(d.effect_key ORDER BY d.id)
+      INTO b, ids, tenants, keys FROM d;
+    pos := ids[array_length(ids, 1)];
+    COMMIT;
+    INSERT INTO outbox._ledger (tenant, effect_key, message_id, external_id, recorded_by, generation)
+    SELECT u.tenant, u.effect_key, u.id, 'msg-' || u.id, 'worker', (SELECT outbox._ledger_current_generation())
+      FROM unnest(tenants, keys, ids) AS u(tenant, effect_key, id)
+    ON CONFLICT DO NOTHING;
+    DELETE FROM public.claim_batches WHERE id = b;
     COMMIT;
   END LOOP;
 END $$;
@@ -190,14 +223,14 @@ BEGIN
     SELECT g.id, g.tenant, g.channel_id, 'delivered', g.effect_key, g.ordering_key, g.payload, g.headers,
            g.not_before, g.next_attempt_at, g.attempts, g.budget_base, g.budget_started_at,
            g.reconcile_attempts, NULL, NULL, g.first_attempt_at, NULL, NULL, 200,
-           'msg-' || g.id, g.owner, g.created_at, now(), now(), g.attempt_started_at, g.attempt_pid
+           'msg-' || g.id, g.owner, g.created_at, now(), now(), g.attempt_started_at, g.attempt_pid, false
       FROM gone g;
     COMMIT;
   END LOOP;
 END $$;
 SQL
 for round in $(seq 1 "$ROUNDS"); do
-for design in ${DESIGNS:-today batch_row history batch_row_history batch_row_locked_history in_flight_history}; do
+for design in ${DESIGNS:-today batch_row history batch_row_history batch_row_locked_history in_flight_history append_only}; do
   P -c "SELECT count(outbox.enqueue('proto', jsonb_build_object('n', g, 'text', 'benchmark message'), 'p$round$design:' || g)) FROM generate_series(1, 20000) g" >/dev/null
   P -c "VACUUM ANALYZE outbox._messages" -c "VACUUM ANALYZE outbox._ledger" -c "CHECKPOINT" >/dev/null
   start=$(P -c "SELECT pg_current_wal_lsn()")
@@ -207,5 +240,7 @@ for design in ${DESIGNS:-today batch_row history batch_row_history batch_row_loc
   end=$(P -c "SELECT pg_current_wal_lsn()")
   left=$(P -c "SELECT count(*) FROM outbox._messages WHERE state IN ('queued','sending')")
   P -c "SELECT round(pg_wal_lsn_diff('$end', '$start') / 20000.0) || ' B a message, ' || round(20000 / ($t1 - $t0)) || ' msg/s (one connection, no HTTP), left $left'" | sed "s/^/round $round $design: /"
+  # The append-only queue leaves its rows as they were: its retention's TRUNCATE, untimed.
+  if [ "$design" = append_only ]; then P -c "TRUNCATE outbox._messages" >/dev/null; fi
 done
 done
