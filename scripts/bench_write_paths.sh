@@ -125,7 +125,12 @@ BEGIN
     pos := ids[array_length(ids, 1)];
     COMMIT;
     WITH gone AS (DELETE FROM outbox._messages m WHERE m.id = ANY (ids) RETURNING m.*)
-    INSERT INTO public.history
+    INSERT INTO public.history (id, tenant, channel_id, state, effect_key, ordering_key, payload, headers,
+                                not_before, next_attempt_at, attempts, budget_base, budget_started_at,
+                                reconcile_attempts, lease_until, lease_owner, first_attempt_at,
+                                last_error_class, last_error, last_http_status, external_id, owner,
+                                created_at, updated_at, delivered_at, attempt_started_at, attempt_pid,
+                                held_by_key)
     SELECT g.id, g.tenant, g.channel_id, 'delivered', g.effect_key, g.ordering_key, g.payload, g.headers,
            g.not_before, g.next_attempt_at, g.attempts + 1, g.budget_base, g.budget_started_at,
            g.reconcile_attempts, NULL, NULL, coalesce(g.first_attempt_at, now()), NULL, NULL, 200,
@@ -173,7 +178,12 @@ BEGIN
     WITH f AS (DELETE FROM public.in_flight f WHERE f.message_id = ANY (ids) RETURNING f.*),
          gone AS (DELETE FROM outbox._messages m USING f WHERE m.id = f.message_id
                   RETURNING m.*, f.attempt AS attempt_sent, f.started_at AS sent_at, f.pid AS sent_by)
-    INSERT INTO public.history
+    INSERT INTO public.history (id, tenant, channel_id, state, effect_key, ordering_key, payload, headers,
+                                not_before, next_attempt_at, attempts, budget_base, budget_started_at,
+                                reconcile_attempts, lease_until, lease_owner, first_attempt_at,
+                                last_error_class, last_error, last_http_status, external_id, owner,
+                                created_at, updated_at, delivered_at, attempt_started_at, attempt_pid,
+                                held_by_key)
     SELECT g.id, g.tenant, g.channel_id, 'delivered', g.effect_key, g.ordering_key, g.payload, g.headers,
            g.not_before, g.next_attempt_at, g.attempt_sent, g.budget_base, g.budget_started_at,
            g.reconcile_attempts, NULL, NULL, coalesce(g.first_attempt_at, g.sent_at), NULL, NULL, 200,
@@ -219,7 +229,12 @@ BEGIN
     ids := public.claim_sending();
     COMMIT;
     WITH gone AS (DELETE FROM outbox._messages m WHERE m.id = ANY (ids) RETURNING m.*)
-    INSERT INTO public.history
+    INSERT INTO public.history (id, tenant, channel_id, state, effect_key, ordering_key, payload, headers,
+                                not_before, next_attempt_at, attempts, budget_base, budget_started_at,
+                                reconcile_attempts, lease_until, lease_owner, first_attempt_at,
+                                last_error_class, last_error, last_http_status, external_id, owner,
+                                created_at, updated_at, delivered_at, attempt_started_at, attempt_pid,
+                                held_by_key)
     SELECT g.id, g.tenant, g.channel_id, 'delivered', g.effect_key, g.ordering_key, g.payload, g.headers,
            g.not_before, g.next_attempt_at, g.attempts, g.budget_base, g.budget_started_at,
            g.reconcile_attempts, NULL, NULL, g.first_attempt_at, NULL, NULL, 200,

@@ -74,7 +74,6 @@ sample_server_cpu() {
     sleep 1
   done
 }
-process_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 # The pids of the workers' backends.
 worker_pids() { psql -c "SELECT pid FROM pg_stat_activity WHERE backend_type LIKE 'outbox_delivery worker%'"; }
 # One line per thread of the processes $@: pid, tid, name, ns on a CPU, ns runnable and
