@@ -1029,7 +1029,9 @@ fn main() {
 
         // The small backlog again, on tables emptied as they were before it: the large
         // drain runs minutes after the first small drains, and this machine's pace drifts
-        // by a fifth over minutes. Its ratio is to the median of all six small drains.
+        // by a fifth over minutes. Its ratio is to the median of all six small drains; the
+        // ratios to the first three alone and to the three after it alone (the drains
+        // nearest to it in time) show how far the pace moved in between.
         cluster
             .connect()
             .batch_execute("TRUNCATE outbox._messages, outbox._attempts, outbox._ledger")
@@ -1043,9 +1045,10 @@ fn main() {
         all.sort_by(f64::total_cmp);
         let median = (all[2] + all[3]) / 2.0;
         println!(
-            "ratio_backlog_{large}_to_{backlog} {:.3} (to the median of the six small drains, {median:.0} msg/s; {:.3} to the first three alone)",
+            "ratio_backlog_{large}_to_{backlog} {:.3} (to the median of the six small drains, {median:.0} msg/s; {:.3} to the first three alone, {:.3} to the three after it alone)",
             drain.rate / median,
-            drain.rate / small[1]
+            drain.rate / small[1],
+            drain.rate / after[1]
         );
     } else {
         print_sizes(&cluster);
