@@ -76,6 +76,7 @@ fn one_batch(
             headers: None,
             payload: r#"{"to": "user-1", "text": "benchmark message"}"#,
             effect_key: &key,
+            fence: outbox_delivery::channels::fence::Fence::open(),
         };
         let send = channel
             .prepare(&message, allowed.clone())

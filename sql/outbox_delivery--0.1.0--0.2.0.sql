@@ -1200,3 +1200,13 @@ ALTER POLICY tenant_rows ON outbox._operator_log
 -- reader's own is evaluated only on the rows their filter lets through.
 ALTER VIEW outbox.channels SET (security_barrier = true);
 ALTER VIEW outbox._under_way SET (security_barrier = true);
+
+-- Whether the worker that made a claim is alive, stalled or gone, from its beat in shared
+-- memory (src/worker/liveness.rs): recovery takes back only what a dead or stalled worker
+-- held, never the attempts of one that is alive, however long they take.
+CREATE FUNCTION outbox._claim_holder(owner integer, pid integer, lease_ms double precision) RETURNS text
+VOLATILE STRICT PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', '_claim_holder_wrapper';
+REVOKE ALL ON FUNCTION outbox._claim_holder(integer, integer, double precision) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox._claim_holder(integer, integer, double precision) TO outbox_worker;

@@ -91,6 +91,8 @@ GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text), outbox._epoch_ms(tim
     TO outbox_worker;
 -- What is left of a claim once its recorded messages are taken out (src/worker/claim_release.rs).
 GRANT EXECUTE ON FUNCTION outbox._claim_ids_left(bigint[], bigint[]) TO outbox_worker;
+-- Whether a claim's worker is alive (src/worker/liveness.rs), asked by recovery.
+GRANT EXECUTE ON FUNCTION outbox._claim_holder(integer, integer, double precision) TO outbox_worker;
 -- outbox.attempts (read as its reader) shows the key a send in progress carries.
 GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text) TO outbox_writer, outbox_operator;
 -- The ledger: its check and its one way of recording (sql/ledger.sql).

@@ -7,6 +7,7 @@
 //! |--------------------------------------------------------------|-------------|
 //! | status 2xx                                                   | delivered   |
 //! | status 408, 425, 429, 500, 502, 503, 504                     | transient   |
+//! | status 502, 504 where a resend is not deduplicated by key    | ambiguous   |
 //! | status 501, 505, 511                                         | permanent   |
 //! | any other 5xx (506..=510, 512..=599)                         | transient   |
 //! | any other 4xx                                                | permanent   |
@@ -20,6 +21,13 @@
 //! permanent; every other 5xx is taken as a passing server-side problem.
 //! 3xx is permanent because the worker does not follow redirects: a
 //! redirected endpoint is a configuration error.
+//!
+//! 502 (Bad Gateway) and 504 (Gateway Timeout) come from a gateway in front of the
+//! provider, which may have passed the request on before its upstream failed or went
+//! quiet: the provider may have acted. Where a resend carries a key the provider dedupes
+//! by, another try is harmless and they stay transient; elsewhere they are ambiguous, so
+//! that a channel that can be asked looks up before it resends, and one that can neither
+//! dedupe nor be asked stops for an operator instead of sending a copy.
 //!
 //! A channel may override the table for responses with the option
 //! `classify`, e.g. `{"409": "delivered", "4xx": "transient"}`. Precedence:
@@ -274,23 +282,43 @@ pub fn default_class(status: u16) -> Class {
     }
 }
 
+/// How a second send of the same message would be guarded at the provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resend {
+    /// It carries the effect key in a header the provider dedupes by.
+    DedupedByKey,
+    /// Nothing stops the provider from acting on it a second time.
+    Unguarded,
+}
+
+/// Whether `status` comes from a gateway that may have passed the request on to the
+/// provider before its upstream failed (502) or did not answer in time (504).
+pub fn gateway_may_have_passed_on(status: u16) -> bool {
+    matches!(status, 502 | 504)
+}
+
 /// Classifies one attempt.
 ///
 /// * `Response`: exact-code override, else range override, else
-///   [`default_class`]. If the body could not be read completely and that
+///   [`default_class`], where a 502 or 504 is `Ambiguous` unless a resend is
+///   [`Resend::DedupedByKey`]. If the body could not be read completely and that
 ///   class is `Delivered`, the result is `Ambiguous`; other classes stand.
 /// * `Failure`: DNS, connect and TLS failures (timed out or not) are
 ///   `Transient`: the request was never written. Send, wait and read
 ///   failures are `Ambiguous`. Overrides do not apply.
-pub fn classify(facts: &SendFacts, overrides: &Overrides) -> Class {
+pub fn classify(facts: &SendFacts, overrides: &Overrides, resend: Resend) -> Class {
     match *facts {
         SendFacts::Response {
             status,
             body_complete,
         } => {
-            let class = overrides
-                .class_for(status)
-                .unwrap_or_else(|| default_class(status));
+            let class = overrides.class_for(status).unwrap_or_else(|| {
+                if resend == Resend::Unguarded && gateway_may_have_passed_on(status) {
+                    Class::Ambiguous
+                } else {
+                    default_class(status)
+                }
+            });
             if !body_complete && class == Class::Delivered {
                 Class::Ambiguous
             } else {
@@ -395,14 +423,14 @@ mod tests {
         for status in 0..=u16::MAX {
             let want = expected_default(status);
             assert_eq!(default_class(status), want, "{status}");
-            assert_eq!(classify(&response(status, true), &none), want, "{status}");
+            assert_eq!(classify(&response(status, true), &none, Resend::DedupedByKey), want, "{status}");
             let incomplete = if want == Class::Delivered {
                 Class::Ambiguous
             } else {
                 want
             };
             assert_eq!(
-                classify(&response(status, false), &none),
+                classify(&response(status, false), &none, Resend::DedupedByKey),
                 incomplete,
                 "{status}"
             );
@@ -434,6 +462,37 @@ mod tests {
         }
     }
 
+    /// Where a resend is not deduplicated by key, 502 and 504 are ambiguous, every other
+    /// status is classified as where it is, and an override still decides.
+    #[test]
+    fn a_gateway_answer_is_ambiguous_where_a_resend_is_unguarded() {
+        let none = Overrides::default();
+        for status in 0..=u16::MAX {
+            for complete in [true, false] {
+                let guarded = classify(&response(status, complete), &none, Resend::DedupedByKey);
+                let unguarded = classify(&response(status, complete), &none, Resend::Unguarded);
+                if gateway_may_have_passed_on(status) {
+                    assert_eq!(guarded, Class::Transient, "{status}");
+                    assert_eq!(unguarded, Class::Ambiguous, "{status}");
+                } else {
+                    assert_eq!(guarded, unguarded, "{status}");
+                }
+            }
+        }
+        assert!(gateway_may_have_passed_on(502) && gateway_may_have_passed_on(504));
+        assert!(!gateway_may_have_passed_on(500) && !gateway_may_have_passed_on(503));
+        let o = Overrides::from_json(&json!({"502": "transient", "5xx": "permanent"})).unwrap();
+        assert_eq!(classify(&response(502, true), &o, Resend::Unguarded), Class::Transient);
+        assert_eq!(classify(&response(504, true), &o, Resend::Unguarded), Class::Permanent);
+        for phase in ALL_PHASES {
+            let f = SendFacts::Failure { phase, timed_out: true };
+            assert_eq!(
+                classify(&f, &none, Resend::Unguarded),
+                classify(&f, &none, Resend::DedupedByKey)
+            );
+        }
+    }
+
     #[test]
     fn every_phase_and_timeout() {
         let everything_delivered = Overrides::from_json(&json!({
@@ -452,11 +511,11 @@ mod tests {
             for timed_out in [false, true] {
                 let f = SendFacts::Failure { phase, timed_out };
                 assert_eq!(
-                    classify(&f, &Overrides::default()),
+                    classify(&f, &Overrides::default(), Resend::DedupedByKey),
                     want,
                     "{phase} {timed_out}"
                 );
-                assert_eq!(classify(&f, &everything_delivered), want);
+                assert_eq!(classify(&f, &everything_delivered, Resend::DedupedByKey), want);
             }
         }
         let names: Vec<&str> = ALL_PHASES.iter().map(|p| p.as_str()).collect();
@@ -493,7 +552,7 @@ mod tests {
         ];
         for (status, complete, want) in cases {
             assert_eq!(
-                classify(&response(status, complete), &o),
+                classify(&response(status, complete), &o, Resend::DedupedByKey),
                 want,
                 "{status} {complete}"
             );
@@ -542,13 +601,13 @@ mod tests {
                             .map(|&(_, c)| c)
                     })
                     .unwrap_or_else(|| expected_default(status));
-                assert_eq!(classify(&response(status, true), &o), base);
+                assert_eq!(classify(&response(status, true), &o, Resend::DedupedByKey), base);
                 let lost = if base == Class::Delivered {
                     Class::Ambiguous
                 } else {
                     base
                 };
-                assert_eq!(classify(&response(status, false), &o), lost);
+                assert_eq!(classify(&response(status, false), &o, Resend::DedupedByKey), lost);
             }
         }
     }

@@ -11,6 +11,24 @@ pub fn now_ms() -> i64 {
         .unwrap_or_default()
 }
 
+/// Milliseconds on the machine's boot clock (`CLOCK_BOOTTIME`): it never steps when the
+/// wall clock is set, keeps counting while a process is stopped (`SIGSTOP`, a frozen
+/// cgroup) and while the machine is suspended, and is the same for every process of the
+/// machine. Every time that decides whether an attempt may still start, or whether a
+/// worker is alive, is read on it (`crate::worker::liveness`, `crate::channels::fence`).
+pub fn boot_ms() -> i64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: one live timespec; CLOCK_BOOTTIME exists on every Linux PostgreSQL runs on.
+    let ok = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) } == 0;
+    if !ok {
+        return 0;
+    }
+    ts.tv_sec.saturating_mul(1000) + ts.tv_nsec / 1_000_000
+}
+
 /// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01 00:00 UTC), from which a
 /// `timestamptz` counts its microseconds.
 const POSTGRES_EPOCH_UNIX_US: i64 = 946_684_800_000_000;
@@ -140,6 +158,14 @@ mod tests {
             assert_eq!(unix_ms(timestamptz_of_unix_ms(ms)), Some(ms));
         }
         assert_eq!(timestamptz_of_unix_ms(946_684_800_000), 0);
+    }
+
+    #[test]
+    fn the_boot_clock_moves_forward_only() {
+        let a = boot_ms();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let b = boot_ms();
+        assert!(a > 0 && b >= a + 5, "{a} then {b}");
     }
 
     #[test]

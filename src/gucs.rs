@@ -23,6 +23,16 @@ pub enum FaultPoint {
     /// Inside the record transaction, after its writes, before COMMIT.
     #[name = c"crash_before_commit"]
     CrashBeforeCommit,
+    /// The same four points, where the worker stops itself (`SIGSTOP`) as a paused VM, a
+    /// frozen cgroup or `kill -STOP` would stop it, until a `SIGCONT`.
+    #[name = c"stall_after_claim"]
+    StallAfterClaim,
+    #[name = c"stall_after_send"]
+    StallAfterSend,
+    #[name = c"stall_after_response"]
+    StallAfterResponse,
+    #[name = c"stall_before_commit"]
+    StallBeforeCommit,
 }
 
 impl FaultPoint {
@@ -33,6 +43,21 @@ impl FaultPoint {
             FaultPoint::CrashAfterSend => "crash_after_send",
             FaultPoint::CrashAfterResponse => "crash_after_response",
             FaultPoint::CrashBeforeCommit => "crash_before_commit",
+            FaultPoint::StallAfterClaim => "stall_after_claim",
+            FaultPoint::StallAfterSend => "stall_after_send",
+            FaultPoint::StallAfterResponse => "stall_after_response",
+            FaultPoint::StallBeforeCommit => "stall_before_commit",
+        }
+    }
+
+    /// The stall at the same point as this crash.
+    pub fn stall(self) -> FaultPoint {
+        match self {
+            FaultPoint::CrashAfterClaim => FaultPoint::StallAfterClaim,
+            FaultPoint::CrashAfterSend => FaultPoint::StallAfterSend,
+            FaultPoint::CrashAfterResponse => FaultPoint::StallAfterResponse,
+            FaultPoint::CrashBeforeCommit => FaultPoint::StallBeforeCommit,
+            other => other,
         }
     }
 }

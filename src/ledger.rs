@@ -259,14 +259,6 @@ pub fn record_sent(
         .collect()
 }
 
-/// One round of retention at a time, across workers: a round that empties a generation
-/// must not find it opened meanwhile by another. A worker that finds another's round under
-/// way skips its own (it never waits for it); records only read the generations, and are
-/// never held up. The key is the generations table's own oid (advisory locks are per
-/// database).
-const TRY_ONE_ROUND: &str =
-    "SELECT pg_try_advisory_xact_lock('outbox._ledger_generations'::regclass::oid::int8)";
-
 /// The generations that hold entries (`outbox._ledger_generations`), and the
 /// transaction's clock, in seconds since the epoch.
 const READ_GENERATIONS: &str = "
@@ -384,11 +376,11 @@ pub struct Retained {
 /// onto it meanwhile.
 pub fn retain(client: &mut SpiClient<'_>, keep_s: f64) -> SpiResult<Retained> {
     let mut retained = Retained::default();
-    let ours = client
-        .select(TRY_ONE_ROUND, Some(1), &[])?
-        .first()
-        .get_one::<bool>()?;
-    if ours != Some(true) {
+    // One round of retention at a time, across workers: a round that empties a generation
+    // must not find it opened meanwhile by another. A worker that finds another's round
+    // under way skips its own (it never waits for it); records only read the generations,
+    // and are never held up. The lock is one no SQL can take (`worker_locks`).
+    if !crate::worker_locks::LEDGER_ROUNDS.try_take() {
         retained.skipped = true;
         return Ok(retained);
     }

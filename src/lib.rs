@@ -21,6 +21,7 @@ pub mod runtime;
 pub mod spi;
 pub mod tenancy;
 pub mod worker;
+pub mod worker_locks;
 
 ::pgrx::pg_module_magic!();
 

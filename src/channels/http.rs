@@ -82,6 +82,8 @@ pub struct Outgoing {
     pub external_id: Option<ExternalIdSource>,
     /// Most bytes of the answer's body to read (the channel's `max_response_bytes`).
     pub max_response_bytes: usize,
+    /// When the request may no longer start (`fence`).
+    pub fence: super::fence::Fence,
 }
 
 /// What happened to one request.
@@ -105,6 +107,9 @@ pub enum Transmission {
     },
     /// The request could not be built (e.g. a header value HTTP cannot carry); nothing was sent.
     NotSent { error: String },
+    /// The attempt's fence had passed before the request started (`fence`): nothing was
+    /// sent, and the attempt is not counted.
+    Fenced { error: String },
     /// `outbox.allowed_hosts` refused the destination before anything was written: its host
     /// (phase DNS), its literal address (phase connect) or every address it resolved to
     /// (phase DNS).
@@ -348,6 +353,12 @@ pub async fn transmit(
             elapsed_ms: 0,
         };
     }
+    // reqwest connects and writes in one call: the fence is looked at right before it.
+    if out.fence.passed() {
+        return Transmission::Fenced {
+            error: super::fence::not_sent_text(&out.fence),
+        };
+    }
     let started = Instant::now();
     let elapsed = |s: Instant| s.elapsed().as_millis() as u64;
     let mut response = match client.execute(request).await {
@@ -473,6 +484,7 @@ mod tests {
             timeout: Duration::from_secs(2),
             external_id: None,
             max_response_bytes: 65536,
+            fence: crate::channels::fence::Fence::open(),
         }
     }
 

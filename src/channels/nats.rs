@@ -41,6 +41,9 @@ pub enum Publication {
         permanent: bool,
         elapsed_ms: u64,
     },
+    /// The attempt's fence had passed before the publish (`fence`): nothing was written,
+    /// and the attempt is not counted.
+    Fenced { error: String },
     /// Written, and no acknowledgement came: the stream may hold it.
     NoAck {
         error: String,
@@ -324,6 +327,7 @@ impl NatsConnection {
         allowed: &AllowList,
         effect_key: String,
         payload: String,
+        fence: super::fence::Fence,
     ) -> Publication {
         let subject = match nats_subject::fill(&self.target.subject, &effect_key, &payload) {
             Ok(s) => s,
@@ -343,6 +347,13 @@ impl NatsConnection {
                 }
             }
         };
+        // The last moment before the publish: an attempt whose lease ran out meanwhile (its
+        // worker was stopped) is not started (`fence`).
+        if fence.passed() {
+            return Publication::Fenced {
+                error: super::fence::not_sent_text(&fence),
+            };
+        }
         let first_on_subject = self.target.can_look_up();
         let published = publish(
             &connected,

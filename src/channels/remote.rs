@@ -36,6 +36,18 @@ pub enum Sent {
     Nats(Publication),
 }
 
+impl Sent {
+    /// Why the send did not start, when its fence had passed first (`fence`).
+    pub fn fenced(&self) -> Option<&str> {
+        match self {
+            Sent::Http(Transmission::Fenced { error }) | Sent::Nats(Publication::Fenced { error }) => {
+                Some(error)
+            }
+            _ => None,
+        }
+    }
+}
+
 /// A channel the worker sends to outside the database.
 pub trait Channel: Send + Sync {
     /// The send of one message, ready to run; `Err` when the message cannot be sent on this
@@ -151,8 +163,9 @@ impl Channel for NatsChannel {
     ) -> Result<Pending<Sent>, String> {
         let connection = self.connection.clone();
         let (key, payload) = (message.effect_key.to_string(), message.payload.to_string());
+        let fence = message.fence;
         Ok(Box::pin(async move {
-            Sent::Nats(connection.send(&allowed, key, payload).await)
+            Sent::Nats(connection.send(&allowed, key, payload, fence).await)
         }))
     }
 

@@ -15,6 +15,8 @@ pub struct Message<'a> {
     pub payload: &'a str,
     /// The effect key as the provider sees it.
     pub effect_key: &'a str,
+    /// When its request may no longer start (`fence`).
+    pub fence: super::fence::Fence,
 }
 
 /// The request for `message` on a channel with `endpoint` and `options`, or why it cannot
@@ -54,6 +56,7 @@ pub fn outgoing(
         timeout: Duration::from_millis(options.timeout_ms),
         external_id: options.external_id.clone(),
         max_response_bytes: options.max_response_bytes as usize,
+        fence: message.fence,
     })
 }
 
@@ -103,6 +106,7 @@ mod tests {
             headers,
             payload: r#"{"text": "hi"}"#,
             effect_key: "k-1",
+            fence: crate::channels::fence::Fence::open(),
         }
     }
 

@@ -672,6 +672,13 @@ pub async fn transmit(wire: Arc<Wire>, out: Outgoing, allowed: Arc<AllowList>) -
                 Err(_) => return failed(timed_out(Phase::Connect), elapsed()),
             },
         };
+        // The last moment before the first byte: an attempt whose lease ran out meanwhile
+        // (its worker was stopped) is not started (`fence`).
+        if out.fence.passed() {
+            return Transmission::Fenced {
+                error: super::fence::not_sent_text(&out.fence),
+            };
+        }
         match tokio::time::timeout_at(deadline, write(&mut connection, &request)).await {
             Ok(Ok(())) => break connection,
             // A pooled connection the provider had closed, and nothing of the request left.
@@ -761,6 +768,7 @@ mod tests {
             timeout: Duration::from_secs(2),
             external_id: None,
             max_response_bytes: 65536,
+            fence: crate::channels::fence::Fence::open(),
         }
     }
 

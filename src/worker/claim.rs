@@ -6,9 +6,9 @@
 //! by recovery.
 
 use super::claim_cursor::{channels_cut, rest_claim_may_take, ClaimCursors, Floors, Position};
+use crate::channels::fence::Fence;
 use crate::channels::options::ChannelOptions;
 use crate::spi::{self, Statement};
-use pgrx::pg_sys;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
@@ -105,9 +105,11 @@ WITH flying AS MATERIALIZED (
 ), claimed AS (
     -- An attempt starts when it is claimed, not when the claim's transaction began: the
     -- wait for the claim lock comes first, and an attempt of another worker may be
-    -- recorded in between.
+    -- recorded in between. Its lease starts then too: a lease counted from the start of
+    -- a transaction that waited for a lock would be born expired.
     INSERT INTO outbox._claims (channel_id, lease_owner, worker_pid, lease_until, started_at, message_ids)
-    SELECT due.channel_id, $3, $4, now() + $2 * interval '1 millisecond', pg_catalog.clock_timestamp(),
+    SELECT due.channel_id, $3, $4, pg_catalog.clock_timestamp() + $2 * interval '1 millisecond',
+           pg_catalog.clock_timestamp(),
            array_agg(due.id ORDER BY due.id)
       FROM due
      GROUP BY due.channel_id
@@ -300,6 +302,8 @@ pub struct Job {
     pub ledger: Option<(i64, Option<String>)>,
     /// Where the message stood in its channel's due index when it was claimed.
     pub position: Option<Position>,
+    /// When its request may no longer start (`crate::channels::fence`).
+    pub fence: Fence,
 }
 
 impl Job {
@@ -314,47 +318,20 @@ impl Job {
     }
 }
 
-/// The advisory lock (two-key form) that serializes the workers' claims, held to the end
-/// of the claim transaction. A claim counts a channel's `sending` messages to leave room
-/// for `max_in_flight`; two claims at once would each count without the other's and
-/// together overfill it. Behind the lock, the claim statement's snapshot is taken after the
-/// previous claim committed. Visible in `pg_locks` as an advisory lock on these keys.
-const CLAIM_LOCK: (i32, i32) = (0x6f62_6f78, 1); // "obox", 1
-
-/// Waits for the claim lock (`CLAIM_LOCK`), as `pg_advisory_xact_lock(int4, int4)` does:
-/// the same lock, taken directly rather than by a statement of its own, which took about as
-/// long to set up as the lock took when no other claim held it. The claim statement after
-/// it takes its snapshot when it starts, after the lock was granted.
-fn lock_claims() {
-    // SAFETY: the lock tag of an advisory lock on two int4 keys (SET_LOCKTAG_INT32_PAIR),
-    // held to the end of the transaction; an error (the wait cancelled) is raised as from
-    // any statement and aborts the transaction, which releases it.
-    unsafe {
-        let tag = pg_sys::LOCKTAG {
-            locktag_field1: pg_sys::MyDatabaseId.into(),
-            locktag_field2: CLAIM_LOCK.0 as u32,
-            locktag_field3: CLAIM_LOCK.1 as u32,
-            locktag_field4: 2,
-            locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
-            locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
-        };
-        pg_sys::LockAcquire(&tag, pg_sys::ExclusiveLock as i32, false, false);
-    }
-}
-
 /// Who claims, and for how long: the lease its claims hold (ms), the worker's slot and its
-/// process.
+/// process, and the fence of the attempts it claims (taken when the claim began).
 #[derive(Debug, Clone, Copy)]
 pub struct Claimant {
     pub lease_ms: i64,
     pub worker_index: i32,
     pub pid: i32,
+    pub fence: Fence,
 }
 
 /// Claims up to `batch_size` due messages for `claimant`, at most `caps` of a channel with
 /// flow control, reading each channel from its cursor when the worker has one; a claim
 /// under cursors that comes back short claims the rest from the heads of the due indexes,
-/// in the same transaction.
+/// in the same transaction. The caller holds the claim lock (`worker_locks::CLAIMS`).
 pub fn claim_due(
     client: &mut SpiClient<'_>,
     claimant: Claimant,
@@ -363,7 +340,6 @@ pub fn claim_due(
     now_ms: i64,
     caps: &HashMap<i32, u32>,
 ) -> SpiResult<Vec<Job>> {
-    lock_claims();
     let floors = cursors.floors(now_ms);
     // Only a claim that starts with no cursor reads every channel from its head: the rest
     // of a short batch is read from the heads of the channels with room left.
@@ -462,6 +438,7 @@ fn claim_from(
                 due_at_us,
                 id: message_id,
             }),
+            fence: claimant.fence,
         });
     }
     Ok((jobs, channels_cut(shares), channels_cut(rooms)))

@@ -13,6 +13,7 @@ use super::record::{self, Outcomes, Tally};
 use super::send::{self, unusable_channel};
 use super::sweep::SweepClock;
 use super::{flow, key_hold, lease, recovery, retention, slots};
+use crate::channels::fence::Fence;
 use crate::channels::lookup::Lookup;
 use crate::channels::options::Kind;
 use crate::channels::pool_budget;
@@ -25,6 +26,7 @@ use crate::identity;
 use crate::outbox::state::State;
 use crate::random::SplitMix64;
 use crate::reconcile;
+use crate::worker_locks;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
 use std::collections::HashMap;
@@ -51,7 +53,22 @@ struct Claimed {
     jobs: Vec<Job>,
     /// When the next message is due, for an idle worker's sleep.
     next_due: Option<NextDue>,
+    /// The claim lock could not be had within [`CLAIM_LOCK_WAIT`]: the process that held
+    /// it then, when it was still held.
+    lock_busy: Option<Option<i32>>,
 }
+
+/// Longest wait for the claim lock (`worker_locks::CLAIMS`). A claim holds it for
+/// milliseconds; a holder that keeps it longer is stopped or stuck, and the worker goes on
+/// with its other work (recording, sweeping) and tries again at its next cycle.
+const CLAIM_LOCK_WAIT: Duration = Duration::from_secs(1);
+/// The first pause before a failed record is tried again, and the longest.
+const RECORD_RETRY_FIRST: Duration = Duration::from_millis(100);
+const RECORD_RETRY_MAX: Duration = Duration::from_secs(5);
+/// Tries of a failing record once the worker is asked to stop.
+const RECORD_TRIES_AT_STOP: u32 = 3;
+/// How often a worker says in the log that the claim lock is held past [`CLAIM_LOCK_WAIT`].
+const LOCK_BUSY_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// A claimed batch under way (`flight`): its sends run on the runtime, its other outcomes
 /// and its `sql` effects wait for its first record.
@@ -135,12 +152,16 @@ pub struct Worker {
     claims_made: u64,
     /// The role every transaction of the worker runs as (`outbox.role`).
     pub role: pgrx::pg_sys::Oid,
+    /// When the worker last said that the claim lock was held too long.
+    lock_busy_told: Option<Instant>,
 }
 
 /// Dies at a fault-injection point, as a crash would: nothing after this point happens, an
-/// open transaction is rolled back, and the postmaster starts a new worker.
+/// open transaction is rolled back, and the postmaster starts a new worker. Armed with the
+/// stall of that point, the worker stops itself there instead (`SIGSTOP`, every thread),
+/// as a paused VM would, and goes on from there once it gets a `SIGCONT`.
 fn crash_if<'a>(point: FaultPoint, armed: FaultPoint, jobs: impl IntoIterator<Item = &'a Job>) {
-    if point != armed {
+    if point != armed && point.stall() != armed {
         return;
     }
     let jobs: Vec<&Job> = jobs.into_iter().collect();
@@ -148,6 +169,22 @@ fn crash_if<'a>(point: FaultPoint, armed: FaultPoint, jobs: impl IntoIterator<It
         return;
     }
     let ids: Vec<i64> = jobs.iter().map(|j| j.message_id).collect();
+    if armed == point.stall() {
+        if !slots::take_stall() {
+            return;
+        }
+        log!(
+            "outbox_delivery: fault injection {}: worker stops itself with messages {ids:?} in flight",
+            armed.as_str()
+        );
+        // SAFETY: raise takes no pointers; SIGSTOP stops the whole process.
+        unsafe { libc::raise(libc::SIGSTOP) };
+        log!(
+            "outbox_delivery: fault injection {}: worker runs again",
+            armed.as_str()
+        );
+        return;
+    }
     log!(
         "outbox_delivery: fault injection {}: worker dies with messages {ids:?} in flight",
         point.as_str()
@@ -181,6 +218,7 @@ impl Worker {
             bell,
             claims_made: 0,
             role,
+            lock_busy_told: None,
         }
     }
 
@@ -271,7 +309,11 @@ impl Worker {
             channels,
             jobs,
             next_due,
+            lock_busy,
         } = self.claim();
+        if let Some(holder) = lock_busy {
+            self.tell_lock_busy(holder);
+        }
         self.longest_retry_horizon_ms = channels.longest_retry_horizon_ms();
         let live: Vec<i32> = self
             .flights
@@ -417,6 +459,17 @@ impl Worker {
         slots::update(self.index, |s| s.phase = slots::Phase::Recording);
         self.record(&mut landings, fault);
         slots::wake_starved_peers(self.index);
+        let unsent: Vec<i64> = landings
+            .iter()
+            .flat_map(|l| l.outcomes.unsent.iter().copied())
+            .collect();
+        if !unsent.is_empty() {
+            log!(
+                "outbox_delivery worker {}: {} claimed message(s) not sent: their lease ran out before the request could start (the worker was stopped or held up); back in the queue with no attempt counted: {unsent:?}",
+                self.index,
+                unsent.len()
+            );
+        }
         let delivered: usize = landings.iter().map(|l| l.outcomes.delivered.len()).sum();
         let other: usize = landings.iter().map(|l| l.outcomes.settled.len()).sum();
         debug1!(
@@ -444,6 +497,10 @@ impl Worker {
     fn claim(&mut self) -> Claimed {
         let (index, pid, role) = (self.index, self.pid, self.role);
         let batch_size = gucs::batch_size() as i32;
+        // The fence of what this claim takes starts now, before the claim's transaction,
+        // lock waits included: never later than the worker's beat that the lease counts
+        // from (`liveness`).
+        let claim_began_boot_ms = crate::clock::boot_ms();
         identity::transaction(
             role,
             AssertUnwindSafe(|| {
@@ -452,10 +509,21 @@ impl Worker {
                     let lease_ms = lease::lease_ms(gucs::lease_ms(), channels.longest_attempt_ms());
                     let at = self.started.elapsed().as_millis() as i64;
                     let gates = flow::gate(client, &channels, batch_size.max(0) as u32)?;
+                    if !worker_locks::CLAIMS.take_within(CLAIM_LOCK_WAIT) {
+                        // The tokens the gate took for this claim go back unused.
+                        flow::give_back(client, &channels, &gates, &[])?;
+                        return Ok(Claimed {
+                            lock_busy: Some(worker_locks::CLAIMS.holder(client)?),
+                            channels,
+                            jobs: Vec::new(),
+                            next_due: None,
+                        });
+                    }
                     let claimant = claim::Claimant {
                         lease_ms,
                         worker_index: index as i32,
                         pid,
+                        fence: Fence::for_claim(claim_began_boot_ms, lease_ms),
                     };
                     let jobs = claim::claim_due(
                         client,
@@ -476,6 +544,7 @@ impl Worker {
                         channels,
                         jobs,
                         next_due,
+                        lock_busy: None,
                     })
                 })
                 .unwrap_or_else(|e| panic!("outbox_delivery worker: claim failed: {e}"))
@@ -548,38 +617,114 @@ impl Worker {
     /// The record transaction: each flight's `sql` effects run first, each in its own
     /// subtransaction, so that they commit together with their ledger entry or not at all;
     /// then every outcome is recorded.
+    ///
+    /// The answers are in memory until the record commits, and a record that fails (a
+    /// cancel, a full disk, a lock an application holds past a timeout) loses none of them:
+    /// its work runs in a subtransaction, whose error rolls back the record alone (its
+    /// effects too), and the record is tried again with the same answers after a pause
+    /// that doubles up to [`RECORD_RETRY_MAX`]. A confirmed answer is never turned into an
+    /// interrupted attempt by a failure of the local transaction. Meanwhile the worker
+    /// beats, so its claims stay its own (`liveness`). Only a worker asked to stop gives
+    /// up, after [`RECORD_TRIES_AT_STOP`] more tries: what it held is then taken back as
+    /// interrupted, as after a crash.
     fn record(&mut self, landings: &mut [Landing], fault: FaultPoint) {
-        let jitter = &mut self.jitter;
-        let flights = &self.flights;
-        identity::transaction(
-            self.role,
-            AssertUnwindSafe(|| {
-                Spi::connect_mut(|client| -> SpiResult<()> {
-                    for l in landings.iter_mut() {
-                        let f = &flights[l.flight];
-                        run_effects(
-                            client,
-                            &f.channels,
-                            &f.jobs,
-                            &l.effects,
-                            jitter,
-                            &mut l.outcomes,
-                        )?;
-                        record::record(client, &l.outcomes)?;
-                        flow::after_batch(client, &f.channels, &f.jobs, &l.sent, &l.outcomes)?;
+        let mut pause = RECORD_RETRY_FIRST;
+        let mut tries_at_stop = 0;
+        loop {
+            let jitter = &mut self.jitter;
+            let flights = &self.flights;
+            let recorded = identity::transaction(
+                self.role,
+                AssertUnwindSafe(|| {
+                    let recorded = crate::spi::subtransaction(|| {
+                        Spi::connect_mut(|client| -> SpiResult<Vec<Outcomes>> {
+                            let mut all = Vec::with_capacity(landings.len());
+                            for l in landings.iter() {
+                                let f = &flights[l.flight];
+                                // The effects add their outcomes to a copy: a try that fails
+                                // leaves the answers as they arrived.
+                                let mut outcomes = l.outcomes.clone();
+                                run_effects(
+                                    client,
+                                    &f.channels,
+                                    &f.jobs,
+                                    &l.effects,
+                                    jitter,
+                                    &mut outcomes,
+                                )?;
+                                record::record(client, &outcomes)?;
+                                flow::after_batch(client, &f.channels, &f.jobs, &l.sent, &outcomes)?;
+                                all.push(outcomes);
+                            }
+                            Ok(all)
+                        })
+                    });
+                    if recorded.is_ok() {
+                        crash_if(
+                            FaultPoint::CrashBeforeCommit,
+                            fault,
+                            landings.iter().flat_map(|l| {
+                                let jobs = &flights[l.flight].jobs;
+                                l.sent.iter().chain(&l.effects).map(move |&i| &jobs[i])
+                            }),
+                        );
                     }
-                    Ok(())
-                })
-                .unwrap_or_else(|e| panic!("outbox_delivery worker: record failed: {e}"));
-                crash_if(
-                    FaultPoint::CrashBeforeCommit,
-                    fault,
-                    landings.iter().flat_map(|l| {
-                        let jobs = &flights[l.flight].jobs;
-                        l.sent.iter().chain(&l.effects).map(move |&i| &jobs[i])
-                    }),
-                );
-            }),
+                    recorded
+                }),
+            );
+            let (sqlstate, message) = match recorded {
+                Ok(all) => {
+                    for (l, outcomes) in landings.iter_mut().zip(all) {
+                        l.outcomes = outcomes;
+                    }
+                    return;
+                }
+                Err(failed) => failed,
+            };
+            let held: usize = landings
+                .iter()
+                .map(|l| l.outcomes.delivered.len() + l.outcomes.settled.len() + l.effects.len())
+                .sum();
+            if super::stop_requested() {
+                tries_at_stop += 1;
+                if tries_at_stop > RECORD_TRIES_AT_STOP {
+                    warning!(
+                        "outbox_delivery worker {}: the record of {held} outcome(s) failed again ({sqlstate}: {message}) and the worker is stopping: they are taken back as interrupted attempts",
+                        self.index
+                    );
+                    unsafe { pgrx::pg_sys::proc_exit(1) };
+                }
+            }
+            warning!(
+                "outbox_delivery worker {}: the record of {held} outcome(s) failed ({sqlstate}: {message}); it is tried again in {} ms with the answers in hand",
+                self.index,
+                pause.as_millis()
+            );
+            slots::update(self.index, |s| s.phase = slots::Phase::Recording);
+            std::thread::sleep(pause);
+            pgrx::pg_sys::check_for_interrupts!();
+            pause = (pause * 2).min(RECORD_RETRY_MAX);
+        }
+    }
+
+    /// Says in the log, at most every [`LOCK_BUSY_LOG_EVERY`], that a claim could not have
+    /// the claim lock in time, and who held it.
+    fn tell_lock_busy(&mut self, holder: Option<i32>) {
+        if self
+            .lock_busy_told
+            .is_some_and(|at| at.elapsed() < LOCK_BUSY_LOG_EVERY)
+        {
+            return;
+        }
+        self.lock_busy_told = Some(Instant::now());
+        let who = match holder {
+            Some(pid) => format!("process {pid}"),
+            None => "a process that has let it go since".to_string(),
+        };
+        warning!(
+            "outbox_delivery worker {}: the claim lock was held by {who} for longer than {} ms; this worker claims again at its next cycle and records what it holds meanwhile",
+            self.index,
+            CLAIM_LOCK_WAIT.as_millis()
         );
     }
 
@@ -703,7 +848,7 @@ impl Worker {
             let (held, released) = identity::transaction(self.role, || {
                 Spi::connect_mut(
                     |client| -> SpiResult<(key_hold::Held, key_hold::Released)> {
-                        if !key_hold::try_lock(client)? {
+                        if !key_hold::try_lock() {
                             // Another worker holds: this one reads from the start, later.
                             return Ok(Default::default());
                         }

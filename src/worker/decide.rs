@@ -10,7 +10,7 @@ use crate::channels::http::Transmission;
 use crate::channels::nats::Publication;
 use crate::channels::options::{ChannelOptions, Kind};
 use crate::channels::remote::Sent;
-use crate::classify::{classify, Class, SendFacts};
+use crate::classify::{classify, Class, Resend, SendFacts};
 use crate::classify::{classify_sqlstate, EffectOutcome};
 use crate::outbox::state::State;
 use crate::retry_policy::{decide, parse_retry_after, Decision, FailureFacts};
@@ -56,6 +56,16 @@ pub struct Verdict {
     pub error: Option<String>,
     /// Short outcome for the attempt row: delivered, transient, permanent, ambiguous, ...
     pub outcome: String,
+}
+
+/// How a resend of a message on this channel would be guarded: by its key where the
+/// provider dedupes by it (`idempotency_header`), else not at all (a 502 or 504 is then
+/// ambiguous, `crate::classify`).
+fn resend_guard(options: &ChannelOptions) -> Resend {
+    match options.idempotency_header {
+        Some(_) => Resend::DedupedByKey,
+        None => Resend::Unguarded,
+    }
 }
 
 /// Decides after one send on a remote channel, whatever its kind.
@@ -115,6 +125,7 @@ pub fn after_publish(
             None,
             format!("wrong stream: acknowledged by stream \"{stream}\" (sequence {sequence}), not \"{expected}\", after {elapsed_ms} ms"),
         ),
+        Publication::Fenced { error } => return not_started(error),
         Publication::NotWritten { error, permanent } => (
             if *permanent { Class::Permanent } else { Class::Transient },
             None,
@@ -184,6 +195,21 @@ pub fn before_republish(
     ))
 }
 
+/// The verdict for an attempt that never started because its fence had passed: queued
+/// again, due now, as if it had not been claimed.
+fn not_started(error: &str) -> Verdict {
+    Verdict {
+        state: State::Queued,
+        next_at_ms: None,
+        class: None,
+        http_status: None,
+        retry_after_ms: None,
+        external_id: None,
+        error: Some(error.to_string()),
+        outcome: "not sent".into(),
+    }
+}
+
 /// Decides after one transmission.
 pub fn after_transmission(
     t: &Transmission,
@@ -192,6 +218,9 @@ pub fn after_transmission(
     rng: &mut dyn FnMut() -> f64,
 ) -> Verdict {
     match t {
+        // Nothing was sent (`send::decide_all` puts such a message back as it was before
+        // it comes here): were it decided, it would be tried again at once.
+        Transmission::Fenced { error } => not_started(error),
         Transmission::NotSent { error } => Verdict {
             state: State::Failed,
             next_at_ms: None,
@@ -228,7 +257,7 @@ pub fn after_transmission(
                 phase: *phase,
                 timed_out: *timed_out,
             };
-            let class = classify(&facts, &options.classify);
+            let class = classify(&facts, &options.classify, resend_guard(options));
             let what = if *timed_out {
                 format!(
                     "{}: timed out after {elapsed_ms} ms ({error})",
@@ -251,7 +280,7 @@ pub fn after_transmission(
                 status: *status,
                 body_complete: *body_complete,
             };
-            let class = classify(&facts, &options.classify);
+            let class = classify(&facts, &options.classify, resend_guard(options));
             let mut what = format!("HTTP {status} after {elapsed_ms} ms");
             if let Some(e) = body_error {
                 what.push_str(&format!("; read: {e}"));

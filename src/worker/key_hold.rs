@@ -142,18 +142,10 @@ SELECT last.tenant, last.ordering_key, (SELECT count(*) FROM firsts)::int4,
 
 /// One worker of a database holds (the first, `Worker::hold_keys`), and only while no
 /// other does: after a change of `outbox.workers`, two would read the same entries and
-/// each skip the other's. The key is the oid of the index of held messages (advisory
-/// locks are per database); a worker that does not get the lock tries again later.
-const TRY_HOLD_LOCK: &str =
-    "SELECT pg_try_advisory_xact_lock('outbox._messages_key_held_idx'::regclass::oid::int8)";
-
-/// Takes the lock of holding for the rest of the transaction, if no other worker has it.
-pub fn try_lock(client: &mut SpiClient<'_>) -> SpiResult<bool> {
-    Ok(client
-        .select(TRY_HOLD_LOCK, Some(1), &[])?
-        .first()
-        .get_one::<bool>()?
-        .unwrap_or(false))
+/// each skip the other's. A worker that does not get the lock (`worker_locks::KEY_HOLDS`,
+/// which no SQL can take) tries again later.
+pub fn try_lock() -> bool {
+    crate::worker_locks::KEY_HOLDS.try_take()
 }
 
 /// An entry of the index of messages not held: (tenant, ordering key, id). The default,

@@ -15,6 +15,7 @@ pub mod flight;
 pub mod flow;
 pub mod key_hold;
 pub mod lease;
+pub mod liveness;
 pub mod record;
 pub mod recovery;
 pub mod retention;
@@ -53,6 +54,7 @@ pub fn register() {
         return;
     }
     slots::init_shmem();
+    liveness::init_shmem();
     let databases = gucs::databases();
     let workers = gucs::workers();
     let in_use = gucs::slots_in_use(databases.len(), workers);
@@ -147,8 +149,36 @@ fn pin_session_settings() {
                 pg_sys::GucSource::PGC_S_SESSION,
             );
         }
+        for (name, pinned) in SESSION_PINS {
+            pg_sys::SetConfigOption(
+                name.as_ptr(),
+                pinned.as_ptr(),
+                pg_sys::GucContext::PGC_SUSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+            );
+        }
     }
 }
+
+/// Settings that decide whether the worker's own statements succeed, pinned for its
+/// session over what `ALTER DATABASE … SET`, `ALTER ROLE … SET` or postgresql.conf say: a
+/// `lock_timeout` or `statement_timeout` meant for applications would fail the record of
+/// answers the worker holds, a read-only default would fail every claim, a stricter
+/// isolation would fail claims and records with serialization errors, and
+/// `session_replication_role = replica` would silence the extension's own triggers. The
+/// worker bounds its own waits (`worker_locks`, the effects' `timeout_ms`).
+/// Taken from the configuration on purpose: `synchronous_commit` (at least `on`,
+/// [`durable_commit_level`]), and what changes no outcome (`work_mem`, logging settings).
+const SESSION_PINS: [(&CStr, &CStr); 8] = [
+    (c"lock_timeout", c"0"),
+    (c"statement_timeout", c"0"),
+    (c"idle_in_transaction_session_timeout", c"0"),
+    (c"default_transaction_read_only", c"off"),
+    (c"default_transaction_isolation", c"read committed"),
+    (c"default_transaction_deferrable", c"off"),
+    (c"session_replication_role", c"origin"),
+    (c"row_security", c"on"),
+];
 
 /// The `synchronous_commit` a worker commits with, given the one its configuration sets
 /// (the server's, its database's or its role's): that one, except `off`. A claim must be on
@@ -189,6 +219,9 @@ fn reload_config_if_asked(index: usize) -> bool {
     if BackgroundWorker::sighup_received() {
         unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         pin_durable_commits();
+        if gucs::fault_injection() == gucs::FaultPoint::None {
+            slots::rearm_stall();
+        }
         log_settings(index, &database_of(index));
         return true;
     }
@@ -309,6 +342,11 @@ pub extern "C-unwind" fn outbox_delivery_worker_main(arg: pg_sys::Datum) {
         }
     });
     unsafe { pg_sys::on_shmem_exit(Some(clear_slot), pg_sys::Datum::from(index)) };
+    // The lease of everything this process claims is its beat (`liveness`).
+    if let Err(e) = liveness::start_beating(index) {
+        log!("outbox_delivery worker {index}: could not start the thread that beats for its leases: {e}");
+        unsafe { pg_sys::proc_exit(1) };
+    }
 
     let database = database_of(index);
     connect(index, &database);

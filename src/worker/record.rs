@@ -199,11 +199,16 @@ pub struct AttemptMade {
 
 /// Everything one transaction records: deliveries, other outcomes, and the per-channel
 /// counters they add up to.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Outcomes {
     pub delivered: Vec<Delivery>,
     pub settled: Vec<Settlement>,
     pub tallies: std::collections::HashMap<i32, Tally>,
+    /// Messages claimed whose request never started, their fence having passed
+    /// (`crate::channels::fence`): taken out of this worker's claims and left as they were,
+    /// queued and due, no attempt counted. One that recovery took back meanwhile is in no
+    /// claim of this worker any more, and stays as recovery left it.
+    pub unsent: Vec<i64>,
 }
 
 impl Outcomes {
@@ -275,7 +280,7 @@ impl Outcomes {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.delivered.is_empty() && self.settled.is_empty()
+        self.delivered.is_empty() && self.settled.is_empty() && self.unsent.is_empty()
     }
 }
 
@@ -326,6 +331,7 @@ pub fn release_claimed(
         .iter()
         .map(|d| d.message_id)
         .chain(outcomes.settled.iter().map(|s| s.message_id))
+        .chain(outcomes.unsent.iter().copied())
         .collect();
     // Sorted, as `outbox._claim_ids_left` would otherwise sort them for every claim.
     ids.sort_unstable();

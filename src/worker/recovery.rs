@@ -1,5 +1,9 @@
-//! Recovery: a message whose claim's lease ran out (its worker crashed or the server
-//! restarted mid-attempt) is an ambiguous attempt, never a blind resend. At start a worker
+//! Recovery: a message whose claim's lease was lost (its worker crashed, was stopped for
+//! longer than the lease, or the server restarted mid-attempt) is an ambiguous attempt,
+//! never a blind resend. A claim's lease is lost when its worker stalled (no beat for
+//! longer than the lease, on the boot clock), or when no worker of this server holds it
+//! any more and its `lease_until` has passed; never while its worker beats
+//! (`liveness`). At start a worker
 //! also takes back the messages its slot had leased, since their worker is gone; and after
 //! a promotion, every message claimed on the old primary (`standby`). The interrupted
 //! attempt's row is written then, with its outcome, from the message (its start and its
@@ -10,7 +14,8 @@
 use crate::spi::{self, Statement};
 use pgrx::spi::{SpiClient, SpiResult};
 
-/// The messages of claims whose lease ran out, of this worker's slot from before it
+/// The messages of claims whose lease was lost (`liveness`: the holder stalled, or is gone
+/// and `lease_until` passed), of this worker's slot from before it
 /// started (`$1`, `$2`), or made on an old primary before this server was promoted (`$4`
 /// ms, 0: it was not): their attempt under way (the one after those their rows count), when
 /// it started and by which worker, and the claim it is taken back from.
@@ -24,7 +29,12 @@ WITH lost AS MATERIALIZED (
     SELECT w.id AS claim_id, w.started_at, w.worker_pid, u.id
       FROM outbox._claims w
      CROSS JOIN LATERAL pg_catalog.unnest(w.message_ids) AS u(id)
-     WHERE w.lease_until < now()
+     WHERE CASE outbox._claim_holder(w.lease_owner, w.worker_pid,
+                   CASE WHEN pg_catalog.isfinite(w.lease_until) AND pg_catalog.isfinite(w.started_at)
+                        THEN extract(epoch FROM w.lease_until - w.started_at)::float8 * 1000 END)
+             WHEN 'live' THEN false
+             WHEN 'stalled' THEN true
+             ELSE w.lease_until < pg_catalog.now() END
         OR ($1 AND w.lease_owner = $2 AND w.worker_pid <> pg_catalog.pg_backend_pid())
         OR ($4 > 0 AND w.started_at < pg_catalog.to_timestamp($4::float8 / 1000))
 )
@@ -42,7 +52,7 @@ SELECT m.id, m.channel_id, least(m.attempts, 2147483646) + 1,
    FOR UPDATE OF m SKIP LOCKED",
 );
 
-/// Ids left in claims whose lease ran out that stand for no attempt under way: their
+/// Ids left in claims whose lease was lost that stand for no attempt under way: their
 /// message was recorded otherwise (an operator's `resolve`) or is gone. Messages locked
 /// by another transaction (one recovering them right now) stay.
 pub(crate) static PRUNE_LOST_CLAIMS: Statement = Statement::planned_each_run(
@@ -50,7 +60,12 @@ pub(crate) static PRUNE_LOST_CLAIMS: Statement = Statement::planned_each_run(
 WITH lost AS MATERIALIZED (
     SELECT w.id
       FROM outbox._claims w
-     WHERE w.lease_until < now()
+     WHERE CASE outbox._claim_holder(w.lease_owner, w.worker_pid,
+                   CASE WHEN pg_catalog.isfinite(w.lease_until) AND pg_catalog.isfinite(w.started_at)
+                        THEN extract(epoch FROM w.lease_until - w.started_at)::float8 * 1000 END)
+             WHEN 'live' THEN false
+             WHEN 'stalled' THEN true
+             ELSE w.lease_until < pg_catalog.now() END
         OR ($1 AND w.lease_owner = $2 AND w.worker_pid <> pg_catalog.pg_backend_pid())
         OR ($3 > 0 AND w.started_at < pg_catalog.to_timestamp($3::float8 / 1000))
 ), emptied AS (

@@ -89,6 +89,7 @@ pub fn sort(
                     headers: job.headers.as_deref(),
                     payload: &job.payload,
                     effect_key: &job.effect_key,
+                    fence: job.fence,
                 };
                 remote.prepare(&message, remotes.allowed())
             });
@@ -116,6 +117,11 @@ pub fn decide_all(
     let now = now_ms();
     for (i, t) in sent {
         let job = &jobs[*i];
+        if t.fenced().is_some() {
+            // Never started: back to the queue as it was, no attempt counted.
+            outcomes.unsent.push(job.message_id);
+            continue;
+        }
         let Some(channel) = channels.by_id.get(&job.channel_id) else {
             continue;
         };

@@ -73,6 +73,9 @@ pub struct Slots {
     /// When a worker of this server first saw it promoted from a hot standby (Unix ms; 0:
     /// never). An attempt claimed before it was claimed on the old primary.
     pub promoted_at_ms: i64,
+    /// A stall of `outbox.fault_injection` has stopped a worker since the setting was last
+    /// changed: it stops one worker once, not every worker that passes the point.
+    pub stall_fired: bool,
 }
 
 impl Default for Slots {
@@ -80,6 +83,7 @@ impl Default for Slots {
         Slots {
             slots: [Slot::default(); MAX_SLOTS],
             promoted_at_ms: 0,
+            stall_fired: false,
         }
     }
 }
@@ -225,6 +229,18 @@ pub fn promoted_at_ms(seen_now_ms: i64) -> i64 {
         slots.promoted_at_ms = seen_now_ms;
     }
     slots.promoted_at_ms
+}
+
+/// Whether this worker is the one an armed stall stops: the first to pass its point.
+pub fn take_stall() -> bool {
+    preloaded() && !std::mem::replace(&mut SLOTS.exclusive().stall_fired, true)
+}
+
+/// Arms the stall of `outbox.fault_injection` again, for its next setting.
+pub fn rearm_stall() {
+    if preloaded() && SLOTS.share().stall_fired {
+        SLOTS.exclusive().stall_fired = false;
+    }
 }
 
 /// The time this server was promoted, when a worker saw it; 0 when it never was.
