@@ -210,10 +210,12 @@ fn a_worker_stopped_between_its_claim_and_its_requests_sends_nothing_when_it_res
     eprintln!("stall after the claim: {rows:?}");
 }
 
-/// A worker stops after its requests were answered, before it read or recorded the answers,
-/// for longer than the lease; the other worker takes them back as interrupted. When it runs
-/// again, its answers are recorded as late confirmations: no confirmed answer ends
-/// `uncertain`, and no key reaches a provider that can be asked twice.
+/// A worker stops with its answers in hand, for longer than the lease, at each of the points
+/// after its requests went out: before it read the answers (`stall_after_send`), before it
+/// recorded them (`stall_after_response`), and inside the record's transaction before its
+/// commit (`stall_before_commit`). The other worker takes back what it can as interrupted;
+/// when the stopped one runs again, its answers are recorded as confirmations: no confirmed
+/// answer ends `uncertain`, and no key reaches a provider that can be asked twice.
 #[test]
 fn a_worker_stopped_with_its_answers_in_hand_loses_no_confirmation() {
     let _serial = serial();
@@ -222,38 +224,40 @@ fn a_worker_stopped_with_its_answers_in_hand_loses_no_confirmation() {
     let sim = Simulator::start();
     let mut c = cluster.connect();
     let _lease = short_lease(&cluster, &mut c);
-    let lanes: Vec<(Kind, String)> = KINDS
-        .iter()
-        .map(|&k| (k, channel(&mut c, &sim, "answer", k)))
-        .collect();
-    let fault = arm_fault(&cluster, "stall_after_response");
-    let mut tx = c.transaction().unwrap();
-    let ids: Vec<(Kind, String, String, i64)> = lanes
-        .iter()
-        .map(|(k, ch)| {
-            let key = unique("sta");
-            let id = enqueue(&mut tx, ch, &key);
-            (*k, ch.clone(), key, id)
-        })
-        .collect();
-    tx.commit().unwrap();
-    let stopped = stopped_worker(&cluster, &mut c);
-    let resume = Continue(stopped);
-    drop(fault);
-    std::thread::sleep(LEASE + Duration::from_secs(2));
-    drop(resume);
-    let mut rows = Vec::new();
-    for (kind, ch, key, id) in &ids {
-        let state = settled(&cluster, *id, &["delivered"]);
-        let sent = key_sent(&mut c, *id);
-        let n = sends_of(&sim, *kind, ch, &sent, key);
-        rows.push(format!("{kind:?}: {state}, {n} send(s)"));
-        match kind {
-            Kind::Dedupe => assert_eq!(sim.stored(ch).len(), 1, "{rows:?}"),
-            Kind::Reconcile | Kind::Neither => assert_eq!(n, 1, "{rows:?}"),
+    for point in ["stall_after_send", "stall_after_response", "stall_before_commit"] {
+        let lanes: Vec<(Kind, String)> = KINDS
+            .iter()
+            .map(|&k| (k, channel(&mut c, &sim, "answer", k)))
+            .collect();
+        let fault = arm_fault(&cluster, point);
+        let mut tx = c.transaction().unwrap();
+        let ids: Vec<(Kind, String, String, i64)> = lanes
+            .iter()
+            .map(|(k, ch)| {
+                let key = unique("sta");
+                let id = enqueue(&mut tx, ch, &key);
+                (*k, ch.clone(), key, id)
+            })
+            .collect();
+        tx.commit().unwrap();
+        let stopped = stopped_worker(&cluster, &mut c);
+        let resume = Continue(stopped);
+        drop(fault);
+        std::thread::sleep(LEASE + Duration::from_secs(2));
+        drop(resume);
+        let mut rows = Vec::new();
+        for (kind, ch, key, id) in &ids {
+            let state = settled(&cluster, *id, &["delivered"]);
+            let sent = key_sent(&mut c, *id);
+            let n = sends_of(&sim, *kind, ch, &sent, key);
+            rows.push(format!("{kind:?}: {state}, {n} send(s)"));
+            match kind {
+                Kind::Dedupe => assert_eq!(sim.stored(ch).len(), 1, "{point}: {rows:?}"),
+                Kind::Reconcile | Kind::Neither => assert_eq!(n, 1, "{point}: {rows:?}"),
+            }
         }
+        eprintln!("{point}: {rows:?}");
     }
-    eprintln!("stall with the answers in hand: {rows:?}");
 }
 
 /// The record of a batch fails (here: it is cancelled twice while it waits for a row lock
@@ -455,4 +459,134 @@ fn no_login_role_stops_delivery_with_advisory_locks() {
         delivered.is_some(),
         "delivery stopped while a role with no grant held advisory locks"
     );
+}
+
+/// A soak of stalls: while messages flow over the three channel kinds, a worker is stopped
+/// (`kill -STOP`) and resumed (`kill -CONT`) again and again at random moments, several
+/// times for longer than the lease. Then: no key reached a provider that can be asked, or
+/// one that can neither dedupe nor be asked, twice; the deduping provider stored each key
+/// once; nothing is lost (every message is `delivered`, or `uncertain` on the channel that
+/// can neither dedupe nor be asked).
+#[test]
+fn random_stalls_of_the_workers_cause_no_blind_duplicate_and_lose_nothing() {
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    let workers = wait_for_workers(&cluster, &[]);
+    assert!(workers.len() >= 2, "needs two workers");
+    let sim = Simulator::start();
+    let mut c = cluster.connect();
+    let _lease = short_lease(&cluster, &mut c);
+    let lanes: Vec<(Kind, String)> = KINDS
+        .iter()
+        .map(|&k| (k, channel(&mut c, &sim, "soak", k)))
+        .collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stalls = {
+        let stop = stop.clone();
+        let workers = workers.clone();
+        std::thread::spawn(move || {
+            // A splitmix64 of its own: the same stalls for the same seed.
+            let mut seed: u64 = 0x5eed_0057_a115;
+            let mut next = move || {
+                seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                let mut z = seed;
+                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94d1_049b_1331_11eb);
+                z ^ (z >> 31)
+            };
+            let mut stalls = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(300 + next() % 1200));
+                let pid = workers[(next() % workers.len() as u64) as usize];
+                // One stall in three outlasts the lease.
+                let ms = if next() % 3 == 0 { 7_000 + next() % 2_000 } else { 100 + next() % 2_000 };
+                let _ = Command::new("kill").args(["-STOP", &pid.to_string()]).status();
+                let resume = Continue(pid);
+                std::thread::sleep(Duration::from_millis(ms));
+                drop(resume);
+                stalls.push(ms);
+            }
+            stalls
+        })
+    };
+    let mut ids: Vec<(Kind, String, String, i64)> = Vec::new();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(45) {
+        for (kind, ch) in &lanes {
+            let key = unique("sts");
+            let id = enqueue(&mut c, ch, &key);
+            ids.push((*kind, ch.clone(), key, id));
+        }
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let stalls = stalls.join().expect("the stalls");
+    for pid in &workers {
+        let _ = Command::new("kill").args(["-CONT", &pid.to_string()]).status();
+    }
+    let mut lost = Vec::new();
+    let mut duplicates = Vec::new();
+    let mut uncertain = 0;
+    for (kind, ch, key, id) in &ids {
+        let state = settled(&cluster, *id, &["delivered", "uncertain", "exhausted", "failed"]);
+        let sent = key_sent(&mut c, *id);
+        let n = sends_of(&sim, *kind, ch, &sent, key);
+        match (kind, state.as_str()) {
+            (Kind::Neither, "uncertain") => uncertain += 1,
+            (_, "delivered") => {}
+            _ => lost.push(format!("{kind:?} {id} {state}")),
+        }
+        if *kind != Kind::Dedupe && n > 1 {
+            duplicates.push(format!("{kind:?} {id}: {n} sends"));
+        }
+    }
+    for (kind, ch) in &lanes {
+        if *kind == Kind::Dedupe {
+            let stored = sim.stored(ch).len();
+            let sent: usize = ids.iter().filter(|(k, _, _, _)| k == kind).count();
+            assert_eq!(stored, sent, "the deduping provider stores each key once");
+        }
+    }
+    let long = stalls.iter().filter(|ms| **ms > LEASE.as_millis() as u64).count();
+    eprintln!(
+        "stall soak: {} messages, {} stalls ({long} longer than the lease), {uncertain} uncertain on the channel that can neither dedupe nor be asked, {} lost, {} blind duplicates",
+        ids.len(),
+        stalls.len(),
+        lost.len(),
+        duplicates.len()
+    );
+    assert!(long >= 2, "the soak proves nothing without stalls past the lease: {stalls:?}");
+    assert!(lost.is_empty(), "lost: {lost:?}");
+    assert!(duplicates.is_empty(), "blind duplicates: {duplicates:?}");
+}
+
+/// A request answered while its worker was stopped (for longer than the request's timeout,
+/// shorter than the lease) is recorded as answered when the worker resumes: the answer was
+/// waiting in the socket, and the timeout that passed during the stop does not turn it into
+/// an ambiguous outcome.
+#[test]
+fn a_request_answered_while_its_worker_was_stopped_is_recorded_as_answered() {
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    let workers = wait_for_workers(&cluster, &[]);
+    let sim = Simulator::start();
+    let mut c = cluster.connect();
+    let ch = channel(&mut c, &sim, "paused_answer", Kind::Neither);
+    sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(300)));
+    let id = enqueue(&mut c, &ch, &unique("stp"));
+    assert!(sim.wait_for_sends(&ch, 1, Duration::from_secs(10)), "no send");
+    // Every worker stops while the provider answers, for three times the request's timeout.
+    let resume: Vec<Continue> = workers
+        .iter()
+        .map(|pid| {
+            let _ = Command::new("kill").args(["-STOP", &pid.to_string()]).status();
+            Continue(*pid)
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(3));
+    drop(resume);
+    let state = settled(&cluster, id, &["delivered", "uncertain"]);
+    let tries = attempts(&mut c, id);
+    assert_eq!(state, "delivered", "attempts: {tries:?}");
+    assert_eq!((sim.send_count(&ch), tries.len()), (1, 1), "attempts: {tries:?}");
 }

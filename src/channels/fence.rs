@@ -18,9 +18,9 @@
 //! longer than the lease, measured from its last beat, which is no earlier than the fence's
 //! start less one beat interval (100 ms); the margin covers that interval and what a check
 //! costs, so that a fence always passes before the claim can be taken back. What it cannot
-//! cover is a stop that lands between the check and the write itself: a few microseconds on
-//! the plain HTTP path, the connection's set-up on the reqwest (HTTPS) path and in a NATS
-//! publish. A worker stopped exactly there sends when it resumes; recovery will have taken
+//! cover is a stop that lands between the check and the write itself: the call that writes
+//! on the plain HTTP path and the publish call on NATS (both on a connection made before the
+//! check), the connection's set-up too on the reqwest (HTTPS) path. A worker stopped exactly there sends when it resumes; recovery will have taken
 //! the attempt back as interrupted, so the provider can see the key twice, and a deduping
 //! provider drops the copy. docs/reliability.md lists this window with its measurement.
 
