@@ -88,6 +88,7 @@ static WORKER_ROLE: GucSetting<Option<CString>> =
 static TENANT: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 static ALLOWED_HOSTS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"*"));
 static METRICS_ADDRESS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+static METRICS_TOKEN_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
 pub fn init() {
     // Postmaster settings can only be defined while shared_preload_libraries is processed;
@@ -107,6 +108,14 @@ fn define_postmaster_settings() {
         &METRICS_ADDRESS,
         GucContext::Postmaster,
         GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"outbox.metrics_token_file",
+        c"File holding the bearer token GET /metrics must carry; empty: no authentication.",
+        c"Read at every request, without its trailing line end; a missing, unreadable or empty file answers 503 (src/metrics/request.rs).",
+        &METRICS_TOKEN_FILE,
+        GucContext::Postmaster,
+        GucFlags::SUPERUSER_ONLY,
     );
     GucRegistry::define_string_guc(
         c"outbox.database",
@@ -284,6 +293,15 @@ pub fn database() -> String {
 /// `outbox.metrics_address`; empty when unset.
 pub fn metrics_address() -> String {
     METRICS_ADDRESS
+        .get()
+        .map(|s| s.to_string_lossy().trim().to_string())
+        .unwrap_or_default()
+}
+
+/// `outbox.metrics_token_file`; empty when unset. A relative path is read from the data
+/// directory.
+pub fn metrics_token_file() -> String {
+    METRICS_TOKEN_FILE
         .get()
         .map(|s| s.to_string_lossy().trim().to_string())
         .unwrap_or_default()

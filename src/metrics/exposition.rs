@@ -1,6 +1,8 @@
 //! The text of `GET /metrics`, pure: each database's `outbox.prometheus()` labelled with its
 //! `database`, every family described once, and for each database served a sample saying
-//! whether its part is in this scrape.
+//! whether its part is in this scrape; and the answers of the listener.
+
+use super::request::{Head, Verdict};
 
 /// `exposition` with `database="<db>"` added to every sample's labels; comments as they are.
 pub fn with_database_label(exposition: &str, database: &str) -> String {
@@ -59,31 +61,78 @@ pub fn merge(parts: &[String]) -> String {
     out
 }
 
-/// The answer to a request head: status line, content type, body.
-pub fn respond(head: &str, exposition: impl FnOnce() -> Result<String, String>) -> (u16, String) {
-    let mut first = head.lines().next().unwrap_or("").split(' ');
-    let (method, target) = (first.next().unwrap_or(""), first.next().unwrap_or(""));
-    let path = target.split('?').next().unwrap_or("");
-    match (method, path) {
-        ("GET", "/metrics") => match exposition() {
-            Ok(text) => (200, text),
-            Err(e) => (
+/// What a request head asks of the listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// Answered at once: status and body.
+    Answer(u16, String),
+    /// `GET /metrics`, allowed: answered by the next scrape.
+    Scrape,
+}
+
+/// The route of a request: `GET /metrics` alone is served, to whom `verdict` allows.
+/// `verdict` is only asked for a `GET /metrics`.
+pub fn route(head: &Head, verdict: impl FnOnce() -> Verdict) -> Route {
+    match (head.method.as_str(), head.path.as_str()) {
+        ("GET", "/metrics") => match verdict() {
+            Verdict::Allowed => Route::Scrape,
+            Verdict::Unauthorized => Route::Answer(
+                401,
+                "outbox_delivery: GET /metrics needs Authorization: Bearer <token>\n".into(),
+            ),
+            Verdict::Unavailable => Route::Answer(
                 503,
-                format!("outbox_delivery: the exposition failed: {e}\n"),
+                "outbox_delivery: the metrics token cannot be read; the server log says why\n"
+                    .into(),
             ),
         },
-        (_, "/metrics") => (405, "only GET\n".into()),
-        _ => (404, "outbox_delivery: GET /metrics\n".into()),
+        (_, "/metrics") => Route::Answer(405, "only GET\n".into()),
+        _ => Route::Answer(404, "outbox_delivery: GET /metrics\n".into()),
+    }
+}
+
+/// The answer to an allowed `GET /metrics` from what the scrape gave.
+pub fn scraped(exposition: Result<String, String>) -> (u16, String) {
+    match exposition {
+        Ok(text) => (200, text),
+        Err(e) => (
+            503,
+            format!("outbox_delivery: the exposition failed: {e}\n"),
+        ),
     }
 }
 
 pub fn reason(status: u16) -> &'static str {
     match status {
         200 => "OK",
+        400 => "Bad Request",
+        401 => "Unauthorized",
         404 => "Not Found",
         405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        431 => "Request Header Fields Too Large",
         _ => "Service Unavailable",
     }
+}
+
+/// The bytes of an HTTP/1.1 answer; the connection closes after it.
+pub fn http_answer(status: u16, body: &str) -> Vec<u8> {
+    let content_type = if status == 200 {
+        "text/plain; version=0.0.4; charset=utf-8"
+    } else {
+        "text/plain; charset=utf-8"
+    };
+    let challenge = if status == 401 {
+        "WWW-Authenticate: Bearer realm=\"outbox_delivery metrics\"\r\n"
+    } else {
+        ""
+    };
+    format!(
+        "HTTP/1.1 {status} {}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n{challenge}Connection: close\r\n\r\n{body}",
+        reason(status),
+        body.len()
+    )
+    .into_bytes()
 }
 
 /// What one database gave to a scrape.
@@ -181,20 +230,56 @@ mod tests {
         );
     }
 
+    fn head(method: &str, path: &str) -> Head {
+        Head {
+            method: method.into(),
+            path: path.into(),
+            authorization: None,
+        }
+    }
+
     #[test]
-    fn only_get_metrics_is_served() {
-        let ok = || Ok("body".to_string());
+    fn only_get_metrics_is_served_and_only_to_whom_the_verdict_allows() {
+        let allowed = || Verdict::Allowed;
+        assert_eq!(route(&head("GET", "/metrics"), allowed), Route::Scrape);
+        assert!(matches!(
+            route(&head("GET", "/metrics"), || Verdict::Unauthorized),
+            Route::Answer(401, _)
+        ));
+        assert!(matches!(
+            route(&head("GET", "/metrics"), || Verdict::Unavailable),
+            Route::Answer(503, _)
+        ));
+        assert!(matches!(
+            route(&head("POST", "/metrics"), allowed),
+            Route::Answer(405, _)
+        ));
+        assert!(matches!(
+            route(&head("GET", "/"), allowed),
+            Route::Answer(404, _)
+        ));
+        assert!(matches!(
+            route(&head("", ""), allowed),
+            Route::Answer(404, _)
+        ));
+        // The verdict (a read of the token file) is only taken for GET /metrics.
+        assert!(matches!(
+            route(&head("GET", "/x"), || panic!("asked")),
+            Route::Answer(404, _)
+        ));
+        assert_eq!(scraped(Ok("body".into())), (200, "body".into()));
+        assert_eq!(scraped(Err("down".into())).0, 503);
+    }
+
+    #[test]
+    fn an_answer_says_its_length_and_closes() {
+        let text = String::from_utf8(http_answer(200, "x 1\n")).unwrap();
         assert_eq!(
-            respond("GET /metrics HTTP/1.1\r\n", ok),
-            (200, "body".into())
+            text,
+            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: 4\r\nConnection: close\r\n\r\nx 1\n"
         );
-        assert_eq!(respond("GET /metrics?x=1 HTTP/1.1\r\n", ok).0, 200);
-        assert_eq!(respond("POST /metrics HTTP/1.1\r\n", ok).0, 405);
-        assert_eq!(respond("GET / HTTP/1.1\r\n", ok).0, 404);
-        assert_eq!(respond("", ok).0, 404);
-        assert_eq!(
-            respond("GET /metrics HTTP/1.1\r\n", || Err("down".into())).0,
-            503
-        );
+        let text = String::from_utf8(http_answer(401, "no")).unwrap();
+        assert!(text.starts_with("HTTP/1.1 401 Unauthorized\r\n"), "{text}");
+        assert!(text.contains("\r\nWWW-Authenticate: Bearer realm=\"outbox_delivery metrics\"\r\n"));
     }
 }

@@ -50,9 +50,45 @@ pub fn can_serve(name: &str) -> bool {
         return false;
     };
     BackgroundWorker::transaction(|| unsafe {
-        let oid = pg_sys::get_database_oid(cname.as_ptr(), true);
+        let oid = database_oid(&cname);
         oid != pg_sys::InvalidOid && !excluded_from(oid)
     })
+}
+
+/// The OID of database `name`, or `InvalidOid`. Inside a transaction. Unlike
+/// `get_database_oid`, it works in a process bound to no database whose shared relation
+/// cache is not complete (one started before any session wrote `global/pg_internal.init`
+/// after the server start): there it reads `pg_database` without its index, as PostgreSQL's
+/// own `GetDatabaseTuple` does, because opening the index would read `pg_class`, which a
+/// process bound to no database cannot do (FATAL).
+unsafe fn database_oid(name: &std::ffi::CStr) -> pg_sys::Oid {
+    let mut key: pg_sys::ScanKeyData = std::mem::zeroed();
+    pg_sys::ScanKeyInit(
+        &mut key,
+        pg_sys::Anum_pg_database_datname as pg_sys::AttrNumber,
+        pg_sys::BTEqualStrategyNumber as pg_sys::StrategyNumber,
+        pg_sys::Oid::from(pg_sys::F_NAMEEQ),
+        pg_sys::Datum::from(name.as_ptr()),
+    );
+    let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+    let catalog = pg_sys::table_open(pg_sys::DatabaseRelationId, lock);
+    let scan = pg_sys::systable_beginscan(
+        catalog,
+        pg_sys::Oid::from(pg_sys::DatabaseNameIndexId),
+        pg_sys::criticalSharedRelcachesBuilt,
+        std::ptr::null_mut(),
+        1,
+        &mut key,
+    );
+    let tuple = pg_sys::systable_getnext(scan);
+    let oid = if tuple.is_null() {
+        pg_sys::InvalidOid
+    } else {
+        (*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_database>(tuple)).oid
+    };
+    pg_sys::systable_endscan(scan);
+    pg_sys::table_close(catalog, lock);
+    oid
 }
 
 /// What a connected worker finds around it.
