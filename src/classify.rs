@@ -423,7 +423,11 @@ mod tests {
         for status in 0..=u16::MAX {
             let want = expected_default(status);
             assert_eq!(default_class(status), want, "{status}");
-            assert_eq!(classify(&response(status, true), &none, Resend::DedupedByKey), want, "{status}");
+            assert_eq!(
+                classify(&response(status, true), &none, Resend::DedupedByKey),
+                want,
+                "{status}"
+            );
             let incomplete = if want == Class::Delivered {
                 Class::Ambiguous
             } else {
@@ -482,10 +486,19 @@ mod tests {
         assert!(gateway_may_have_passed_on(502) && gateway_may_have_passed_on(504));
         assert!(!gateway_may_have_passed_on(500) && !gateway_may_have_passed_on(503));
         let o = Overrides::from_json(&json!({"502": "transient", "5xx": "permanent"})).unwrap();
-        assert_eq!(classify(&response(502, true), &o, Resend::Unguarded), Class::Transient);
-        assert_eq!(classify(&response(504, true), &o, Resend::Unguarded), Class::Permanent);
+        assert_eq!(
+            classify(&response(502, true), &o, Resend::Unguarded),
+            Class::Transient
+        );
+        assert_eq!(
+            classify(&response(504, true), &o, Resend::Unguarded),
+            Class::Permanent
+        );
         for phase in ALL_PHASES {
-            let f = SendFacts::Failure { phase, timed_out: true };
+            let f = SendFacts::Failure {
+                phase,
+                timed_out: true,
+            };
             assert_eq!(
                 classify(&f, &none, Resend::Unguarded),
                 classify(&f, &none, Resend::DedupedByKey)
@@ -515,7 +528,10 @@ mod tests {
                     want,
                     "{phase} {timed_out}"
                 );
-                assert_eq!(classify(&f, &everything_delivered, Resend::DedupedByKey), want);
+                assert_eq!(
+                    classify(&f, &everything_delivered, Resend::DedupedByKey),
+                    want
+                );
             }
         }
         let names: Vec<&str> = ALL_PHASES.iter().map(|p| p.as_str()).collect();
@@ -601,13 +617,19 @@ mod tests {
                             .map(|&(_, c)| c)
                     })
                     .unwrap_or_else(|| expected_default(status));
-                assert_eq!(classify(&response(status, true), &o, Resend::DedupedByKey), base);
+                assert_eq!(
+                    classify(&response(status, true), &o, Resend::DedupedByKey),
+                    base
+                );
                 let lost = if base == Class::Delivered {
                     Class::Ambiguous
                 } else {
                     base
                 };
-                assert_eq!(classify(&response(status, false), &o, Resend::DedupedByKey), lost);
+                assert_eq!(
+                    classify(&response(status, false), &o, Resend::DedupedByKey),
+                    lost
+                );
             }
         }
     }

@@ -58,7 +58,12 @@ fn channel(c: &mut Client, sim: &Simulator, tag: &str, kind: Kind) -> String {
     if kind == Kind::Dedupe {
         sim.set_dedupe(&ch, "Idempotency-Key");
     }
-    create_channel(c, &ch, &sim.send_url(&ch), &options(kind, sim, &ch).to_string());
+    create_channel(
+        c,
+        &ch,
+        &sim.send_url(&ch),
+        &options(kind, sim, &ch).to_string(),
+    );
     ch
 }
 
@@ -220,11 +225,18 @@ fn a_worker_stopped_between_its_claim_and_its_requests_sends_nothing_when_it_res
 fn a_worker_stopped_with_its_answers_in_hand_loses_no_confirmation() {
     let _serial = serial();
     let cluster = Cluster::from_env();
-    assert!(wait_for_workers(&cluster, &[]).len() >= 2, "needs two workers");
+    assert!(
+        wait_for_workers(&cluster, &[]).len() >= 2,
+        "needs two workers"
+    );
     let sim = Simulator::start();
     let mut c = cluster.connect();
     let _lease = short_lease(&cluster, &mut c);
-    for point in ["stall_after_send", "stall_after_response", "stall_before_commit"] {
+    for point in [
+        "stall_after_send",
+        "stall_after_response",
+        "stall_before_commit",
+    ] {
         let lanes: Vec<(Kind, String)> = KINDS
             .iter()
             .map(|&k| (k, channel(&mut c, &sim, "answer", k)))
@@ -284,7 +296,10 @@ fn a_record_that_fails_is_tried_again_with_the_answers_in_hand() {
     impl Drop for ResetDatabase<'_> {
         fn drop(&mut self) {
             let mut c = self.0.connect();
-            let _ = c.batch_execute(&format!("ALTER DATABASE {} RESET lock_timeout", ident(&self.1)));
+            let _ = c.batch_execute(&format!(
+                "ALTER DATABASE {} RESET lock_timeout",
+                ident(&self.1)
+            ));
         }
     }
     let _reset = ResetDatabase(&cluster, db.clone());
@@ -300,13 +315,19 @@ fn a_record_that_fails_is_tried_again_with_the_answers_in_hand() {
     sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(700)));
     let key = unique("str");
     let id = enqueue(&mut c, &ch, &key);
-    assert!(sim.wait_for_sends(&ch, 1, Duration::from_secs(10)), "no send");
+    assert!(
+        sim.wait_for_sends(&ch, 1, Duration::from_secs(10)),
+        "no send"
+    );
     // The application holds the message's row while the answer comes back.
     let mut app = cluster.connect();
     app.batch_execute("SET lock_timeout = 0").unwrap();
     let mut tx = app.transaction().unwrap();
-    tx.execute("SELECT 1 FROM outbox._messages WHERE id = $1 FOR UPDATE", &[&id])
-        .unwrap();
+    tx.execute(
+        "SELECT 1 FROM outbox._messages WHERE id = $1 FOR UPDATE",
+        &[&id],
+    )
+    .unwrap();
     // The record waits for the row: cancel it, twice. (Its WARNINGs are not in this
     // cluster's log, which keeps LOG and FATAL only: the outcome says it.)
     let mut cancelled = 0;
@@ -338,7 +359,11 @@ fn a_record_that_fails_is_tried_again_with_the_answers_in_hand() {
     assert_eq!(cancelled, 2, "the record never waited for the row");
     std::thread::sleep(Duration::from_millis(500));
     tx.commit().unwrap();
-    let state = settled(&cluster, id, &["delivered", "uncertain", "failed", "exhausted"]);
+    let state = settled(
+        &cluster,
+        id,
+        &["delivered", "uncertain", "failed", "exhausted"],
+    );
     let tries = attempts(&mut c, id);
     assert_eq!(state, "delivered", "attempts: {tries:?}");
     assert_eq!(sim.send_count(&ch), 1, "sends");
@@ -368,7 +393,11 @@ fn a_gateway_502_or_504_is_not_resent_blindly() {
         sim.set_plan(&dedupe, vec![Action::Status(status)]);
         let id = enqueue(&mut c, &dedupe, &unique("stg"));
         assert_eq!(settled(&cluster, id, &["delivered"]), "delivered");
-        assert_eq!(sim.send_count(&dedupe), 2, "{status} then a resend with the key");
+        assert_eq!(
+            sim.send_count(&dedupe),
+            2,
+            "{status} then a resend with the key"
+        );
     }
 }
 
@@ -378,7 +407,10 @@ fn a_gateway_502_or_504_is_not_resent_blindly() {
 fn a_claim_that_waited_for_a_lock_is_not_taken_back() {
     let _serial = serial();
     let cluster = Cluster::from_env();
-    assert!(wait_for_workers(&cluster, &[]).len() >= 2, "needs two workers");
+    assert!(
+        wait_for_workers(&cluster, &[]).len() >= 2,
+        "needs two workers"
+    );
     let sim = Simulator::start();
     let mut c = cluster.connect();
     let _lease = short_lease(&cluster, &mut c);
@@ -395,7 +427,8 @@ fn a_claim_that_waited_for_a_lock_is_not_taken_back() {
     // The claim's insert into the claims waits behind this lock for longer than a lease.
     let mut holder = cluster.connect();
     let mut tx = holder.transaction().unwrap();
-    tx.batch_execute("LOCK TABLE outbox._claims IN SHARE MODE").unwrap();
+    tx.batch_execute("LOCK TABLE outbox._claims IN SHARE MODE")
+        .unwrap();
     std::thread::sleep(LEASE + Duration::from_secs(2));
     tx.commit().unwrap();
     let state = settled(&cluster, id, &["delivered", "uncertain"]);
@@ -443,7 +476,9 @@ fn no_login_role_stops_delivery_with_advisory_locks() {
     ))
     .unwrap();
     let ch = channel(&mut c, &sim, "advisory", Kind::Dedupe);
-    let ids: Vec<i64> = (0..5).map(|_| enqueue(&mut c, &ch, &unique("sth"))).collect();
+    let ids: Vec<i64> = (0..5)
+        .map(|_| enqueue(&mut c, &ch, &unique("sth")))
+        .collect();
     let delivered = poll(&cluster, Duration::from_secs(10), |c| {
         let n = count(
             c,
@@ -499,8 +534,14 @@ fn random_stalls_of_the_workers_cause_no_blind_duplicate_and_lose_nothing() {
                 std::thread::sleep(Duration::from_millis(300 + next() % 1200));
                 let pid = workers[(next() % workers.len() as u64) as usize];
                 // One stall in three outlasts the lease.
-                let ms = if next() % 3 == 0 { 7_000 + next() % 2_000 } else { 100 + next() % 2_000 };
-                let _ = Command::new("kill").args(["-STOP", &pid.to_string()]).status();
+                let ms = if next() % 3 == 0 {
+                    7_000 + next() % 2_000
+                } else {
+                    100 + next() % 2_000
+                };
+                let _ = Command::new("kill")
+                    .args(["-STOP", &pid.to_string()])
+                    .status();
                 let resume = Continue(pid);
                 std::thread::sleep(Duration::from_millis(ms));
                 drop(resume);
@@ -522,13 +563,19 @@ fn random_stalls_of_the_workers_cause_no_blind_duplicate_and_lose_nothing() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let stalls = stalls.join().expect("the stalls");
     for pid in &workers {
-        let _ = Command::new("kill").args(["-CONT", &pid.to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-CONT", &pid.to_string()])
+            .status();
     }
     let mut lost = Vec::new();
     let mut duplicates = Vec::new();
     let mut uncertain = 0;
     for (kind, ch, key, id) in &ids {
-        let state = settled(&cluster, *id, &["delivered", "uncertain", "exhausted", "failed"]);
+        let state = settled(
+            &cluster,
+            *id,
+            &["delivered", "uncertain", "exhausted", "failed"],
+        );
         let sent = key_sent(&mut c, *id);
         let n = sends_of(&sim, *kind, ch, &sent, key);
         match (kind, state.as_str()) {
@@ -547,7 +594,10 @@ fn random_stalls_of_the_workers_cause_no_blind_duplicate_and_lose_nothing() {
             assert_eq!(stored, sent, "the deduping provider stores each key once");
         }
     }
-    let long = stalls.iter().filter(|ms| **ms > LEASE.as_millis() as u64).count();
+    let long = stalls
+        .iter()
+        .filter(|ms| **ms > LEASE.as_millis() as u64)
+        .count();
     eprintln!(
         "stall soak: {} messages, {} stalls ({long} longer than the lease), {uncertain} uncertain on the channel that can neither dedupe nor be asked, {} lost, {} blind duplicates",
         ids.len(),
@@ -555,7 +605,10 @@ fn random_stalls_of_the_workers_cause_no_blind_duplicate_and_lose_nothing() {
         lost.len(),
         duplicates.len()
     );
-    assert!(long >= 2, "the soak proves nothing without stalls past the lease: {stalls:?}");
+    assert!(
+        long >= 2,
+        "the soak proves nothing without stalls past the lease: {stalls:?}"
+    );
     assert!(lost.is_empty(), "lost: {lost:?}");
     assert!(duplicates.is_empty(), "blind duplicates: {duplicates:?}");
 }
@@ -574,12 +627,17 @@ fn a_request_answered_while_its_worker_was_stopped_is_recorded_as_answered() {
     let ch = channel(&mut c, &sim, "paused_answer", Kind::Neither);
     sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(300)));
     let id = enqueue(&mut c, &ch, &unique("stp"));
-    assert!(sim.wait_for_sends(&ch, 1, Duration::from_secs(10)), "no send");
+    assert!(
+        sim.wait_for_sends(&ch, 1, Duration::from_secs(10)),
+        "no send"
+    );
     // Every worker stops while the provider answers, for three times the request's timeout.
     let resume: Vec<Continue> = workers
         .iter()
         .map(|pid| {
-            let _ = Command::new("kill").args(["-STOP", &pid.to_string()]).status();
+            let _ = Command::new("kill")
+                .args(["-STOP", &pid.to_string()])
+                .status();
             Continue(*pid)
         })
         .collect();
@@ -588,5 +646,9 @@ fn a_request_answered_while_its_worker_was_stopped_is_recorded_as_answered() {
     let state = settled(&cluster, id, &["delivered", "uncertain"]);
     let tries = attempts(&mut c, id);
     assert_eq!(state, "delivered", "attempts: {tries:?}");
-    assert_eq!((sim.send_count(&ch), tries.len()), (1, 1), "attempts: {tries:?}");
+    assert_eq!(
+        (sim.send_count(&ch), tries.len()),
+        (1, 1),
+        "attempts: {tries:?}"
+    );
 }

@@ -40,9 +40,8 @@ impl Sent {
     /// Why the send did not start, when its fence had passed first (`fence`).
     pub fn fenced(&self) -> Option<&str> {
         match self {
-            Sent::Http(Transmission::Fenced { error }) | Sent::Nats(Publication::Fenced { error }) => {
-                Some(error)
-            }
+            Sent::Http(Transmission::Fenced { error })
+            | Sent::Nats(Publication::Fenced { error }) => Some(error),
             _ => None,
         }
     }

@@ -653,7 +653,13 @@ impl Worker {
                                     &mut outcomes,
                                 )?;
                                 record::record(client, &outcomes)?;
-                                flow::after_batch(client, &f.channels, &f.jobs, &l.sent, &outcomes)?;
+                                flow::after_batch(
+                                    client,
+                                    &f.channels,
+                                    &f.jobs,
+                                    &l.sent,
+                                    &outcomes,
+                                )?;
                                 all.push(outcomes);
                             }
                             Ok(all)

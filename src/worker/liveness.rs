@@ -213,17 +213,30 @@ mod tests {
     fn a_slot_of_another_process_or_database_or_none_is_gone() {
         let now = 10_000_000;
         assert_eq!(holder(None, 42, DB, 60_000.0, now), Holder::Gone);
-        assert_eq!(holder(slot(43, DB, now), 42, DB, 60_000.0, now), Holder::Gone);
-        assert_eq!(holder(slot(42, DB + 1, now), 42, DB, 60_000.0, now), Holder::Gone);
+        assert_eq!(
+            holder(slot(43, DB, now), 42, DB, 60_000.0, now),
+            Holder::Gone
+        );
+        assert_eq!(
+            holder(slot(42, DB + 1, now), 42, DB, 60_000.0, now),
+            Holder::Gone
+        );
         assert_eq!(holder(slot(0, DB, now), 0, DB, 60_000.0, now), Holder::Gone);
-        assert_eq!(holder(slot(-1, DB, now), -1, DB, 60_000.0, now), Holder::Gone);
+        assert_eq!(
+            holder(slot(-1, DB, now), -1, DB, 60_000.0, now),
+            Holder::Gone
+        );
     }
 
     #[test]
     fn a_lease_of_no_length_holds_nothing() {
         let now = 10_000_000;
         for lease in [0.0, -1.0, f64::NEG_INFINITY, f64::NAN] {
-            assert_eq!(holder(slot(42, DB, now), 42, DB, lease, now), Holder::Stalled, "{lease}");
+            assert_eq!(
+                holder(slot(42, DB, now), 42, DB, lease, now),
+                Holder::Stalled,
+                "{lease}"
+            );
         }
         assert_eq!(
             holder(slot(42, DB, now - 1_000_000), 42, DB, f64::INFINITY, now),
