@@ -468,3 +468,66 @@ fn a_fast_shutdown_during_a_sleeping_effect_completes_promptly() {
         state_of(&cluster, id)
     );
 }
+
+#[test]
+fn an_effect_that_catches_its_cancel_ends_its_worker_and_others_are_served() {
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    wait_for_workers(&cluster, &[]);
+    let app = App::new(&mut c);
+    let stubborn = app.function(
+        &mut c,
+        "stubborn",
+        "LOOP BEGIN PERFORM pg_sleep(10); EXCEPTION WHEN query_canceled THEN NULL; END; END LOOP;",
+    );
+    let ch = app.channel(
+        &mut c,
+        &stubborn,
+        1000,
+        r#"{"base_ms": 1000, "max_attempts": 5}"#,
+    );
+    let id = app.enqueue(&mut c, &ch);
+    let pid = worker_waiting_on(&cluster, "PgSleep");
+    let waiting = Instant::now();
+
+    // Another tenant's message is delivered meanwhile.
+    let other = App::new(&mut c);
+    let quick = other.function(&mut c, "quick", "RETURN 'done';");
+    let other_ch = other.channel(&mut c, &quick, 1000, r#"{"base_ms": 100}"#);
+    let quick_enqueued = Instant::now();
+    let quick_id = other.enqueue(&mut c, &other_ch);
+    assert!(
+        wait_for_state(&cluster, quick_id, "delivered", T),
+        "{:?}",
+        state_of(&cluster, quick_id)
+    );
+    let waited = quick_enqueued.elapsed();
+    assert!(
+        waited < Duration::from_secs(2),
+        "the other tenant's message was delivered {waited:?} after its enqueue"
+    );
+
+    // The timeout of 1 s, then half a second of cancels it ignores: the process ends.
+    let gone = poll(&cluster, Duration::from_secs(30), |c| {
+        let n: i64 = c
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+                &[&pid],
+            )?
+            .get(0);
+        Ok((n == 0).then(|| waiting.elapsed()))
+    })
+    .expect("the worker of the effect that catches its cancels was still there after 30 s");
+    assert!(
+        gone < Duration::from_secs(3),
+        "the worker ended {gone:?} after the effect began"
+    );
+    app.replace(&mut c, &stubborn, "RETURN 'done';");
+    wait_for_workers(&cluster, &[pid]);
+    assert!(
+        wait_for_state(&cluster, id, "delivered", Duration::from_secs(90)),
+        "{:?}",
+        state_of(&cluster, id)
+    );
+}
