@@ -6,8 +6,8 @@
 //!    channel's backoff, never at once; another tenant's message is delivered meanwhile.
 //! 2. `pg_terminate_backend` of the worker and a fast shutdown end a running effect at once.
 //! 3. Nothing of the call stays with the worker: a session-level advisory lock is released
-//!    after it, and a trigger it deferred is refused rather than fired at the worker's
-//!    commit, as the worker's role and outside the bound.
+//!    after it, and a trigger it deferred is refused (PostgreSQL's rule for a
+//!    security-restricted operation) rather than fired at the worker's commit.
 //!
 //! Run: `cargo test -p outbox_e2e --release --test effect_bounds -- --test-threads=1`.
 

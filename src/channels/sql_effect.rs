@@ -7,8 +7,8 @@
 //! a security-restricted operation (see worker/identity.rs), bounded by the channel's
 //! `timeout_ms` and by the worker's stop (`effect_bound`): a failing, timed-out or cancelled
 //! effect is rolled back, classified and recorded without touching the rest of the batch.
-//! Nothing of the call outlives it in the worker: its settings, its deferred triggers
-//! (refused: see [`FIRE_DEFERRED`]) and its session-level advisory locks (released after it).
+//! Nothing of the call outlives it in the worker: neither its settings nor its
+//! session-level advisory locks (released after it).
 
 use super::effect_bound;
 use crate::classify::EffectOutcome;
@@ -59,15 +59,6 @@ SELECT outbox._caller_is_superuser()
 static RUN_AS_ROLE: Statement = Statement::planned_once(
     "SELECT oid FROM pg_catalog.pg_roles WHERE rolname = $1 AND NOT rolsuper",
 );
-
-/// Fires the triggers the effect deferred (constraint triggers `INITIALLY DEFERRED`, or
-/// made so with `SET CONSTRAINTS … DEFERRED`) before the call returns, rather than at the
-/// worker's commit, where they would run as the worker's role, outside the effect's bound,
-/// and a failing one would roll back the whole batch. Inside the security-restricted
-/// operation PostgreSQL refuses to fire them (42501, "cannot fire deferred trigger within
-/// security-restricted operation"): an effect that defers a trigger fails, rolled back. The
-/// worker's own statements defer nothing.
-const FIRE_DEFERRED: &str = "SET CONSTRAINTS ALL IMMEDIATE";
 
 thread_local! {
     /// The search path effects run under: the database's own (its default, or what
@@ -186,7 +177,6 @@ pub fn call_effect(
                                 rows.first().get_one::<String>()
                             }
                         })?;
-                    client.update(FIRE_DEFERRED, None, &[])?;
                     Ok(EffectOutcome::Returned(returned))
                 }))
                 .map_err(spi_error)?;
