@@ -21,8 +21,9 @@
 use pgrx::pg_sys;
 use std::sync::atomic::{AtomicI64, AtomicU32, Ordering::Relaxed};
 
-/// What the extension uses of PostgreSQL's `utils/timeout.h`, which pgrx does not bind.
-mod timeout {
+/// What the extension uses of PostgreSQL's `utils/timeout.h`, which pgrx does not bind (a
+/// background worker that needs a statement timeout arms `STATEMENT_TIMEOUT` with it).
+pub(crate) mod timeout {
     /// `TimeoutId`, a C enum.
     pub type TimeoutId = std::ffi::c_uint;
     /// `STATEMENT_TIMEOUT`: the fourth reason in every version (13 to 18).
