@@ -9,6 +9,7 @@
 pub mod admin;
 pub mod circuit;
 pub mod connection_slots;
+pub mod effect_bound;
 pub mod fence;
 pub mod guard;
 pub mod http;

@@ -4,10 +4,13 @@
 //! effect happens exactly once by construction.
 //!
 //! Each call runs in a subtransaction as the channel's `run_as` role (never a superuser), in
-//! a security-restricted operation (see worker/identity.rs),
-//! with the channel's `timeout_ms` as its statement timeout: a failing effect is rolled back,
-//! classified and recorded without touching the rest of the batch.
+//! a security-restricted operation (see worker/identity.rs), bounded by the channel's
+//! `timeout_ms` and by the worker's stop (`effect_bound`): a failing, timed-out or cancelled
+//! effect is rolled back, classified and recorded without touching the rest of the batch.
+//! Nothing of the call outlives it in the worker: neither its settings nor its
+//! session-level advisory locks (released after it).
 
+use super::effect_bound;
 use crate::classify::EffectOutcome;
 use crate::error::sqlstate_and_message;
 use crate::gucs::set_in_nest;
@@ -19,6 +22,7 @@ use pgrx::spi::{SpiClient, SpiResult};
 use std::cell::RefCell;
 use std::ffi::CString;
 use std::panic::AssertUnwindSafe;
+use std::time::Instant;
 
 /// The function a channel names, resolved by its exact signature under the search path in
 /// force (the caller's at `create_channel`, the database's at each call); its qualified
@@ -84,6 +88,11 @@ pub fn set_effect_setting(name: &std::ffi::CStr, value: &std::ffi::CStr) {
 /// plain `SET`. The effect runs under the database's search path and plan cache mode (the
 /// worker's own are pinned), and the tenancy checks it reaches see `run_as` and `tenant`
 /// (`tenancy::within_effect`).
+///
+/// The call is bounded (`effect_bound`): it is cancelled (57014) `timeout_ms` after it
+/// began, or as soon as the worker is asked to stop; a worker asked to stop calls no more
+/// effects. Session-level advisory locks taken during the call are released after it,
+/// whatever its outcome: the worker holds none of its own.
 pub fn call_effect(
     client: &mut SpiClient<'_>,
     function: &str,
@@ -93,6 +102,12 @@ pub fn call_effect(
     payload: &str,
     effect_key: &str,
 ) -> SpiResult<EffectOutcome> {
+    if effect_bound::stop_requested() {
+        return Ok(EffectOutcome::Raised {
+            sqlstate: "57014".into(),
+            message: "the worker is stopping (fast shutdown or pg_terminate_backend): the effect was not called".into(),
+        });
+    }
     // No row: the role is gone or has become a superuser (reading a value of an empty
     // result would be an error, and the record's transaction would end with it).
     let found = spi::run(client, &RUN_AS_ROLE, Some(1), &[run_as.into()])?;
@@ -113,7 +128,8 @@ pub fn call_effect(
         tenant: tenant.to_string(),
     };
 
-    unsafe {
+    let began = Instant::now();
+    let result = unsafe {
         let outer_context = pg_sys::CurrentMemoryContext;
         let outer_owner = pg_sys::CurrentResourceOwner;
         pg_sys::BeginInternalSubTransaction(std::ptr::null());
@@ -127,6 +143,7 @@ pub fn call_effect(
                 set_in_nest(c"statement_timeout", &timeout);
                 EFFECT_SEARCH_PATH.with(|p| set_in_nest(c"search_path", &p.borrow()));
                 EFFECT_PLAN_CACHE_MODE.with(|m| set_in_nest(c"plan_cache_mode", &m.borrow()));
+                effect_bound::arm(timeout_ms);
                 let outcome = within_effect(scope, || crate::identity::as_role(role, || {
                     let found = spi::run_under_caller_settings(
                         client,
@@ -151,7 +168,7 @@ pub fn call_effect(
                     let call = format!("SELECT {qualified}($1::jsonb, $2::text)");
                     // A function declared `RETURNS SETOF text` may return no row: it ran,
                     // and returned no external id, as one that returns NULL.
-                    client
+                    let returned = client
                         .update(call.as_str(), Some(1), &[payload.into(), effect_key.into()])
                         .and_then(|rows| {
                             if rows.is_empty() {
@@ -159,10 +176,14 @@ pub fn call_effect(
                             } else {
                                 rows.first().get_one::<String>()
                             }
-                        })
-                        .map(EffectOutcome::Returned)
+                        })?;
+                    Ok(EffectOutcome::Returned(returned))
                 }))
                 .map_err(spi_error)?;
+                // A cancel that came as the call ended is the call's: it raises here, inside
+                // the subtransaction, rather than in the worker's next statement.
+                effect_bound::disarm(false);
+                pg_sys::check_for_interrupts!();
                 // Every setting of the call, SET and set_config(…, false) included, goes
                 // back to what it was: the worker's session keeps none of them.
                 pg_sys::AtEOXact_GUC(false, nest);
@@ -180,12 +201,70 @@ pub fn call_effect(
                 Ok(outcome)
             }
             Err((sqlstate, message)) => {
+                effect_bound::disarm(true);
                 pg_sys::MemoryContextSwitchTo(outer_context);
                 pg_sys::RollbackAndReleaseCurrentSubTransaction();
                 pg_sys::MemoryContextSwitchTo(outer_context);
                 pg_sys::CurrentResourceOwner = outer_owner;
+                let message = explain_cancel(
+                    &sqlstate,
+                    message,
+                    began.elapsed().as_millis() as u64,
+                    timeout_ms,
+                    effect_bound::stop_requested(),
+                );
                 Ok(EffectOutcome::Raised { sqlstate, message })
             }
         }
+    };
+    // A session-level advisory lock survives the subtransaction, committed or rolled back:
+    // it would stay with the worker's process, held for the tenant for good. The worker
+    // takes none of its own, so all of them are the effects'.
+    unsafe { pg_sys::LockReleaseSession(pg_sys::USER_LOCKMETHOD as pg_sys::LOCKMETHODID) };
+    result
+}
+
+/// The message of an effect's error: a cancel (57014) says what cancelled it, the worker's
+/// stop or the channel's `timeout_ms`.
+fn explain_cancel(
+    sqlstate: &str,
+    message: String,
+    elapsed_ms: u64,
+    timeout_ms: u64,
+    stopping: bool,
+) -> String {
+    if sqlstate != "57014" {
+        message
+    } else if stopping {
+        format!("{message}: the worker was asked to stop (fast shutdown or pg_terminate_backend) during the effect, which was rolled back")
+    } else if elapsed_ms >= timeout_ms {
+        format!("{message}: the effect ran past the channel's timeout_ms ({timeout_ms} ms) and was rolled back")
+    } else {
+        message
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cancel_says_what_cancelled_the_effect() {
+        let timeout = "canceling statement due to statement timeout".to_string();
+        let said = explain_cancel("57014", timeout.clone(), 2_003, 2_000, false);
+        assert!(said.starts_with(&timeout), "{said}");
+        assert!(said.contains("timeout_ms (2000 ms)"), "{said}");
+        let user = "canceling statement due to user request".to_string();
+        let said = explain_cancel("57014", user.clone(), 300, 2_000, true);
+        assert!(said.contains("asked to stop"), "{said}");
+        // pg_cancel_backend by an operator, before the deadline: said as PostgreSQL says it.
+        assert_eq!(
+            explain_cancel("57014", user.clone(), 300, 2_000, false),
+            user
+        );
+        assert_eq!(
+            explain_cancel("23505", "duplicate key".into(), 9_000, 2_000, true),
+            "duplicate key"
+        );
     }
 }

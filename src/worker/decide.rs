@@ -306,13 +306,24 @@ pub fn after_transmission(
     }
 }
 
-/// Decides after calling a sql channel's function.
+/// Decides after calling a sql channel's function. An effect that was cancelled (57014: it
+/// ran past `timeout_ms`, the worker was asked to stop, `pg_cancel_backend`) is retried
+/// under the channel's backoff with its jitter at most `equal`: never sooner than half the
+/// backoff's ceiling, so that an effect that outlasts its bound does not take a worker again
+/// at once.
 pub fn after_effect(
     outcome: &EffectOutcome,
     options: &ChannelOptions,
     ctx: AttemptContext,
     rng: &mut dyn FnMut() -> f64,
 ) -> Verdict {
+    if let EffectOutcome::Raised { sqlstate, .. } = outcome {
+        if sqlstate == "57014" && options.retry.jitter == crate::retry_policy::Jitter::Full {
+            let mut bounded = options.clone();
+            bounded.retry.jitter = crate::retry_policy::Jitter::Equal;
+            return after_effect(outcome, &bounded, ctx, rng);
+        }
+    }
     match outcome {
         EffectOutcome::Returned(external_id) => Verdict {
             state: State::Delivered,
@@ -831,6 +842,38 @@ mod tests {
         assert_eq!(
             after_lost_lease(&o, ctx(1), &mut half()).state,
             State::Queued
+        );
+    }
+
+    #[test]
+    fn a_cancelled_effect_waits_at_least_half_the_backoff() {
+        let o = opts(json!({"kind": "sql", "function": "app.f", "run_as": "r",
+                            "retry": {"base_ms": 2000}}));
+        let cancelled = EffectOutcome::Raised {
+            sqlstate: "57014".into(),
+            message: "canceling statement due to statement timeout".into(),
+        };
+        let now = ctx(1).now_ms;
+        // The smallest draw of full jitter would retry at once.
+        let v = after_effect(&cancelled, &o, ctx(1), &mut || 0.0);
+        assert_eq!((v.state, v.class), (State::Queued, Some(Class::Transient)));
+        assert_eq!(v.next_at_ms, Some(now + 1000), "{:?}", v.error);
+        let v = after_effect(&cancelled, &o, ctx(2), &mut || 0.0);
+        assert_eq!(v.next_at_ms, Some(now + 2000), "the backoff grows");
+        // Other transient errors keep the channel's jitter; a jitter of none is kept.
+        let conflict = EffectOutcome::Raised {
+            sqlstate: "40001".into(),
+            message: "could not serialize access".into(),
+        };
+        assert_eq!(
+            after_effect(&conflict, &o, ctx(1), &mut || 0.0).next_at_ms,
+            Some(now)
+        );
+        let fixed = opts(json!({"kind": "sql", "function": "app.f", "run_as": "r",
+                                "retry": {"base_ms": 2000, "jitter": "none"}}));
+        assert_eq!(
+            after_effect(&cancelled, &fixed, ctx(1), &mut || 0.0).next_at_ms,
+            Some(now + 2000)
         );
     }
 
