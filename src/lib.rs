@@ -14,6 +14,7 @@ pub mod identity;
 pub mod ledger;
 pub mod metrics;
 pub mod outbox;
+pub mod pg_timeout;
 pub mod random;
 pub mod reconcile;
 pub mod retry_policy;

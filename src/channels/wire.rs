@@ -631,6 +631,25 @@ async fn read_body(
     }
 }
 
+/// How long a read of the answer whose deadline has passed still waits for what already
+/// arrived. A worker that was stopped (a paused VM, `kill -STOP`) while its provider
+/// answered finds, when it runs again, the answer in the socket and the deadline passed at
+/// the same instant; the timer must not win that race and turn an answer into a timeout.
+/// A read that has nothing waiting ends after this grace, as timed out.
+const ARRIVED_GRACE: Duration = Duration::from_millis(10);
+
+/// `read` until `deadline`, then for [`ARRIVED_GRACE`] more.
+async fn answer_within<F: std::future::Future>(
+    deadline: tokio::time::Instant,
+    read: F,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let mut read = std::pin::pin!(read);
+    match tokio::time::timeout_at(deadline, &mut read).await {
+        Ok(answer) => Ok(answer),
+        Err(_) => tokio::time::timeout(ARRIVED_GRACE, &mut read).await,
+    }
+}
+
 /// Sends one request on `wire` and reads its answer, as `http::transmit` does.
 pub async fn transmit(wire: Arc<Wire>, out: Outgoing, allowed: Arc<AllowList>) -> Transmission {
     let request = match encode(&wire.endpoint, &out) {
@@ -697,7 +716,7 @@ pub async fn transmit(wire: Arc<Wire>, out: Outgoing, allowed: Arc<AllowList>) -
         _ => None,
     };
     let head_request = out.method.eq_ignore_ascii_case("HEAD");
-    let head = match tokio::time::timeout_at(
+    let head = match answer_within(
         deadline,
         read_head(&mut connection, head_request, id_header),
     )
@@ -712,7 +731,7 @@ pub async fn transmit(wire: Arc<Wire>, out: Outgoing, allowed: Arc<AllowList>) -
     let (over_limit, read_error, reusable) = {
         let _room = super::http::response_room(limit).await;
         let read = read_body(&mut connection, head.framing, limit, &mut body);
-        match tokio::time::timeout_at(deadline, read).await {
+        match answer_within(deadline, read).await {
             Ok(read) => read,
             Err(_) => (false, Some(TIMED_OUT.to_string()), false),
         }

@@ -172,18 +172,11 @@ fn scrape_connected() -> String {
     }
 }
 
-/// The statement timer of `utils/timeout.h`, which pgrx does not bind.
+/// The statement timer (`crate::pg_timeout`).
 mod statement_timer {
+    use crate::pg_timeout::{disable_timeout, enable_timeout_after, STATEMENT_TIMEOUT};
     use pgrx::pg_sys::ffi::pg_guard_ffi_boundary;
     use std::ffi::c_int;
-
-    /// `TimeoutId`'s `STATEMENT_TIMEOUT`: the fourth reason of the enum in PostgreSQL 13 to 18.
-    const STATEMENT_TIMEOUT: c_int = 3;
-
-    unsafe extern "C-unwind" {
-        fn enable_timeout_after(id: c_int, delay_ms: c_int);
-        fn disable_timeout(id: c_int, keep_indicator: bool);
-    }
 
     /// Arms it: `ms` from now the running statement is cancelled (57014, "canceling
     /// statement due to statement timeout"); a background worker connected to a database
