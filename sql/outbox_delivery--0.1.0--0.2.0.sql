@@ -1200,3 +1200,18 @@ ALTER POLICY tenant_rows ON outbox._operator_log
 -- reader's own is evaluated only on the rows their filter lets through.
 ALTER VIEW outbox.channels SET (security_barrier = true);
 ALTER VIEW outbox._under_way SET (security_barrier = true);
+
+-- Every function of the extension written in SQL or PL/pgSQL with a body parsed when it
+-- runs pins its search path: a name or an operator in its body is never looked up under
+-- the caller's search path, where a role that may create in a schema of it could plant its
+-- own (outbox.prometheus() is read by pg_monitor and by superusers).
+ALTER FUNCTION outbox._setting(text, integer) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._prom_label(text) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox.prometheus() SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._require_reason(text) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._lock_message(bigint) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._requeue(bigint) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._caller_bindings() SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._tenant_visible(text) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._check_binding(name, text) SET search_path = pg_catalog, pg_temp;
+

@@ -104,12 +104,13 @@ CREATE TRIGGER _tenant_bindings_changed
 -- (bindings): outbox._check_tenant_name(tenant, argument, star_allowed), in src/tenancy.rs.
 
 -- The tenants the calling role is bound to, directly or through membership ('*' included).
--- Runs only inside the SECURITY DEFINER functions below, with their pinned search_path,
--- and inside enqueue (src/tenancy.rs), which caches its answer for the session.
+-- Runs only inside the SECURITY DEFINER functions below and inside enqueue
+-- (src/tenancy.rs), which caches its answer for the session.
 -- PL/pgSQL, not SQL: PL/pgSQL keeps the query's plan for the session, where a SQL function
 -- plans it again in every call.
 CREATE FUNCTION outbox._caller_bindings() RETURNS text[]
 LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
     RETURN (SELECT coalesce(array_agg(DISTINCT b.tenant), '{}')
@@ -186,10 +187,11 @@ COMMENT ON FUNCTION outbox._visible_channels() IS
 
 -- May the calling role see a row of this tenant? (Used inside SECURITY DEFINER functions,
 -- where row-level security does not apply. The helpers below run only inside those
--- functions, with their pinned search_path: no one else may execute them, and leaving out
--- a SECURITY DEFINER and SET of their own saves a configuration save and restore per call.)
+-- functions: no one else may execute them. They pin their search path all the same, so that
+-- none of them depends on its caller's for what its body names.)
 CREATE FUNCTION outbox._tenant_visible(tenant text) RETURNS boolean
 LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
     SELECT outbox._caller_is_superuser() OR _tenant_visible.tenant = ANY (outbox._visible_tenants())
 $fn$;
@@ -200,6 +202,7 @@ $fn$;
 -- The arguments of bind_tenant / unbind_tenant.
 CREATE FUNCTION outbox._check_binding(role name, tenant text) RETURNS void
 LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
     IF role IS NULL OR role = '' THEN

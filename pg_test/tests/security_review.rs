@@ -1,0 +1,292 @@
+//! The second security review (issue 68), tried as the hostile roles it names would try it,
+//! and the checks that keep the next function, grant or script from opening the same holes:
+//!
+//! - every function of the extension pins its search path (or is listed here with why it
+//!   need not), PUBLIC may execute only the functions listed here, and every script that
+//!   runs SQL as a superuser pins its search path and qualifies what it calls;
+//! - a function planted in `public` never runs from `outbox.prometheus()` (finding 3), an
+//!   operator planted there never runs from `scripts/move_tenant.sh` (finding 4);
+//! - a `sql` channel names its tenants (5); the key headers may not frame, route, authorize
+//!   or sign a request (12); an option value refused for its shape is not quoted (10); a
+//!   shared channel shows each tenant only itself (9); the metadata address in its IPv6
+//!   spellings is refused (15); a cancel inside `reconcile()` shows no Rust backtrace (17).
+//!
+//! The clusters of the move live under `OUTBOX_MOVE_BASE` (`/tmp/outbox_move`) on
+//! `OUTBOX_MOVE_PGPORT` (54884) and the port after it, as in tenant_move.rs; the cluster with
+//! `RUST_BACKTRACE=1` under `OUTBOX_BACKTRACE_BASE` (`/tmp/outbox_backtrace`) on
+//! `OUTBOX_BACKTRACE_PGPORT` (54886).
+//!
+//! Run: `cargo test -p outbox_e2e --release --test security_review -- --test-threads=1`.
+
+use outbox_e2e::cluster::{env_port, unique, wait_until, Cluster, OwnCluster};
+use outbox_e2e::helpers::{
+    code_of, count, create_channel, describe, enqueue, ident, serial, session_as,
+};
+use postgres::{Client, NoTls};
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+/// Functions of the extension that neither pin `search_path` nor are C functions, nor have
+/// an SQL-standard body (`BEGIN ATOMIC`, whose names are resolved when it is created), and
+/// why each may do without: what is not here must pin it.
+const UNPINNED_WITH_REASON: &[(&str, &str)] = &[(
+    "_ledger_entry(text, text)",
+    "the claim inlines it as one index probe per message, which a SET clause would prevent; \
+     its body names only outbox._ledger and pg_catalog's = (OPERATOR(pg_catalog.=))",
+)];
+
+/// C functions that run as their owner (SECURITY DEFINER) without a SET clause, and why:
+/// what is not here must pin `search_path` with a SET clause (pgrx's #[search_path]).
+const DEFINER_C_WITHOUT_SET: &[(&str, &str)] = &[(
+    "enqueue(text, jsonb, text, text, timestamp with time zone, jsonb)",
+    "plans and runs its statements (schema-qualified, operators included) under a search \
+     path of pg_catalog alone that it pushes itself (src/spi/pinned.rs); a SET clause would \
+     cost a configuration save and restore in every call",
+)];
+
+/// The functions PUBLIC may execute, and why.
+const PUBLIC_EXECUTE: &[(&str, &str)] = &[
+    (
+        "_visible_tenants()",
+        "row-level security of the message tables calls it for every reader; it answers \
+         about the caller alone",
+    ),
+    (
+        "_visible_channels()",
+        "row-level security of the operator log calls it for every reader; it answers about \
+         the caller alone",
+    ),
+];
+
+/// A database of the suite's cluster with the extension, made for one test and dropped
+/// after it (also when it fails): what a test plants there reaches no other test.
+struct Scratch {
+    cluster: Cluster,
+    db: String,
+    roles: Vec<String>,
+}
+
+impl Scratch {
+    fn new(cluster: &Cluster, prefix: &str) -> Scratch {
+        let db = unique(prefix);
+        let mut su = cluster.connect();
+        su.batch_execute(&format!("CREATE DATABASE {}", ident(&db)))
+            .expect("create database");
+        let mut c = cluster.connect_to(&db);
+        c.batch_execute("SET client_min_messages = warning; CREATE EXTENSION outbox_delivery")
+            .expect("create extension");
+        Scratch {
+            cluster: cluster.clone(),
+            db,
+            roles: Vec::new(),
+        }
+    }
+
+    fn connect(&self) -> Client {
+        self.cluster.connect_to(&self.db)
+    }
+
+    /// A role of the test's own (cluster-wide), dropped with the database.
+    fn role(&mut self, prefix: &str, attributes: &str) -> String {
+        let role = unique(prefix);
+        self.connect()
+            .batch_execute(&format!("CREATE ROLE {} {attributes}", ident(&role)))
+            .expect("create role");
+        self.roles.push(role.clone());
+        role
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Ok(mut su) = Client::connect(&self.cluster.conninfo(), NoTls) {
+            let _ = su.batch_execute(&format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                ident(&self.db)
+            ));
+            for role in &self.roles {
+                let _ = su.batch_execute(&format!("DROP ROLE IF EXISTS {}", ident(role)));
+            }
+        }
+    }
+}
+
+fn is_superuser(c: &mut Client, role: &str) -> bool {
+    c.query_one("SELECT rolsuper FROM pg_roles WHERE rolname = $1", &[&role])
+        .expect("role")
+        .get(0)
+}
+
+/// The body of a function planted by `role`: when it runs as a superuser it makes `role`
+/// one (what the review did), and it always says it ran.
+fn escalating_body(role: &str, result: &str) -> String {
+    format!(
+        "BEGIN
+             IF (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user) THEN
+                 EXECUTE 'ALTER ROLE {} SUPERUSER';
+             END IF;
+             RAISE WARNING 'planted function ran as %', current_user;
+             RETURN {result};
+         END",
+        ident(role)
+    )
+}
+
+// ---------------------------------------------------------------------------------------
+// The systemic checks
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn every_function_of_the_extension_pins_its_search_path_or_is_listed() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    // Every member function of the extension, whatever its schema, and the functions of
+    // the operators in schema outbox.
+    let rows = c
+        .query(
+            "WITH ext AS (
+                 SELECT p.oid FROM pg_depend d JOIN pg_proc p ON p.oid = d.objid
+                  WHERE d.classid = 'pg_proc'::regclass AND d.deptype = 'e'
+                    AND d.refobjid = (SELECT oid FROM pg_extension WHERE extname = 'outbox_delivery')
+                 UNION
+                 SELECT o.oprcode FROM pg_operator o
+                  WHERE o.oprnamespace = 'outbox'::regnamespace)
+             SELECT p.proname || '(' || oidvectortypes(p.proargtypes) || ')',
+                    l.lanname, p.prosecdef, p.prosqlbody IS NOT NULL,
+                    coalesce(EXISTS (SELECT 1 FROM unnest(p.proconfig) s
+                                      WHERE s LIKE 'search\\_path=%'
+                                        AND s ~ '^search_path=\"?pg_catalog\"?(, ?\"?pg_temp\"?)?$'), false)
+               FROM ext JOIN pg_proc p ON p.oid = ext.oid JOIN pg_language l ON l.oid = p.prolang
+              ORDER BY 1",
+            &[],
+        )
+        .expect("the extension's functions");
+    assert!(rows.len() > 50, "only {} functions found", rows.len());
+    let mut offenders = Vec::new();
+    let mut listed_seen = BTreeSet::new();
+    for r in &rows {
+        let (name, lang, definer, atomic, pinned): (String, String, bool, bool, bool) =
+            (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4));
+        let why = if pinned {
+            continue;
+        } else if lang == "c" || lang == "internal" {
+            if !definer {
+                continue; // runs with the caller's rights: nothing to gain by planting
+            }
+            DEFINER_C_WITHOUT_SET.iter().find(|(n, _)| *n == name)
+        } else if atomic {
+            continue; // BEGIN ATOMIC: resolved when created, under CREATE EXTENSION's path
+        } else {
+            UNPINNED_WITH_REASON.iter().find(|(n, _)| *n == name)
+        };
+        match why {
+            Some((n, _)) => {
+                listed_seen.insert(*n);
+            }
+            None => offenders.push(format!("{name} ({lang}{})", if definer { ", SECURITY DEFINER" } else { "" })),
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "these functions resolve names under their caller's search_path: add \
+         SET search_path = pg_catalog, pg_temp (sql/*.sql and the upgrade script), or list \
+         them here with the reason: {offenders:#?}"
+    );
+    // A listed function that no longer needs its place is taken off the list.
+    for (n, _) in UNPINNED_WITH_REASON.iter().chain(DEFINER_C_WITHOUT_SET) {
+        assert!(listed_seen.contains(n), "{n} is listed but pins its path or is gone");
+    }
+}
+
+#[test]
+fn public_may_execute_only_the_listed_functions() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    // A function without an ACL has the default one, which grants EXECUTE to PUBLIC.
+    let granted: BTreeSet<String> = c
+        .query(
+            "SELECT p.proname || '(' || oidvectortypes(p.proargtypes) || ')'
+               FROM pg_depend d JOIN pg_proc p ON p.oid = d.objid
+              CROSS JOIN LATERAL aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a
+              WHERE d.classid = 'pg_proc'::regclass AND d.deptype = 'e'
+                AND d.refobjid = (SELECT oid FROM pg_extension WHERE extname = 'outbox_delivery')
+                AND a.grantee = 0 AND a.privilege_type = 'EXECUTE'",
+            &[],
+        )
+        .expect("grants")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let listed: BTreeSet<String> = PUBLIC_EXECUTE.iter().map(|(n, _)| n.to_string()).collect();
+    assert_eq!(
+        granted, listed,
+        "EXECUTE granted to PUBLIC differs from the list (sql/privileges.sql revokes it from \
+         every function; grant a function to PUBLIC only with its reason here)"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Finding 3: outbox.prometheus() and a function planted in public
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn prometheus_never_runs_a_function_planted_in_public() {
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    let mut scratch = Scratch::new(&cluster, "sec_prom");
+    let planter = scratch.role("sec_planter", "NOLOGIN");
+    let monitor = scratch.role("sec_monitor", "NOLOGIN IN ROLE pg_monitor");
+    let mut su = scratch.connect();
+    su.batch_execute(&format!(
+        "GRANT CREATE ON SCHEMA public TO {p};
+         SET ROLE {p};",
+        p = ident(&planter)
+    ))
+    .expect("the planter may create in public");
+    // Overloads of format that match the calls of prometheus() better than pg_catalog's
+    // format(text, VARIADIC "any"): they win under the default search path.
+    for args in [
+        "text, bigint",
+        "text, text",
+        "text, text, text",
+        "text, text, bigint",
+        "text, text, numeric",
+        "text, text, text, bigint",
+        "text, text, text, text",
+    ] {
+        su.batch_execute(&format!(
+            "CREATE FUNCTION public.format({args}) RETURNS text LANGUAGE plpgsql AS $b${}$b$",
+            escalating_body(&planter, "'planted'")
+        ))
+        .unwrap_or_else(|e| panic!("plant format({args}): {e}"));
+    }
+    su.batch_execute("RESET ROLE").expect("reset");
+    create_channel(
+        &mut su,
+        "prom",
+        "http://127.0.0.1:9/hook",
+        r#"{"idempotency_header": "Idempotency-Key"}"#,
+    );
+
+    // A superuser reads the exposition under the database's default search path.
+    su.batch_execute("SET search_path = \"$user\", public").unwrap();
+    let text: String = su
+        .query_one("SELECT outbox.prometheus()", &[])
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("prometheus() as a superuser: {}", describe(&e)));
+    assert!(!text.contains("planted"), "{text}");
+    assert!(text.contains("outbox_messages{channel=\"prom\""), "{text}");
+    assert!(!is_superuser(&mut su, &planter), "the planter became a superuser");
+
+    // And so does the scrape's role, pg_monitor.
+    su.batch_execute(&format!("SET ROLE {}", ident(&monitor))).unwrap();
+    let text: String = su
+        .query_one("SELECT outbox.prometheus()", &[])
+        .map(|r| r.get(0))
+        .unwrap_or_else(|e| panic!("prometheus() as pg_monitor: {}", describe(&e)));
+    assert!(!text.contains("planted"), "{text}");
+    su.batch_execute("RESET ROLE").unwrap();
+    assert!(!is_superuser(&mut su, &planter), "the planter became a superuser");
+}
