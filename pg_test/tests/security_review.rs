@@ -290,3 +290,212 @@ fn prometheus_never_runs_a_function_planted_in_public() {
     su.batch_execute("RESET ROLE").unwrap();
     assert!(!is_superuser(&mut su, &planter), "the planter became a superuser");
 }
+
+// ---------------------------------------------------------------------------------------
+// Finding 4: scripts/move_tenant.sh and an operator planted in public
+// ---------------------------------------------------------------------------------------
+
+/// Scripts that run SQL only against a cluster they started themselves (scripts/cluster.sh,
+/// a throwaway data directory in which no other role exists), and so need not pin their
+/// search path: the benchmarks, the profiles, the demo and the cluster script.
+const THROWAWAY_CLUSTER_SCRIPTS: &[&str] = &[
+    "bench.sh",
+    "bench_anchors.sh",
+    "bench_claim_statement.sh",
+    "bench_drain_end.sh",
+    "bench_drain_start.sh",
+    "bench_enqueue_parts.sh",
+    "bench_large_answers.sh",
+    "bench_latency_prefixes.sh",
+    "bench_ordering_backlog.sh",
+    "bench_payload_compression.sh",
+    "bench_prefixes.sh",
+    "bench_record_statement.sh",
+    "bench_sql_effects.sh",
+    "bench_successive_drains.sh",
+    "bench_write_paths.sh",
+    "cluster.sh",
+    "demo.sh",
+    "lib.sh",
+    "profile_delivery.sh",
+    "profile_enqueue.sh",
+    "profile_idle_path.sh",
+    "profile_signing.sh",
+    "profile_worker_memory.sh",
+];
+
+/// Scripts that run SQL as a superuser in a database they are given: each of their
+/// sessions sets `search_path = pg_catalog, pg_temp` first and their SQL qualifies every
+/// function it calls.
+const PINNED_SCRIPTS: &[&str] = &["move_tenant.sh"];
+
+fn scripts_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts")
+}
+
+#[test]
+fn every_script_that_runs_sql_as_a_superuser_pins_its_search_path() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    // Every function name pg_catalog has: an unqualified call of one of them in a pinned
+    // script's SQL is looked up by name, and is written pg_catalog.name( instead.
+    let catalog: BTreeSet<String> = c
+        .query(
+            "SELECT DISTINCT proname::text FROM pg_proc WHERE pronamespace = 'pg_catalog'::regnamespace",
+            &[],
+        )
+        .expect("pg_catalog's functions")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut unlisted = Vec::new();
+    for entry in std::fs::read_dir(scripts_dir()).expect("scripts/") {
+        let path = entry.expect("entry").path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let runs_sql = text.contains("psql") || text.contains("PSQL");
+        if !runs_sql || THROWAWAY_CLUSTER_SCRIPTS.contains(&name.as_str()) {
+            continue;
+        }
+        if !PINNED_SCRIPTS.contains(&name.as_str()) {
+            unlisted.push(name);
+            continue;
+        }
+        assert!(
+            text.contains("SET search_path = pg_catalog, pg_temp"),
+            "{name} does not set search_path = pg_catalog, pg_temp"
+        );
+        // Every psql it runs goes through the one function that sets the path first.
+        let direct: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("\"$PSQL\"") && !l.contains("$PIN_SEARCH_PATH"))
+            .collect();
+        assert!(direct.is_empty(), "{name} runs psql without the SET: {direct:#?}");
+        let mut unqualified = BTreeSet::new();
+        for line in text.lines().filter(|l| !l.trim_start().starts_with('#')) {
+            let bytes = line.as_bytes();
+            let mut i = 0;
+            while i < bytes.len() {
+                if bytes[i].is_ascii_alphabetic() || bytes[i] == b'_' {
+                    let start = i;
+                    while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_') {
+                        i += 1;
+                    }
+                    let word = &line[start..i];
+                    let before = if start > 0 { bytes[start - 1] } else { b' ' };
+                    let is_call = bytes.get(i) == Some(&b'(') && bytes.get(i + 1) != Some(&b')');
+                    if is_call && before != b'.' && before != b'$' && catalog.contains(word) {
+                        unqualified.insert(word.to_string());
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        assert!(
+            unqualified.is_empty(),
+            "{name} calls pg_catalog functions unqualified: {unqualified:?}"
+        );
+    }
+    assert!(
+        unlisted.is_empty(),
+        "scripts that run SQL, in neither list of this test: {unlisted:?}; a script given \
+         a database pins its search path (PINNED_SCRIPTS), one that runs only against its \
+         own throwaway cluster is listed in THROWAWAY_CLUSTER_SCRIPTS"
+    );
+}
+
+fn move_cluster(name: &str, offset: u16) -> OwnCluster {
+    let base = std::env::var("OUTBOX_MOVE_BASE").unwrap_or_else(|_| "/tmp/outbox_move".into());
+    let port = env_port("OUTBOX_MOVE_PGPORT", 54884);
+    OwnCluster::fresh(
+        PathBuf::from(base).join(name),
+        port + offset,
+        "app",
+        1,
+        "outbox.poll_interval_ms = 100",
+    )
+}
+
+/// `public.||(bigint, text)` (and `(text, bigint)`), planted by a role that may create in
+/// public: a closer match than pg_catalog's `anynonarray || text` for `count(*) || '…'`.
+fn plant_concatenation(c: &mut Client, planter: &str) {
+    c.batch_execute(&format!(
+        "CREATE ROLE {p} NOLOGIN;
+         GRANT CREATE ON SCHEMA public TO {p};
+         SET ROLE {p};
+         CREATE FUNCTION public.cat(bigint, text) RETURNS text LANGUAGE plpgsql AS $b${}$b$;
+         CREATE OPERATOR public.|| (LEFTARG = bigint, RIGHTARG = text, FUNCTION = public.cat);
+         CREATE FUNCTION public.cat(text, bigint) RETURNS text LANGUAGE plpgsql AS $b${}$b$;
+         CREATE OPERATOR public.|| (LEFTARG = text, RIGHTARG = bigint, FUNCTION = public.cat);
+         RESET ROLE;",
+        escalating_body(planter, "$1::text || $2"),
+        escalating_body(planter, "$1 || $2::text"),
+        p = ident(planter)
+    ))
+    .expect("plant ||");
+}
+
+#[test]
+fn move_tenant_never_runs_an_operator_planted_in_public() {
+    let _serial = serial();
+    let source = move_cluster("sec_source", 0);
+    let target = move_cluster("sec_target", 1);
+    let planter = "sec_move_planter";
+    for cluster in [&source, &target] {
+        let mut c = cluster.connect();
+        c.batch_execute(
+            "CREATE ROLE acme_app NOLOGIN IN ROLE outbox_writer;
+             SET client_min_messages = warning;",
+        )
+        .unwrap();
+        create_channel(
+            &mut c,
+            "ch",
+            "http://127.0.0.1:9/hook",
+            r#"{"idempotency_header": "Idempotency-Key", "tenants": ["acme"]}"#,
+        );
+        c.batch_execute("SELECT outbox.pause_channel('ch', 'the move test sends nothing')")
+            .unwrap();
+        plant_concatenation(&mut c, planter);
+    }
+    let mut s = source.connect();
+    s.batch_execute("SELECT outbox.bind_tenant('acme_app', 'acme')")
+        .unwrap();
+    {
+        let mut app = session_as(&source, "acme_app");
+        enqueue(&mut app, "ch", "k1");
+        enqueue(&mut app, "ch", "k2");
+    }
+
+    let script = scripts_dir().join("move_tenant.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .args([&source.conninfo(), &target.conninfo(), "acme"])
+        .output()
+        .expect("run scripts/move_tenant.sh");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "move_tenant.sh failed: {text}");
+    assert!(!text.contains("planted function ran"), "{text}");
+    for (what, cluster) in [("source", &source), ("target", &target)] {
+        let mut c = cluster.connect();
+        assert!(
+            !is_superuser(&mut c, planter),
+            "the planter became a superuser on the {what}: {text}"
+        );
+    }
+    let mut t = target.connect();
+    assert_eq!(
+        count(
+            &mut t,
+            "SELECT count(*) FROM outbox._messages WHERE tenant = 'acme' AND state = 'queued'",
+            &[]
+        ),
+        2,
+        "{text}"
+    );
+}
