@@ -29,7 +29,11 @@ pub enum OutboxError {
         hint: &'static str,
     },
     /// A channel option is unknown, mistyped or out of range (22023).
-    InvalidOption { option: String, message: String },
+    InvalidOption {
+        option: String,
+        message: String,
+        hint: Option<&'static str>,
+    },
     /// No channel of that name (42704).
     UnknownChannel { name: String },
     /// A channel of that name already exists (42710).
@@ -83,7 +87,9 @@ impl OutboxError {
             OutboxError::InvalidArgument {
                 argument, message, ..
             } => format!("{argument}: {message}"),
-            OutboxError::InvalidOption { option, message } => {
+            OutboxError::InvalidOption {
+                option, message, ..
+            } => {
                 format!("channel option \"{option}\": {message}")
             }
             OutboxError::UnknownChannel { name } => format!("channel \"{name}\" does not exist"),
@@ -124,9 +130,9 @@ impl OutboxError {
     pub fn hint(&self) -> &'static str {
         match self {
             OutboxError::InvalidArgument { hint, .. } => hint,
-            OutboxError::InvalidOption { .. } => {
-                "The README lists every channel option with its type and default."
-            }
+            OutboxError::InvalidOption { hint, .. } => hint.unwrap_or(
+                "The README lists every channel option with its type and default.",
+            ),
             OutboxError::UnknownChannel { .. } => {
                 "Create it with outbox.create_channel(name, endpoint, options); list them in outbox.channels."
             }

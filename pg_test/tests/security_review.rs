@@ -499,3 +499,152 @@ fn move_tenant_never_runs_an_operator_planted_in_public() {
         "{text}"
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// Finding 5: a sql channel names its tenants
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn a_sql_channel_without_tenants_is_refused_with_a_hint() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let schema = unique("sec_fx");
+    let role = unique("sec_fx_role");
+    c.batch_execute(&format!(
+        "CREATE SCHEMA {s};
+         CREATE FUNCTION {s}.f(payload jsonb, effect_key text) RETURNS text LANGUAGE sql AS $$ SELECT NULL::text $$;
+         CREATE ROLE {r} NOLOGIN;",
+        s = ident(&schema),
+        r = ident(&role)
+    ))
+    .unwrap();
+    let function = format!("{schema}.f");
+    let options = |tenants: &str| {
+        format!(r#"{{"kind": "sql", "function": "{function}", "run_as": "{role}"{tenants}}}"#)
+    };
+    let create = |c: &mut Client, name: &str, options: &str| {
+        c.execute(
+            "SELECT outbox.create_channel($1::text, 'sql', $2::text::jsonb)",
+            &[&name, &options],
+        )
+    };
+    for without in [options(""), options(r#", "tenants": null"#)] {
+        let e = create(&mut c, &unique("sec_sql"), &without).expect_err("no tenants");
+        assert_eq!(code_of(&e), "22023", "{}", describe(&e));
+        let db = e.as_db_error().unwrap();
+        assert!(db.message().contains("\"tenants\""), "{}", describe(&e));
+        assert!(db.hint().is_some_and(|h| h.contains("[\"*\"]")), "{}", describe(&e));
+    }
+    let every = unique("sec_sql");
+    create(&mut c, &every, &options(r#", "tenants": ["*"]"#)).expect("[\"*\"] written out");
+    create(&mut c, &unique("sec_sql"), &options(r#", "tenants": ["acme"]"#)).expect("one tenant");
+    // alter_channel may not take the list away again.
+    let e = c
+        .execute(
+            "SELECT outbox.alter_channel($1, '{\"tenants\": null}'::jsonb)",
+            &[&every],
+        )
+        .expect_err("tenants removed");
+    assert_eq!(code_of(&e), "22023", "{}", describe(&e));
+}
+
+// ---------------------------------------------------------------------------------------
+// Finding 12: the key headers
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn the_key_headers_may_not_frame_route_authorize_or_sign() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    for option in ["idempotency_header", "reference_header"] {
+        for header in [
+            "Host",
+            "Content-Length",
+            "Transfer-Encoding",
+            "Connection",
+            "Upgrade",
+            "TE",
+            "Trailer",
+            "Proxy-Authorization",
+            "Forwarded",
+            "X-Forwarded-For",
+            "Authorization",
+            "Cookie",
+            "webhook-id",
+            "webhook-timestamp",
+            "webhook-signature",
+        ] {
+            let options = serde_json::json!({ option: header }).to_string();
+            let e = c
+                .execute(
+                    "SELECT outbox.create_channel($1::text, 'http://127.0.0.1:9/hook', $2::text::jsonb)",
+                    &[&unique("sec_key"), &options],
+                )
+                .expect_err(header);
+            assert_eq!(code_of(&e), "22023", "{option} {header}: {}", describe(&e));
+            assert!(
+                e.as_db_error().unwrap().message().contains(option),
+                "{}",
+                describe(&e)
+            );
+        }
+        let options = serde_json::json!({ option: "X-Outbox-Key" }).to_string();
+        c.execute(
+            "SELECT outbox.create_channel($1::text, 'http://127.0.0.1:9/hook', $2::text::jsonb)",
+            &[&unique("sec_key"), &options],
+        )
+        .unwrap_or_else(|e| panic!("{option} X-Outbox-Key: {}", describe(&e)));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Finding 10: option values refused for their shape
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn values_refused_for_their_shape_reach_neither_the_client_nor_the_log() {
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    let secret = unique("SECRET_token");
+    // The server logs the errors of this session (log_min_messages = log keeps them out).
+    c.batch_execute("SET log_min_messages = error").unwrap();
+    let mark = cluster.log_mark();
+    // Passed as a parameter, as an application passes it: the statement's text in the log
+    // holds $3, not the value.
+    for (endpoint, options) in [
+        (
+            "http://127.0.0.1:9/hook",
+            serde_json::json!({"headers": [format!("Authorization: Bearer {secret}")]}),
+        ),
+        (
+            "http://127.0.0.1:9/hook",
+            serde_json::json!({"headers": {"Authorization": [format!("Bearer {secret}")]}}),
+        ),
+        (
+            "nats://127.0.0.1:4222",
+            serde_json::json!({"kind": "nats", "subject": "s", "stream": "S", "auth": secret}),
+        ),
+        (
+            "http://127.0.0.1:9/hook",
+            serde_json::json!({"reconcile": format!("http://127.0.0.1:9/m/{{effect_key}}?token={secret}")}),
+        ),
+    ] {
+        let text = options.to_string();
+        let e = c
+            .execute(
+                "SELECT outbox.create_channel($1::text, $2::text, $3::text::jsonb)",
+                &[&unique("sec_shape"), &endpoint, &text],
+            )
+            .expect_err("a value of the wrong shape");
+        assert_eq!(code_of(&e), "22023", "{}", describe(&e));
+        let db = e.as_db_error().unwrap();
+        let shown = format!("{} {:?} {:?}", db.message(), db.detail(), db.hint());
+        assert!(!shown.contains(&secret), "{options}: {shown}");
+    }
+    // The log is written by the server as it reports; give it a moment.
+    std::thread::sleep(Duration::from_millis(200));
+    let log = cluster.log_since(mark);
+    assert!(log.contains("sec_shape") || log.contains("channel option"), "no error logged");
+    assert!(!log.contains(&secret), "the server log holds the secret:\n{log}");
+}
