@@ -1215,3 +1215,60 @@ ALTER FUNCTION outbox._caller_bindings() SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._tenant_visible(text) SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._check_binding(name, text) SET search_path = pg_catalog, pg_temp;
 
+-- A channel's option tenants as the calling role is shown them (outbox.channels and the
+-- operator log's rows about channels): an admin sees the whole list; anyone else the
+-- tenants of the list it may see itself, so that a tenant served by a shared channel does
+-- not learn which other tenants it serves. ["*"] (every tenant) names no one and is shown.
+CREATE FUNCTION outbox._shown_tenants(tenants jsonb) RETURNS jsonb
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT CASE WHEN outbox._caller_is_superuser()
+                  OR pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_admin', 'USAGE')
+                  OR pg_catalog.jsonb_typeof(tenants) IS DISTINCT FROM 'array'
+                  OR tenants = '["*"]'::jsonb
+                THEN tenants
+                ELSE coalesce((SELECT pg_catalog.jsonb_agg(t.tenant ORDER BY t.n)
+                                 FROM pg_catalog.jsonb_array_elements_text(tenants) WITH ORDINALITY AS t(tenant, n)
+                                WHERE t.tenant = ANY (outbox._visible_tenants())),
+                              '[]'::jsonb)
+           END
+$fn$;
+COMMENT ON FUNCTION outbox._shown_tenants(jsonb) IS
+    'A channel''s option tenants as the calling role is shown them: all of them to an admin, its own to anyone else.';
+REVOKE ALL ON FUNCTION outbox._shown_tenants(jsonb) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox._shown_tenants(jsonb) TO outbox_writer, outbox_operator, outbox_admin;
+-- outbox.channels and outbox.operator_log show each reader who is not an admin its own
+-- tenants of a channel's option tenants, not the whole list.
+CREATE OR REPLACE VIEW outbox.channels AS
+SELECT c.id,
+       c.name,
+       outbox._masked_url(c.endpoint) AS endpoint,
+       CASE WHEN c.options ? 'tenants'
+            THEN pg_catalog.jsonb_set(outbox._masked_options(c.options), '{tenants}',
+                                      outbox._shown_tenants(c.options -> 'tenants'))
+            ELSE outbox._masked_options(c.options) END AS options,
+       c.paused,
+       c.paused_reason,
+       c.paused_at,
+       c.created_at,
+       c.updated_at,
+       outbox._in_flight_bound(c.options) AS in_flight_bound,
+       outbox._in_flight_reason(c.options) AS in_flight_reason,
+       CASE WHEN jsonb_typeof(c.options -> 'circuit') = 'object'
+            THEN coalesce(f.circuit_state, 'closed') END AS circuit_state,
+       f.circuit_since
+  FROM outbox._channels c
+  LEFT JOIN outbox._channel_flow f ON f.channel_id = c.id
+ WHERE outbox._channel_visible(c.options -> 'tenants');
+ALTER VIEW outbox.channels SET (security_barrier = true);
+CREATE OR REPLACE VIEW outbox.operator_log AS
+SELECT o.at, o.actor, o.action, o.message_id, o.reason, o.state_before, o.state_after,
+       CASE WHEN o.detail #> '{options,tenants}' IS NOT NULL
+            THEN pg_catalog.jsonb_set(o.detail, '{options,tenants}',
+                                      outbox._shown_tenants(o.detail #> '{options,tenants}'))
+            ELSE o.detail END AS detail,
+       o.channel, o.id, o.tenant
+  FROM outbox._operator_log o;
+ALTER VIEW outbox.operator_log SET (security_invoker = true);

@@ -166,6 +166,29 @@ $fn$;
 COMMENT ON FUNCTION outbox._channel_visible(jsonb) IS
     'May the calling role see a channel that serves these tenants? Admins see every channel.';
 
+-- A channel's option tenants as the calling role is shown them (outbox.channels and the
+-- operator log's rows about channels): an admin sees the whole list; anyone else the
+-- tenants of the list it may see itself, so that a tenant served by a shared channel does
+-- not learn which other tenants it serves. ["*"] (every tenant) names no one and is shown.
+CREATE FUNCTION outbox._shown_tenants(tenants jsonb) RETURNS jsonb
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT CASE WHEN outbox._caller_is_superuser()
+                  OR pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_admin', 'USAGE')
+                  OR pg_catalog.jsonb_typeof(tenants) IS DISTINCT FROM 'array'
+                  OR tenants = '["*"]'::jsonb
+                THEN tenants
+                ELSE coalesce((SELECT pg_catalog.jsonb_agg(t.tenant ORDER BY t.n)
+                                 FROM pg_catalog.jsonb_array_elements_text(tenants) WITH ORDINALITY AS t(tenant, n)
+                                WHERE t.tenant = ANY (outbox._visible_tenants())),
+                              '[]'::jsonb)
+           END
+$fn$;
+COMMENT ON FUNCTION outbox._shown_tenants(jsonb) IS
+    'A channel''s option tenants as the calling role is shown them: all of them to an admin, its own to anyone else.';
+
 -- The channels whose rows of the operator log (its creation, a change of its options, a
 -- pause, its circuit: rows without a tenant) the calling role may read: for an operator or
 -- an admin, those outbox.channels shows it, as their option tenants stands now; for any

@@ -648,3 +648,69 @@ fn values_refused_for_their_shape_reach_neither_the_client_nor_the_log() {
     assert!(log.contains("sec_shape") || log.contains("channel option"), "no error logged");
     assert!(!log.contains(&secret), "the server log holds the secret:\n{log}");
 }
+
+// ---------------------------------------------------------------------------------------
+// Finding 9: a shared channel shows each tenant only itself
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn a_shared_channel_shows_each_tenant_only_itself() {
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    let mut scratch = Scratch::new(&cluster, "sec_shared");
+    let a_app = scratch.role("sec_a_app", "NOLOGIN IN ROLE outbox_writer");
+    let b_ops = scratch.role("sec_b_ops", "NOLOGIN IN ROLE outbox_operator");
+    let admin = scratch.role("sec_admin", "NOLOGIN IN ROLE outbox_admin");
+    let mut su = scratch.connect();
+    su.execute("SELECT outbox.bind_tenant($1, 'tenant_a')", &[&a_app])
+        .unwrap();
+    su.execute("SELECT outbox.bind_tenant($1, 'tenant_b')", &[&b_ops])
+        .unwrap();
+    create_channel(
+        &mut su,
+        "shared",
+        "http://127.0.0.1:9/hook",
+        r#"{"idempotency_header": "Idempotency-Key", "tenants": ["tenant_a", "tenant_b", "tenant_c"]}"#,
+    );
+    let tenants_shown = |c: &mut Client| -> serde_json::Value {
+        let v: String = c
+            .query_one(
+                "SELECT (options -> 'tenants')::text FROM outbox.channels WHERE name = 'shared'",
+                &[],
+            )
+            .expect("the channel is shown")
+            .get(0);
+        serde_json::from_str(&v).expect("json")
+    };
+    let logged = |c: &mut Client| -> Vec<serde_json::Value> {
+        c.query(
+            "SELECT (detail #> '{options,tenants}')::text FROM outbox.operator_log
+              WHERE channel = 'shared' AND detail #> '{options,tenants}' IS NOT NULL",
+            &[],
+        )
+        .expect("the operator log")
+        .iter()
+        .map(|r| serde_json::from_str(r.get::<_, &str>(0)).expect("json"))
+        .collect()
+    };
+    let mut c = scratch.connect();
+    c.batch_execute(&format!("SET ROLE {}", ident(&a_app))).unwrap();
+    assert_eq!(tenants_shown(&mut c), serde_json::json!(["tenant_a"]));
+    c.batch_execute(&format!("RESET ROLE; SET ROLE {}", ident(&b_ops)))
+        .unwrap();
+    assert_eq!(tenants_shown(&mut c), serde_json::json!(["tenant_b"]));
+    let rows = logged(&mut c);
+    assert!(!rows.is_empty(), "the operator sees the channel's creation");
+    assert!(
+        rows.iter().all(|t| *t == serde_json::json!(["tenant_b"])),
+        "{rows:?}"
+    );
+    c.batch_execute(&format!("RESET ROLE; SET ROLE {}", ident(&admin)))
+        .unwrap();
+    let all = serde_json::json!(["tenant_a", "tenant_b", "tenant_c"]);
+    assert_eq!(tenants_shown(&mut c), all);
+    c.batch_execute("RESET ROLE").unwrap();
+    assert_eq!(tenants_shown(&mut c), all);
+    let rows = logged(&mut c);
+    assert!(!rows.is_empty() && rows.iter().all(|t| *t == all), "{rows:?}");
+}
