@@ -714,3 +714,32 @@ fn a_shared_channel_shows_each_tenant_only_itself() {
     let rows = logged(&mut c);
     assert!(!rows.is_empty() && rows.iter().all(|t| *t == all), "{rows:?}");
 }
+
+// ---------------------------------------------------------------------------------------
+// Finding 15: the metadata address in its IPv6 spellings
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn the_metadata_address_in_ipv6_spellings_is_refused() {
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    // outbox.allowed_hosts is '*' on the suite's cluster: every host, no sensitive address.
+    for host in [
+        "[::ffff:0:a9fe:a9fe]",
+        "[2002:a9fe:a9fe::]",
+        "[2002:a9fe:a9fe:1::1]",
+        "[2001:0:a9fe:a9fe::1]",
+        "[2001:0:4136:e378:8000:63bf:5601:5601]",
+    ] {
+        let endpoint = format!("http://{host}/latest/meta-data/");
+        let e = c
+            .execute(
+                "SELECT outbox.create_channel($1::text, $2::text, '{}'::jsonb)",
+                &[&unique("sec_meta"), &endpoint],
+            )
+            .expect_err(host);
+        assert_eq!(code_of(&e), "42501", "{host}: {}", describe(&e));
+        let detail = e.as_db_error().unwrap().detail().unwrap_or_default().to_string();
+        assert!(detail.contains("169.254.169.254"), "{host}: {detail}");
+    }
+}
