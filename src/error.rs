@@ -195,6 +195,21 @@ pub fn spi_failure(e: pgrx::spi::Error) -> ! {
     unreachable!("an ERROR report does not return")
 }
 
+/// The variable that decides whether `std::backtrace::Backtrace::capture` captures, before
+/// `RUST_BACKTRACE` (which also decides how a panic is printed).
+const LIBRARY_BACKTRACE_VARIABLE: &str = "RUST_LIB_BACKTRACE";
+
+/// No Rust backtrace ever reaches a client. pgrx captures one whenever a Postgres error (a
+/// cancel, a lock timeout, an SPI error) crosses Rust code and, when it was captured, writes
+/// it into the error's DETAIL: with `RUST_BACKTRACE=1` in the server's environment, a cancel
+/// inside `outbox.reconcile()` showed the caller the extension's frames. Captures are turned
+/// off for the process (`RUST_LIB_BACKTRACE=0`, which `capture` reads before
+/// `RUST_BACKTRACE` and caches at its first call), from `_PG_init`, before any error can
+/// be raised through the extension and while the process has no thread of the extension.
+pub fn keep_backtraces_from_clients() {
+    std::env::set_var(LIBRARY_BACKTRACE_VARIABLE, "0");
+}
+
 /// The 5-character SQLSTATE of an error code, as PostgreSQL writes it.
 pub fn sqlstate_text(code: PgSqlErrorCode) -> String {
     let code = code as isize as u32;

@@ -743,3 +743,74 @@ fn the_metadata_address_in_ipv6_spellings_is_refused() {
         assert!(detail.contains("169.254.169.254"), "{host}: {detail}");
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Finding 17: no Rust backtrace in an error's DETAIL
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn a_cancel_inside_reconcile_shows_no_backtrace() {
+    let _serial = serial();
+    // The server's environment has RUST_BACKTRACE=1 (inherited from this process).
+    std::env::set_var("RUST_BACKTRACE", "1");
+    let base = std::env::var("OUTBOX_BACKTRACE_BASE")
+        .unwrap_or_else(|_| "/tmp/outbox_backtrace".into());
+    let cluster = OwnCluster::fresh(
+        PathBuf::from(base),
+        env_port("OUTBOX_BACKTRACE_PGPORT", 54886),
+        "outbox",
+        1,
+        "",
+    );
+    let mut su = cluster.connect();
+    create_channel(
+        &mut su,
+        "lookups",
+        "http://127.0.0.1:9/hook",
+        r#"{"reconcile": {"url": "http://127.0.0.1:9/m/{effect_key}"}}"#,
+    );
+    su.batch_execute("SELECT outbox.pause_channel('lookups', 'nothing is sent in this test')")
+        .unwrap();
+    let id = enqueue(&mut su, "lookups", "bt-1");
+
+    // One session holds the message's row; reconcile() waits for it and is cancelled.
+    let mut holder = cluster.connect();
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM outbox._messages WHERE id = {id} FOR UPDATE"
+        ))
+        .unwrap();
+    let conninfo = cluster.conninfo();
+    let waiter = std::thread::spawn(move || {
+        let mut c = Client::connect(&conninfo, NoTls).expect("connect");
+        c.batch_execute("SET application_name = 'sec_reconcile'").unwrap();
+        c.query_one("SELECT outbox.reconcile($1)", &[&id])
+    });
+    let mut watcher = cluster.connect();
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            watcher
+                .query_one(
+                    "SELECT count(*) > 0 FROM pg_stat_activity
+                      WHERE application_name = 'sec_reconcile' AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .map(|r| r.get::<_, bool>(0))
+                .unwrap_or(false)
+                && watcher.batch_execute("SELECT pg_stat_clear_snapshot()").is_ok()
+        }),
+        "reconcile() never waited for the row"
+    );
+    watcher
+        .batch_execute(
+            "SELECT pg_cancel_backend(pid) FROM pg_stat_activity WHERE application_name = 'sec_reconcile'",
+        )
+        .unwrap();
+    let e = waiter.join().unwrap().expect_err("cancelled");
+    holder.batch_execute("ROLLBACK").unwrap();
+    assert_eq!(code_of(&e), "57014", "{}", describe(&e));
+    let detail = e.as_db_error().unwrap().detail().unwrap_or_default().to_string();
+    for frame in ["backtrace", "pgrx", "outbox_delivery::", "rust_", "   0: "] {
+        assert!(!detail.contains(frame), "DETAIL shows a backtrace:\n{detail}");
+    }
+}
