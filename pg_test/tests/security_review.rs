@@ -185,7 +185,10 @@ fn every_function_of_the_extension_pins_its_search_path_or_is_listed() {
             Some((n, _)) => {
                 listed_seen.insert(*n);
             }
-            None => offenders.push(format!("{name} ({lang}{})", if definer { ", SECURITY DEFINER" } else { "" })),
+            None => offenders.push(format!(
+                "{name} ({lang}{})",
+                if definer { ", SECURITY DEFINER" } else { "" }
+            )),
         }
     }
     assert!(
@@ -196,7 +199,10 @@ fn every_function_of_the_extension_pins_its_search_path_or_is_listed() {
     );
     // A listed function that no longer needs its place is taken off the list.
     for (n, _) in UNPINNED_WITH_REASON.iter().chain(DEFINER_C_WITHOUT_SET) {
-        assert!(listed_seen.contains(n), "{n} is listed but pins its path or is gone");
+        assert!(
+            listed_seen.contains(n),
+            "{n} is listed but pins its path or is gone"
+        );
     }
 }
 
@@ -271,24 +277,32 @@ fn prometheus_never_runs_a_function_planted_in_public() {
     );
 
     // A superuser reads the exposition under the database's default search path.
-    su.batch_execute("SET search_path = \"$user\", public").unwrap();
+    su.batch_execute("SET search_path = \"$user\", public")
+        .unwrap();
     let text: String = su
         .query_one("SELECT outbox.prometheus()", &[])
         .map(|r| r.get(0))
         .unwrap_or_else(|e| panic!("prometheus() as a superuser: {}", describe(&e)));
     assert!(!text.contains("planted"), "{text}");
     assert!(text.contains("outbox_messages{channel=\"prom\""), "{text}");
-    assert!(!is_superuser(&mut su, &planter), "the planter became a superuser");
+    assert!(
+        !is_superuser(&mut su, &planter),
+        "the planter became a superuser"
+    );
 
     // And so does the scrape's role, pg_monitor.
-    su.batch_execute(&format!("SET ROLE {}", ident(&monitor))).unwrap();
+    su.batch_execute(&format!("SET ROLE {}", ident(&monitor)))
+        .unwrap();
     let text: String = su
         .query_one("SELECT outbox.prometheus()", &[])
         .map(|r| r.get(0))
         .unwrap_or_else(|e| panic!("prometheus() as pg_monitor: {}", describe(&e)));
     assert!(!text.contains("planted"), "{text}");
     su.batch_execute("RESET ROLE").unwrap();
-    assert!(!is_superuser(&mut su, &planter), "the planter became a superuser");
+    assert!(
+        !is_superuser(&mut su, &planter),
+        "the planter became a superuser"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -370,7 +384,10 @@ fn every_script_that_runs_sql_as_a_superuser_pins_its_search_path() {
             .lines()
             .filter(|l| l.contains("\"$PSQL\"") && !l.contains("$PIN_SEARCH_PATH"))
             .collect();
-        assert!(direct.is_empty(), "{name} runs psql without the SET: {direct:#?}");
+        assert!(
+            direct.is_empty(),
+            "{name} runs psql without the SET: {direct:#?}"
+        );
         let mut unqualified = BTreeSet::new();
         for line in text.lines().filter(|l| !l.trim_start().starts_with('#')) {
             let bytes = line.as_bytes();
@@ -378,7 +395,8 @@ fn every_script_that_runs_sql_as_a_superuser_pins_its_search_path() {
             while i < bytes.len() {
                 if bytes[i].is_ascii_alphabetic() || bytes[i] == b'_' {
                     let start = i;
-                    while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_') {
+                    while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_')
+                    {
                         i += 1;
                     }
                     let word = &line[start..i];
@@ -533,11 +551,20 @@ fn a_sql_channel_without_tenants_is_refused_with_a_hint() {
         assert_eq!(code_of(&e), "22023", "{}", describe(&e));
         let db = e.as_db_error().unwrap();
         assert!(db.message().contains("\"tenants\""), "{}", describe(&e));
-        assert!(db.hint().is_some_and(|h| h.contains("[\"*\"]")), "{}", describe(&e));
+        assert!(
+            db.hint().is_some_and(|h| h.contains("[\"*\"]")),
+            "{}",
+            describe(&e)
+        );
     }
     let every = unique("sec_sql");
     create(&mut c, &every, &options(r#", "tenants": ["*"]"#)).expect("[\"*\"] written out");
-    create(&mut c, &unique("sec_sql"), &options(r#", "tenants": ["acme"]"#)).expect("one tenant");
+    create(
+        &mut c,
+        &unique("sec_sql"),
+        &options(r#", "tenants": ["acme"]"#),
+    )
+    .expect("one tenant");
     // alter_channel may not take the list away again.
     let e = c
         .execute(
@@ -645,8 +672,14 @@ fn values_refused_for_their_shape_reach_neither_the_client_nor_the_log() {
     // The log is written by the server as it reports; give it a moment.
     std::thread::sleep(Duration::from_millis(200));
     let log = cluster.log_since(mark);
-    assert!(log.contains("sec_shape") || log.contains("channel option"), "no error logged");
-    assert!(!log.contains(&secret), "the server log holds the secret:\n{log}");
+    assert!(
+        log.contains("sec_shape") || log.contains("channel option"),
+        "no error logged"
+    );
+    assert!(
+        !log.contains(&secret),
+        "the server log holds the secret:\n{log}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -694,7 +727,8 @@ fn a_shared_channel_shows_each_tenant_only_itself() {
         .collect()
     };
     let mut c = scratch.connect();
-    c.batch_execute(&format!("SET ROLE {}", ident(&a_app))).unwrap();
+    c.batch_execute(&format!("SET ROLE {}", ident(&a_app)))
+        .unwrap();
     assert_eq!(tenants_shown(&mut c), serde_json::json!(["tenant_a"]));
     c.batch_execute(&format!("RESET ROLE; SET ROLE {}", ident(&b_ops)))
         .unwrap();
@@ -712,7 +746,10 @@ fn a_shared_channel_shows_each_tenant_only_itself() {
     c.batch_execute("RESET ROLE").unwrap();
     assert_eq!(tenants_shown(&mut c), all);
     let rows = logged(&mut c);
-    assert!(!rows.is_empty() && rows.iter().all(|t| *t == all), "{rows:?}");
+    assert!(
+        !rows.is_empty() && rows.iter().all(|t| *t == all),
+        "{rows:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -739,7 +776,12 @@ fn the_metadata_address_in_ipv6_spellings_is_refused() {
             )
             .expect_err(host);
         assert_eq!(code_of(&e), "42501", "{host}: {}", describe(&e));
-        let detail = e.as_db_error().unwrap().detail().unwrap_or_default().to_string();
+        let detail = e
+            .as_db_error()
+            .unwrap()
+            .detail()
+            .unwrap_or_default()
+            .to_string();
         assert!(detail.contains("169.254.169.254"), "{host}: {detail}");
     }
 }
@@ -753,8 +795,8 @@ fn a_cancel_inside_reconcile_shows_no_backtrace() {
     let _serial = serial();
     // The server's environment has RUST_BACKTRACE=1 (inherited from this process).
     std::env::set_var("RUST_BACKTRACE", "1");
-    let base = std::env::var("OUTBOX_BACKTRACE_BASE")
-        .unwrap_or_else(|_| "/tmp/outbox_backtrace".into());
+    let base =
+        std::env::var("OUTBOX_BACKTRACE_BASE").unwrap_or_else(|_| "/tmp/outbox_backtrace".into());
     let cluster = OwnCluster::fresh(
         PathBuf::from(base),
         env_port("OUTBOX_BACKTRACE_PGPORT", 54886),
@@ -783,7 +825,8 @@ fn a_cancel_inside_reconcile_shows_no_backtrace() {
     let conninfo = cluster.conninfo();
     let waiter = std::thread::spawn(move || {
         let mut c = Client::connect(&conninfo, NoTls).expect("connect");
-        c.batch_execute("SET application_name = 'sec_reconcile'").unwrap();
+        c.batch_execute("SET application_name = 'sec_reconcile'")
+            .unwrap();
         c.query_one("SELECT outbox.reconcile($1)", &[&id])
     });
     let mut watcher = cluster.connect();
@@ -797,7 +840,9 @@ fn a_cancel_inside_reconcile_shows_no_backtrace() {
                 )
                 .map(|r| r.get::<_, bool>(0))
                 .unwrap_or(false)
-                && watcher.batch_execute("SELECT pg_stat_clear_snapshot()").is_ok()
+                && watcher
+                    .batch_execute("SELECT pg_stat_clear_snapshot()")
+                    .is_ok()
         }),
         "reconcile() never waited for the row"
     );
@@ -809,8 +854,16 @@ fn a_cancel_inside_reconcile_shows_no_backtrace() {
     let e = waiter.join().unwrap().expect_err("cancelled");
     holder.batch_execute("ROLLBACK").unwrap();
     assert_eq!(code_of(&e), "57014", "{}", describe(&e));
-    let detail = e.as_db_error().unwrap().detail().unwrap_or_default().to_string();
+    let detail = e
+        .as_db_error()
+        .unwrap()
+        .detail()
+        .unwrap_or_default()
+        .to_string();
     for frame in ["backtrace", "pgrx", "outbox_delivery::", "rust_", "   0: "] {
-        assert!(!detail.contains(frame), "DETAIL shows a backtrace:\n{detail}");
+        assert!(
+            !detail.contains(frame),
+            "DETAIL shows a backtrace:\n{detail}"
+        );
     }
 }

@@ -88,10 +88,13 @@ fn check_target(
         return Ok(());
     };
     if endpoint != "sql" {
-        option_error(OptionError::new("endpoint", format!(
+        option_error(OptionError::new(
+            "endpoint",
+            format!(
                 "must be 'sql' for a channel of kind sql, not \"{}\"",
                 mask_url(endpoint)
-            )))
+            ),
+        ))
         .raise();
     }
     let may = client
@@ -232,9 +235,7 @@ fn loggable(options: &Value) -> Value {
 fn options_argument(options: Option<&str>) -> Option<Value> {
     options.map(|text| {
         serde_json::from_str(text)
-            .map_err(|e| {
-                option_error(OptionError::new("options", format!("cannot be read: {e}")))
-            })
+            .map_err(|e| option_error(OptionError::new("options", format!("cannot be read: {e}"))))
             .or_raise()
     })
 }

@@ -299,7 +299,11 @@ fn sensitive_reach(ip: IpAddr) -> Vec<SensitiveReach> {
         IpAddr::V4(_) => Vec::new(),
     };
     std::iter::once((ip, 0))
-        .chain(tunnelled.into_iter().map(|t| (IpAddr::V4(t.ipv4), t.offset)))
+        .chain(
+            tunnelled
+                .into_iter()
+                .map(|t| (IpAddr::V4(t.ipv4), t.offset)),
+        )
         .filter_map(|(reached, offset)| {
             SENSITIVE
                 .iter()
@@ -1651,8 +1655,11 @@ mod tests {
             "2001:0:4136:e378:8000:63bf:5601:5601",
         ] {
             assert!(!address_allowed(&list("*"), ip(s)), "{s}");
-            let r = check_url(&list("*"), &url::Url::parse(&format!("http://[{s}]/")).unwrap())
-                .unwrap_err();
+            let r = check_url(
+                &list("*"),
+                &url::Url::parse(&format!("http://[{s}]/")).unwrap(),
+            )
+            .unwrap_err();
             assert_eq!(
                 r.reason,
                 Reason::Sensitive {
@@ -1696,13 +1703,25 @@ mod tests {
             ("::/0", "2002:a9fe:a9fe::", false),
             // Teredo: both ends must be unlocked, each by what reaches it.
             ("169.254.169.254", "2001:0:a9fe:a9fe::1", true),
-            ("169.254.169.254", "2001:0:4136:e378:8000:63bf:5601:5601", true),
-            ("169.254.169.254", "2001:0:a9fe:a9fe:8000:63bf:5601:5601", true),
+            (
+                "169.254.169.254",
+                "2001:0:4136:e378:8000:63bf:5601:5601",
+                true,
+            ),
+            (
+                "169.254.169.254",
+                "2001:0:a9fe:a9fe:8000:63bf:5601:5601",
+                true,
+            ),
             ("169.254.169.254", "2001::5601:5601", false),
             ("169.254.169.254, 0.0.0.0/8", "2001::5601:5601", true),
             ("2001:0:a9fe::/48", "2001:0:a9fe:a9fe::1", true),
             ("2001:0::/32", "2001:0:a9fe:a9fe::1", false),
-            ("2001:0:4136:e378:8000:63bf:5601:5601", "2001:0:4136:e378:8000:63bf:5601:5601", true),
+            (
+                "2001:0:4136:e378:8000:63bf:5601:5601",
+                "2001:0:4136:e378:8000:63bf:5601:5601",
+                true,
+            ),
             // The translated form, written either way.
             ("::ffff:0:a9fe:a9fe", "169.254.169.254", true),
             ("169.254.169.254", "::ffff:0:169.254.169.254", true),

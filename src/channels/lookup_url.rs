@@ -166,7 +166,11 @@ fn is_dot_segment_from(
         .iter()
         .any(|v| v.start < segment.end && segment.start < v.end);
     let text = url[segment].to_ascii_lowercase();
-    touched && matches!(text.as_str(), "." | "%2e" | ".." | ".%2e" | "%2e." | "%2e%2e")
+    touched
+        && matches!(
+            text.as_str(),
+            "." | "%2e" | ".." | ".%2e" | "%2e." | "%2e%2e"
+        )
 }
 
 /// The template filled, and the byte ranges of the result that came from values.
@@ -331,7 +335,9 @@ mod tests {
             "http://h/m\\{effect_key}\\x",
         ];
         for t in templates {
-            for k in [".", "..", "%2e", "%2E%2E", ".%2e", "...", "a/..", "../x", "..\\x"] {
+            for k in [
+                ".", "..", "%2e", "%2E%2E", ".%2e", "...", "a/..", "../x", "..\\x",
+            ] {
                 let Ok(url) = fill(t, &with_key(k)) else {
                     continue; // refused: the lookup is not possible for that message
                 };

@@ -309,7 +309,9 @@ fn key_header(key: &str, v: &Value) -> Result<String, OptionError> {
             key,
             format!("\"{h}\" cannot carry the effect key: it {why}"),
         )
-        .with_hint("Name a header of its own for the key, such as Idempotency-Key or X-Outbox-Reference."));
+        .with_hint(
+            "Name a header of its own for the key, such as Idempotency-Key or X-Outbox-Reference.",
+        ));
     }
     Ok(h.to_string())
 }
@@ -329,7 +331,10 @@ impl ChannelOptions {
     /// Parses a complete option object; missing keys take their defaults.
     pub fn from_json(v: &Value) -> Result<ChannelOptions, OptionError> {
         let obj = v.as_object().ok_or_else(|| {
-            OptionError::new("options", format!("must be a JSON object, not {}", shape(v)))
+            OptionError::new(
+                "options",
+                format!("must be a JSON object, not {}", shape(v)),
+            )
         })?;
         if let Some(unknown) = obj.keys().find(|k| !KNOWN_KEYS.contains(&k.as_str())) {
             return Err(OptionError::new(
@@ -394,9 +399,7 @@ impl ChannelOptions {
     /// (Stored options always hold `tenants`: they are written normalized.)
     pub fn from_json_checked(v: &Value) -> Result<ChannelOptions, OptionError> {
         let o = ChannelOptions::from_json(v)?;
-        if matches!(o.kind, Kind::Sql { .. })
-            && v.get("tenants").is_none_or(Value::is_null)
-        {
+        if matches!(o.kind, Kind::Sql { .. }) && v.get("tenants").is_none_or(Value::is_null) {
             return Err(OptionError::new(
                 "tenants",
                 "is required for kind sql: its function acts as the tenant of each message it runs for",
@@ -545,7 +548,10 @@ impl ChannelOptions {
     /// returns to its default; `retry` is merged key by key, every other key is replaced.
     pub fn merge(current: &Value, changes: &Value) -> Result<Value, OptionError> {
         let changes = changes.as_object().ok_or_else(|| {
-            OptionError::new("options", format!("must be a JSON object, not {}", shape(changes)))
+            OptionError::new(
+                "options",
+                format!("must be a JSON object, not {}", shape(changes)),
+            )
         })?;
         let mut merged = current.as_object().cloned().unwrap_or_default();
         for (k, v) in changes {
@@ -705,7 +711,10 @@ fn parse_tenants(v: &Value) -> Result<Vec<String>, OptionError> {
     let mut tenants: Vec<String> = Vec::with_capacity(items.len());
     for item in items {
         let name = item.as_str().ok_or_else(|| {
-            OptionError::new("tenants", format!("{hint}; an element is {}, not a string", shape(item)))
+            OptionError::new(
+                "tenants",
+                format!("{hint}; an element is {}, not a string", shape(item)),
+            )
         })?;
         if crate::tenancy::acting::check_tenant_name(Some(name), "tenants", true).is_err() {
             return Err(OptionError::new(
@@ -805,9 +814,12 @@ fn parse_headers(v: &Value) -> Result<Vec<(String, String)>, OptionError> {
 }
 
 fn parse_reconcile(v: &Value) -> Result<ReconcileConfig, OptionError> {
-    let obj = v
-        .as_object()
-        .ok_or_else(|| OptionError::new("reconcile", format!("must be a JSON object, not {}", shape(v))))?;
+    let obj = v.as_object().ok_or_else(|| {
+        OptionError::new(
+            "reconcile",
+            format!("must be a JSON object, not {}", shape(v)),
+        )
+    })?;
     const KEYS: &[&str] = &["url", "method", "found", "external_id", "settle_ms"];
     if let Some(unknown) = obj.keys().find(|k| !KEYS.contains(&k.as_str())) {
         return Err(OptionError::new(
@@ -1343,8 +1355,17 @@ mod tests {
                 assert!(e.message.contains("cannot carry the effect key"), "{e:?}");
                 assert!(e.hint.is_some(), "{name}");
             }
-            for name in ["Idempotency-Key", "X-Request-Id", "X-Ref", "Hostname", "Authorization-Key"] {
-                assert!(ChannelOptions::from_json(&json!({ key: name })).is_ok(), "{key} {name}");
+            for name in [
+                "Idempotency-Key",
+                "X-Request-Id",
+                "X-Ref",
+                "Hostname",
+                "Authorization-Key",
+            ] {
+                assert!(
+                    ChannelOptions::from_json(&json!({ key: name })).is_ok(),
+                    "{key} {name}"
+                );
             }
         }
     }
