@@ -1245,10 +1245,12 @@ CREATE OR REPLACE VIEW outbox.channels AS
 SELECT c.id,
        c.name,
        outbox._masked_url(c.endpoint) AS endpoint,
-       CASE WHEN c.options ? 'tenants'
-            THEN pg_catalog.jsonb_set(outbox._masked_options(c.options), '{tenants}',
-                                      outbox._shown_tenants(c.options -> 'tenants'))
-            ELSE outbox._masked_options(c.options) END AS options,
+       -- Options that cannot be read as JSON are masked whole, a string: shown as they are.
+       (SELECT CASE WHEN pg_catalog.jsonb_typeof(s.masked) = 'object' AND s.masked ? 'tenants'
+                    THEN pg_catalog.jsonb_set(s.masked, '{tenants}',
+                                              outbox._shown_tenants(s.masked -> 'tenants'))
+                    ELSE s.masked END
+          FROM (SELECT outbox._masked_options(c.options)) AS s(masked)) AS options,
        c.paused,
        c.paused_reason,
        c.paused_at,
