@@ -45,7 +45,7 @@ GRANT USAGE ON SEQUENCE bench_app.effects_id_seq TO bench_effects;
 CREATE FUNCTION bench_app.record(payload jsonb, effect_key text) RETURNS text LANGUAGE sql AS
   $f$ INSERT INTO bench_app.effects (effect_key, payload) VALUES (effect_key, payload) RETURNING 'effect-' || id $f$;
 GRANT EXECUTE ON FUNCTION bench_app.record(jsonb, text) TO bench_effects;
-SELECT outbox.create_channel('effects', 'sql', '{"kind": "sql", "function": "bench_app.record", "run_as": "bench_effects", "max_in_flight": 512}');
+SELECT outbox.create_channel('effects', 'sql', '{"kind": "sql", "function": "bench_app.record", "run_as": "bench_effects", "max_in_flight": 512, "tenants": ["*"]}');
 SELECT outbox.pause_channel('effects', 'loading the backlog');
 SQL
     psql -c "SELECT count(outbox.enqueue('effects', jsonb_build_object('n', g, 'text', 'benchmark message'), 'k:' || g)) FROM generate_series(1, $N) g" >/dev/null

@@ -31,9 +31,25 @@ TENANT=${3:?tenant}
 PSQL=${PSQL:-psql}
 export PGOPTIONS="${PGOPTIONS:-} -c client_min_messages=warning"
 
-# psql reads its SQL from stdin (variables such as :'tenant' are not interpolated in -c).
-src() { "$PSQL" -X -q -v ON_ERROR_STOP=1 -v tenant="$TENANT" -d "$SOURCE" "$@"; }
-tgt() { "$PSQL" -X -q -v ON_ERROR_STOP=1 -v tenant="$TENANT" -d "$TARGET" "$@"; }
+# Every session runs as a superuser: it looks names up in pg_catalog alone (and the
+# session's own temporary schema, where functions and operators are never looked up), never
+# under the database's or the role's search_path, where a role that may create in a schema
+# could plant a function or an operator (`public.||(bigint, text)`) for this script to run.
+# What the SQL below calls is qualified besides; its operators resolve in pg_catalog.
+PIN_SEARCH_PATH="SET search_path = pg_catalog, pg_temp"
+# psql reads its SQL from stdin (variables such as :'tenant' are not interpolated in -c),
+# after the SET above; with -c instead, the SET and that command.
+psql_on() { # $1: conninfo; then psql's arguments
+  local conninfo=$1
+  shift
+  if [[ " $* " == *" -c "* ]]; then
+    "$PSQL" -X -q -v ON_ERROR_STOP=1 -v tenant="$TENANT" -d "$conninfo" -c "$PIN_SEARCH_PATH" "$@"
+  else
+    "$PSQL" -X -q -v ON_ERROR_STOP=1 -v tenant="$TENANT" -d "$conninfo" -c "$PIN_SEARCH_PATH" "$@" -f -
+  fi
+}
+src() { psql_on "$SOURCE" "$@"; }
+tgt() { psql_on "$TARGET" "$@"; }
 say() { echo "[move_tenant] $*"; }
 
 # 1. Pause and wait for the attempts in flight to end.
@@ -45,8 +61,8 @@ SELECT p.name FROM (
        AND NOT ch.paused) p;
 SQL
 # Its writers stop here: the bindings are kept for the target, then removed on the source.
-BINDINGS=$(src -At <<<"SELECT string_agg(role_name, ' ') FROM outbox._tenant_bindings WHERE tenant = :'tenant'")
-src -At <<<"SELECT count(*) || ' binding(s) removed on source' FROM (SELECT outbox.unbind_tenant(role_name::name, tenant)
+BINDINGS=$(src -At <<<"SELECT pg_catalog.string_agg(role_name, ' ') FROM outbox._tenant_bindings WHERE tenant = :'tenant'")
+src -At <<<"SELECT pg_catalog.count(*) || ' binding(s) removed on source' FROM (SELECT outbox.unbind_tenant(role_name::name, tenant)
               FROM outbox._tenant_bindings WHERE tenant = :'tenant') u" | sed 's/^/[move_tenant] /'
 # A move that stops from here on gives the source its writers back (its channels stay paused:
 # resume them there to go on without moving).
@@ -57,8 +73,8 @@ restore() {
 trap restore ERR
 for _ in $(seq 600); do
   # In flight: in a claim (outbox._claims), or marked so by hand.
-  sending=$(src -At <<<"SELECT count(*) FROM outbox._messages m WHERE m.tenant = :'tenant'
-                           AND (m.state = 'sending' OR m.id IN (SELECT unnest(w.message_ids) FROM outbox._claims w))")
+  sending=$(src -At <<<"SELECT pg_catalog.count(*) FROM outbox._messages m WHERE m.tenant = :'tenant'
+                           AND (m.state = 'sending' OR m.id IN (SELECT pg_catalog.unnest(w.message_ids) FROM outbox._claims w))")
   [ "$sending" = 0 ] && break
   sleep 0.1
 done
@@ -79,7 +95,7 @@ SQL
 copy() { # $1: query on the source, $2: staging table on the target
   src -c "\\copy ($1) TO STDOUT" | tgt -c "\\copy outbox_move.$2 FROM STDIN"
 }
-LAST_ID=$(src -At <<<"SELECT coalesce(max(id), 0) FROM outbox._messages WHERE tenant = :'tenant'")
+LAST_ID=$(src -At <<<"SELECT coalesce(pg_catalog.max(id), 0) FROM outbox._messages WHERE tenant = :'tenant'")
 T=$(printf "%s" "$TENANT" | sed "s/'/''/g")
 copy "SELECT m.*, ch.name FROM outbox._messages m JOIN outbox._channels ch ON ch.id = m.channel_id WHERE m.tenant = '$T' AND m.id <= $LAST_ID" messages
 # The attempts of queued messages and of delivered ones (which live in their ledger entries).
@@ -94,10 +110,10 @@ done
 
 # The figures both sides must agree on: the ledger (count and a hash of its entries) and the
 # messages by state.
-SIGNATURE="SELECT (SELECT count(*) || ' ' || coalesce(md5(string_agg(effect_key || '=' || coalesce(external_id, ''), ',' ORDER BY effect_key)), '-')
+SIGNATURE="SELECT (SELECT pg_catalog.count(*) || ' ' || coalesce(pg_catalog.md5(pg_catalog.string_agg(effect_key || '=' || coalesce(external_id, ''), ',' ORDER BY effect_key)), '-')
                      FROM outbox._ledger WHERE tenant = :'tenant')
-              || ' | ' || (SELECT coalesce(string_agg(state || ':' || n, ' ' ORDER BY state), '-')
-                             FROM (SELECT state::text, count(*) n FROM outbox._messages WHERE tenant = :'tenant' GROUP BY 1) s)"
+              || ' | ' || (SELECT coalesce(pg_catalog.string_agg(state || ':' || n, ' ' ORDER BY state), '-')
+                             FROM (SELECT state::text, pg_catalog.count(*) n FROM outbox._messages WHERE tenant = :'tenant' GROUP BY 1) s)"
 SOURCE_SIGNATURE=$(src -At <<<"$SIGNATURE")
 say "source: ledger and messages $SOURCE_SIGNATURE"
 
@@ -107,7 +123,7 @@ BEGIN;
 SET LOCAL outbox_move.tenant = :'tenant';
 DO \$move\$
 DECLARE
-    v_tenant  text := current_setting('outbox_move.tenant');
+    v_tenant  text := pg_catalog.current_setting('outbox_move.tenant');
     v_missing text;
     -- Every column but the ones the target gives anew (ids) or maps (channel, message).
     v_cols    text;
@@ -117,7 +133,7 @@ BEGIN
         RAISE EXCEPTION 'tenant % already has messages or ledger entries here', v_tenant
             USING ERRCODE = '55000', HINT = 'A tenant is moved into a database that has none of its rows.';
     END IF;
-    SELECT string_agg(DISTINCT s.channel_name, ', ') INTO v_missing
+    SELECT pg_catalog.string_agg(DISTINCT s.channel_name, ', ') INTO v_missing
       FROM (SELECT channel_name FROM outbox_move.messages
             UNION ALL
             SELECT channel_name FROM outbox_move.ledger WHERE channel_name IS NOT NULL) s
@@ -127,43 +143,43 @@ BEGIN
         RAISE EXCEPTION 'channels missing here: %', v_missing
             USING ERRCODE = '42704', HINT = 'Create them (paused) with the options they have on the source.';
     END IF;
-    SELECT string_agg(b.role_name, ', ') INTO v_missing
-      FROM outbox_move.bindings b WHERE to_regrole(b.role_name) IS NULL;
+    SELECT pg_catalog.string_agg(b.role_name, ', ') INTO v_missing
+      FROM outbox_move.bindings b WHERE pg_catalog.to_regrole(b.role_name) IS NULL;
     IF v_missing IS NOT NULL THEN
         RAISE EXCEPTION 'roles missing here: %', v_missing
             USING ERRCODE = '42704', HINT = 'Create the roles bound to the tenant on the source.';
     END IF;
 
-    SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) INTO v_cols
-      FROM pg_attribute WHERE attrelid = 'outbox._messages'::regclass AND attnum > 0
+    SELECT pg_catalog.string_agg(pg_catalog.quote_ident(attname), ', ' ORDER BY attnum) INTO v_cols
+      FROM pg_catalog.pg_attribute WHERE attrelid = 'outbox._messages'::regclass AND attnum > 0
        AND NOT attisdropped AND attname NOT IN ('id', 'channel_id');
     -- In the source's id order: ordering keys follow it.
-    EXECUTE format('INSERT INTO outbox._messages (channel_id, %s) SELECT ch.id, %s
+    EXECUTE pg_catalog.format('INSERT INTO outbox._messages (channel_id, %s) SELECT ch.id, %s
                       FROM outbox_move.messages s JOIN outbox._channels ch ON ch.name = s.channel_name
-                     ORDER BY s.id', v_cols, (SELECT string_agg('s.' || c, ', ') FROM unnest(string_to_array(v_cols, ', ')) c));
+                     ORDER BY s.id', v_cols, (SELECT pg_catalog.string_agg('s.' || c, ', ') FROM pg_catalog.unnest(pg_catalog.string_to_array(v_cols, ', ')) c));
 
     -- A ledger entry follows its message; one whose message retention removed gets an id of
     -- this database's sequence, so that status() never reads it for another message, and so
     -- does a delivered message, which lives in its entry (on the channel of the same name).
     -- An entry goes to this database's current generation of the ledger (the column's
     -- default), whatever generation held it there.
-    SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) INTO v_cols
-      FROM pg_attribute WHERE attrelid = 'outbox._ledger'::regclass AND attnum > 0
+    SELECT pg_catalog.string_agg(pg_catalog.quote_ident(attname), ', ' ORDER BY attnum) INTO v_cols
+      FROM pg_catalog.pg_attribute WHERE attrelid = 'outbox._ledger'::regclass AND attnum > 0
        AND NOT attisdropped AND attname NOT IN ('message_id', 'channel_id', 'generation');
-    EXECUTE format('INSERT INTO outbox._ledger (message_id, channel_id, %s)
-                    SELECT CASE WHEN l.channel_id IS NULL THEN coalesce(m.id, nextval(''outbox._messages_id_seq''))
-                                ELSE nextval(''outbox._messages_id_seq'') END,
+    EXECUTE pg_catalog.format('INSERT INTO outbox._ledger (message_id, channel_id, %s)
+                    SELECT CASE WHEN l.channel_id IS NULL THEN coalesce(m.id, pg_catalog.nextval(''outbox._messages_id_seq''))
+                                ELSE pg_catalog.nextval(''outbox._messages_id_seq'') END,
                            ch.id, %s
                       FROM outbox_move.ledger l
                       LEFT JOIN outbox._messages m ON m.tenant = l.tenant AND m.effect_key = l.effect_key
                       LEFT JOIN outbox._channels ch ON ch.name = l.channel_name
                      ORDER BY l.message_id', v_cols,
-                   (SELECT string_agg('l.' || c, ', ') FROM unnest(string_to_array(v_cols, ', ')) c));
+                   (SELECT pg_catalog.string_agg('l.' || c, ', ') FROM pg_catalog.unnest(pg_catalog.string_to_array(v_cols, ', ')) c));
 
-    SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) INTO v_cols
-      FROM pg_attribute WHERE attrelid = 'outbox._attempts'::regclass AND attnum > 0
+    SELECT pg_catalog.string_agg(pg_catalog.quote_ident(attname), ', ' ORDER BY attnum) INTO v_cols
+      FROM pg_catalog.pg_attribute WHERE attrelid = 'outbox._attempts'::regclass AND attnum > 0
        AND NOT attisdropped AND attname NOT IN ('id', 'message_id');
-    EXECUTE format('INSERT INTO outbox._attempts (message_id, %s) SELECT t.id, %s
+    EXECUTE pg_catalog.format('INSERT INTO outbox._attempts (message_id, %s) SELECT t.id, %s
                       FROM outbox_move.attempts a
                       JOIN LATERAL (SELECT m.id FROM outbox._messages m
                                      WHERE m.tenant = a.tenant AND m.effect_key = a.effect_key
@@ -172,7 +188,7 @@ BEGIN
                                      WHERE l.tenant = a.tenant AND l.effect_key = a.effect_key
                                        AND l.channel_id IS NOT NULL
                                      LIMIT 1) t ON true
-                     ORDER BY a.id', v_cols, (SELECT string_agg('a.' || c, ', ') FROM unnest(string_to_array(v_cols, ', ')) c));
+                     ORDER BY a.id', v_cols, (SELECT pg_catalog.string_agg('a.' || c, ', ') FROM pg_catalog.unnest(pg_catalog.string_to_array(v_cols, ', ')) c));
 
     INSERT INTO outbox._tenant_bindings (role_name, role, tenant)
     SELECT b.role_name, b.role_name::regrole, b.tenant FROM outbox_move.bindings b
@@ -198,10 +214,10 @@ SQL
 trap - ERR
 # 5. The source keeps its history and its ledger; nothing of the tenant is sent from it again.
 src -At -v last="$LAST_ID" <<'SQL' | sed 's/^/[move_tenant] on source: /'
-SELECT count(*) || ' unfinished message(s) cancelled'
+SELECT pg_catalog.count(*) || ' unfinished message(s) cancelled'
   FROM (SELECT outbox.cancel(id, 'moved to another cluster') FROM outbox._messages
          WHERE tenant = :'tenant' AND id <= :last AND state IN ('queued', 'uncertain', 'exhausted', 'failed')) c;
 SQL
-late=$(src -At -v last="$LAST_ID" <<<"SELECT count(*) FROM outbox._messages WHERE tenant = :'tenant' AND id > :last")
+late=$(src -At -v last="$LAST_ID" <<<"SELECT pg_catalog.count(*) FROM outbox._messages WHERE tenant = :'tenant' AND id > :last")
 [ "$late" = 0 ] || { say "$late message(s) of $TENANT were enqueued on the source after the copy: move them too"; exit 4; }
 say "done: resume the tenant's channels on the target"

@@ -4,6 +4,7 @@
 
 CREATE FUNCTION outbox._setting(name text, fallback integer) RETURNS integer
 LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
     SELECT coalesce(pg_catalog.current_setting(name, true)::integer, fallback)
 $fn$;
@@ -151,12 +152,14 @@ COMMENT ON VIEW outbox.alerts IS
 
 CREATE FUNCTION outbox._prom_label(v text) RETURNS text
 LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
     SELECT replace(replace(replace(coalesce(v, ''), E'\\', E'\\\\'), '"', E'\\"'), E'\n', E'\\n')
 $fn$;
 
 CREATE FUNCTION outbox.prometheus() RETURNS text
 LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 WITH m AS (SELECT * FROM outbox.metrics WHERE scope = 'channel'),
 families(ord, name, kind, help) AS (VALUES

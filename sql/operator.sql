@@ -38,6 +38,7 @@ COMMENT ON VIEW outbox.work_queue IS
 
 CREATE FUNCTION outbox._require_reason(reason text) RETURNS void
 LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
     IF reason IS NULL OR pg_catalog.btrim(reason) = '' THEN
@@ -57,6 +58,7 @@ $fn$;
 -- message in flight as `sending`.
 CREATE FUNCTION outbox._lock_message(id bigint) RETURNS outbox._messages
 LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     v outbox._messages;
@@ -107,6 +109,7 @@ $fn$;
 -- message again if an earlier one of its key is pending.
 CREATE FUNCTION outbox._requeue(id bigint) RETURNS void
 LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
     UPDATE outbox._messages m
        SET state = 'queued', next_attempt_at = pg_catalog.now(), budget_base = m.attempts,

@@ -1210,3 +1210,76 @@ LANGUAGE c
 AS 'MODULE_PATHNAME', '_claim_holder_wrapper';
 REVOKE ALL ON FUNCTION outbox._claim_holder(integer, integer, double precision) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox._claim_holder(integer, integer, double precision) TO outbox_worker;
+-- Every function of the extension written in SQL or PL/pgSQL with a body parsed when it
+-- runs pins its search path: a name or an operator in its body is never looked up under
+-- the caller's search path, where a role that may create in a schema of it could plant its
+-- own (outbox.prometheus() is read by pg_monitor and by superusers).
+ALTER FUNCTION outbox._setting(text, integer) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._prom_label(text) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox.prometheus() SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._require_reason(text) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._lock_message(bigint) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._requeue(bigint) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._caller_bindings() SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._tenant_visible(text) SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._check_binding(name, text) SET search_path = pg_catalog, pg_temp;
+
+-- A channel's option tenants as the calling role is shown them (outbox.channels and the
+-- operator log's rows about channels): an admin sees the whole list; anyone else the
+-- tenants of the list it may see itself, so that a tenant served by a shared channel does
+-- not learn which other tenants it serves. ["*"] (every tenant) names no one and is shown.
+CREATE FUNCTION outbox._shown_tenants(tenants jsonb) RETURNS jsonb
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT CASE WHEN outbox._caller_is_superuser()
+                  OR pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_admin', 'USAGE')
+                  OR pg_catalog.jsonb_typeof(tenants) IS DISTINCT FROM 'array'
+                  OR tenants = '["*"]'::jsonb
+                THEN tenants
+                ELSE coalesce((SELECT pg_catalog.jsonb_agg(t.tenant ORDER BY t.n)
+                                 FROM pg_catalog.jsonb_array_elements_text(tenants) WITH ORDINALITY AS t(tenant, n)
+                                WHERE t.tenant = ANY (outbox._visible_tenants())),
+                              '[]'::jsonb)
+           END
+$fn$;
+COMMENT ON FUNCTION outbox._shown_tenants(jsonb) IS
+    'A channel''s option tenants as the calling role is shown them: all of them to an admin, its own to anyone else.';
+REVOKE ALL ON FUNCTION outbox._shown_tenants(jsonb) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox._shown_tenants(jsonb) TO outbox_writer, outbox_operator, outbox_admin;
+-- outbox.channels and outbox.operator_log show each reader who is not an admin its own
+-- tenants of a channel's option tenants, not the whole list.
+CREATE OR REPLACE VIEW outbox.channels AS
+SELECT c.id,
+       c.name,
+       outbox._masked_url(c.endpoint) AS endpoint,
+       -- Options that cannot be read as JSON are masked whole, a string: shown as they are.
+       (SELECT CASE WHEN pg_catalog.jsonb_typeof(s.masked) = 'object' AND s.masked ? 'tenants'
+                    THEN pg_catalog.jsonb_set(s.masked, '{tenants}',
+                                              outbox._shown_tenants(s.masked -> 'tenants'))
+                    ELSE s.masked END
+          FROM (SELECT outbox._masked_options(c.options)) AS s(masked)) AS options,
+       c.paused,
+       c.paused_reason,
+       c.paused_at,
+       c.created_at,
+       c.updated_at,
+       outbox._in_flight_bound(c.options) AS in_flight_bound,
+       outbox._in_flight_reason(c.options) AS in_flight_reason,
+       CASE WHEN jsonb_typeof(c.options -> 'circuit') = 'object'
+            THEN coalesce(f.circuit_state, 'closed') END AS circuit_state,
+       f.circuit_since
+  FROM outbox._channels c
+  LEFT JOIN outbox._channel_flow f ON f.channel_id = c.id
+ WHERE outbox._channel_visible(c.options -> 'tenants');
+ALTER VIEW outbox.channels SET (security_barrier = true);
+CREATE OR REPLACE VIEW outbox.operator_log AS
+SELECT o.at, o.actor, o.action, o.message_id, o.reason, o.state_before, o.state_after,
+       CASE WHEN o.detail #> '{options,tenants}' IS NOT NULL
+            THEN pg_catalog.jsonb_set(o.detail, '{options,tenants}',
+                                      outbox._shown_tenants(o.detail #> '{options,tenants}'))
+            ELSE o.detail END AS detail,
+       o.channel, o.id, o.tenant
+  FROM outbox._operator_log o;
+ALTER VIEW outbox.operator_log SET (security_invoker = true);

@@ -13,7 +13,8 @@ GRANT EXECUTE ON FUNCTION outbox._visible_channels() TO PUBLIC;
 GRANT EXECUTE ON FUNCTION
     outbox._masked_url(text),
     outbox._masked_options(jsonb),
-    outbox._channel_visible(jsonb)
+    outbox._channel_visible(jsonb),
+    outbox._shown_tenants(jsonb)
     TO outbox_writer, outbox_operator, outbox_admin;
 
 GRANT USAGE ON SCHEMA outbox TO outbox_writer, outbox_operator, outbox_admin, outbox_worker, pg_monitor;

@@ -104,12 +104,13 @@ CREATE TRIGGER _tenant_bindings_changed
 -- (bindings): outbox._check_tenant_name(tenant, argument, star_allowed), in src/tenancy.rs.
 
 -- The tenants the calling role is bound to, directly or through membership ('*' included).
--- Runs only inside the SECURITY DEFINER functions below, with their pinned search_path,
--- and inside enqueue (src/tenancy.rs), which caches its answer for the session.
+-- Runs only inside the SECURITY DEFINER functions below and inside enqueue
+-- (src/tenancy.rs), which caches its answer for the session.
 -- PL/pgSQL, not SQL: PL/pgSQL keeps the query's plan for the session, where a SQL function
 -- plans it again in every call.
 CREATE FUNCTION outbox._caller_bindings() RETURNS text[]
 LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
     RETURN (SELECT coalesce(array_agg(DISTINCT b.tenant), '{}')
@@ -165,6 +166,29 @@ $fn$;
 COMMENT ON FUNCTION outbox._channel_visible(jsonb) IS
     'May the calling role see a channel that serves these tenants? Admins see every channel.';
 
+-- A channel's option tenants as the calling role is shown them (outbox.channels and the
+-- operator log's rows about channels): an admin sees the whole list; anyone else the
+-- tenants of the list it may see itself, so that a tenant served by a shared channel does
+-- not learn which other tenants it serves. ["*"] (every tenant) names no one and is shown.
+CREATE FUNCTION outbox._shown_tenants(tenants jsonb) RETURNS jsonb
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT CASE WHEN outbox._caller_is_superuser()
+                  OR pg_catalog.pg_has_role(outbox._caller_oid(), 'outbox_admin', 'USAGE')
+                  OR pg_catalog.jsonb_typeof(tenants) IS DISTINCT FROM 'array'
+                  OR tenants = '["*"]'::jsonb
+                THEN tenants
+                ELSE coalesce((SELECT pg_catalog.jsonb_agg(t.tenant ORDER BY t.n)
+                                 FROM pg_catalog.jsonb_array_elements_text(tenants) WITH ORDINALITY AS t(tenant, n)
+                                WHERE t.tenant = ANY (outbox._visible_tenants())),
+                              '[]'::jsonb)
+           END
+$fn$;
+COMMENT ON FUNCTION outbox._shown_tenants(jsonb) IS
+    'A channel''s option tenants as the calling role is shown them: all of them to an admin, its own to anyone else.';
+
 -- The channels whose rows of the operator log (its creation, a change of its options, a
 -- pause, its circuit: rows without a tenant) the calling role may read: for an operator or
 -- an admin, those outbox.channels shows it, as their option tenants stands now; for any
@@ -186,10 +210,11 @@ COMMENT ON FUNCTION outbox._visible_channels() IS
 
 -- May the calling role see a row of this tenant? (Used inside SECURITY DEFINER functions,
 -- where row-level security does not apply. The helpers below run only inside those
--- functions, with their pinned search_path: no one else may execute them, and leaving out
--- a SECURITY DEFINER and SET of their own saves a configuration save and restore per call.)
+-- functions: no one else may execute them. They pin their search path all the same, so that
+-- none of them depends on its caller's for what its body names.)
 CREATE FUNCTION outbox._tenant_visible(tenant text) RETURNS boolean
 LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
     SELECT outbox._caller_is_superuser() OR _tenant_visible.tenant = ANY (outbox._visible_tenants())
 $fn$;
@@ -200,6 +225,7 @@ $fn$;
 -- The arguments of bind_tenant / unbind_tenant.
 CREATE FUNCTION outbox._check_binding(role name, tenant text) RETURNS void
 LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
     IF role IS NULL OR role = '' THEN

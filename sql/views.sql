@@ -11,7 +11,12 @@ CREATE VIEW outbox.channels WITH (security_barrier) AS
 SELECT c.id,
        c.name,
        outbox._masked_url(c.endpoint) AS endpoint,
-       outbox._masked_options(c.options) AS options,
+       -- Options that cannot be read as JSON are masked whole, a string: shown as they are.
+       (SELECT CASE WHEN pg_catalog.jsonb_typeof(s.masked) = 'object' AND s.masked ? 'tenants'
+                    THEN pg_catalog.jsonb_set(s.masked, '{tenants}',
+                                              outbox._shown_tenants(s.masked -> 'tenants'))
+                    ELSE s.masked END
+          FROM (SELECT outbox._masked_options(c.options)) AS s(masked)) AS options,
        c.paused,
        c.paused_reason,
        c.paused_at,
@@ -202,7 +207,11 @@ COMMENT ON VIEW outbox.ledger IS
 
 CREATE VIEW outbox.operator_log AS
 SELECT o.at, o.actor, o.action, o.message_id, o.reason, o.state_before, o.state_after,
-       o.detail, o.channel, o.id, o.tenant
+       CASE WHEN o.detail #> '{options,tenants}' IS NOT NULL
+            THEN pg_catalog.jsonb_set(o.detail, '{options,tenants}',
+                                      outbox._shown_tenants(o.detail #> '{options,tenants}'))
+            ELSE o.detail END AS detail,
+       o.channel, o.id, o.tenant
   FROM outbox._operator_log o;
 ALTER VIEW outbox.operator_log SET (security_invoker = true);
 COMMENT ON VIEW outbox.operator_log IS

@@ -29,7 +29,11 @@ pub enum OutboxError {
         hint: &'static str,
     },
     /// A channel option is unknown, mistyped or out of range (22023).
-    InvalidOption { option: String, message: String },
+    InvalidOption {
+        option: String,
+        message: String,
+        hint: Option<&'static str>,
+    },
     /// No channel of that name (42704).
     UnknownChannel { name: String },
     /// A channel of that name already exists (42710).
@@ -83,7 +87,9 @@ impl OutboxError {
             OutboxError::InvalidArgument {
                 argument, message, ..
             } => format!("{argument}: {message}"),
-            OutboxError::InvalidOption { option, message } => {
+            OutboxError::InvalidOption {
+                option, message, ..
+            } => {
                 format!("channel option \"{option}\": {message}")
             }
             OutboxError::UnknownChannel { name } => format!("channel \"{name}\" does not exist"),
@@ -124,9 +130,9 @@ impl OutboxError {
     pub fn hint(&self) -> &'static str {
         match self {
             OutboxError::InvalidArgument { hint, .. } => hint,
-            OutboxError::InvalidOption { .. } => {
-                "The README lists every channel option with its type and default."
-            }
+            OutboxError::InvalidOption { hint, .. } => hint.unwrap_or(
+                "The README lists every channel option with its type and default.",
+            ),
             OutboxError::UnknownChannel { .. } => {
                 "Create it with outbox.create_channel(name, endpoint, options); list them in outbox.channels."
             }
@@ -187,6 +193,21 @@ pub fn spi_failure(e: pgrx::spi::Error) -> ! {
     )
     .report(PgLogLevel::ERROR);
     unreachable!("an ERROR report does not return")
+}
+
+/// The variable that decides whether `std::backtrace::Backtrace::capture` captures, before
+/// `RUST_BACKTRACE` (which also decides how a panic is printed).
+const LIBRARY_BACKTRACE_VARIABLE: &str = "RUST_LIB_BACKTRACE";
+
+/// No Rust backtrace ever reaches a client. pgrx captures one whenever a Postgres error (a
+/// cancel, a lock timeout, an SPI error) crosses Rust code and, when it was captured, writes
+/// it into the error's DETAIL: with `RUST_BACKTRACE=1` in the server's environment, a cancel
+/// inside `outbox.reconcile()` showed the caller the extension's frames. Captures are turned
+/// off for the process (`RUST_LIB_BACKTRACE=0`, which `capture` reads before
+/// `RUST_BACKTRACE` and caches at its first call), from `_PG_init`, before any error can
+/// be raised through the extension and while the process has no thread of the extension.
+pub fn keep_backtraces_from_clients() {
+    std::env::set_var(LIBRARY_BACKTRACE_VARIABLE, "0");
 }
 
 /// The 5-character SQLSTATE of an error code, as PostgreSQL writes it.

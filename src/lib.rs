@@ -80,6 +80,7 @@ extension_sql_file!("../sql/privileges.sql", name = "privileges", finalize);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
+    error::keep_backtraces_from_clients();
     gucs::init();
     worker::register();
     metrics::register();

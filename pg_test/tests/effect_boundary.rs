@@ -76,7 +76,7 @@ impl App {
     fn channel(&self, c: &mut Client, function: &str) -> String {
         let ch = unique("fxb_ch");
         let options = format!(
-            r#"{{"kind": "sql", "function": "{function}", "run_as": "{}", "retry": {{"max_attempts": 1}}}}"#,
+            r#"{{"kind": "sql", "function": "{function}", "run_as": "{}", "retry": {{"max_attempts": 1}}, "tenants": ["*"]}}"#,
             self.role
         );
         create_channel(c, &ch, "sql", &options);

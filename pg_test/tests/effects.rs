@@ -51,7 +51,7 @@ fn app_schema(c: &mut Client) -> String {
 
 fn sql_channel(c: &mut Client, name: &str, function: &str, role: &str) {
     let options = format!(
-        r#"{{"kind": "sql", "function": "{function}", "run_as": "{role}", "retry": {{"base_ms": 100, "jitter": "none", "max_attempts": 5}}}}"#
+        r#"{{"kind": "sql", "function": "{function}", "run_as": "{role}", "retry": {{"base_ms": 100, "jitter": "none", "max_attempts": 5}}, "tenants": ["*"]}}"#
     );
     c.execute(
         "SELECT outbox.create_channel($1, 'sql', $2::text::jsonb)",

@@ -3,7 +3,7 @@
 use super::guard::{self, AllowList};
 use super::lookup_url;
 use super::options::{unverifiable_notice, validate_endpoint, ChannelOptions, Kind, OptionError};
-use super::secrets::mask_url;
+use super::secrets::{mask_url, shape};
 use super::sql_effect;
 use super::{nats_options, nats_window};
 use crate::error::{spi_failure, OrRaise, OutboxError};
@@ -33,6 +33,7 @@ fn option_error(e: OptionError) -> OutboxError {
     OutboxError::InvalidOption {
         option: e.option,
         message: e.message,
+        hint: e.hint,
     }
 }
 
@@ -50,10 +51,10 @@ fn check_destinations(
         .map(|r| ("reconcile.url", lookup_url::probe(&r.url)));
     for (option, url) in std::iter::once(("endpoint", endpoint.to_string())).chain(reconcile) {
         let parsed = reqwest::Url::parse(&url).map_err(|e| {
-            option_error(OptionError {
-                option: option.into(),
-                message: format!("\"{url}\" is not a valid URL ({e})"),
-            })
+            option_error(OptionError::new(
+                option,
+                format!("\"{}\" is not a valid URL ({e})", mask_url(&url)),
+            ))
         })?;
         guard::check_url(list, &parsed).map_err(|refusal| OutboxError::DestinationRefused {
             option,
@@ -87,13 +88,13 @@ fn check_target(
         return Ok(());
     };
     if endpoint != "sql" {
-        option_error(OptionError {
-            option: "endpoint".into(),
-            message: format!(
+        option_error(OptionError::new(
+            "endpoint",
+            format!(
                 "must be 'sql' for a channel of kind sql, not \"{}\"",
                 mask_url(endpoint)
             ),
-        })
+        ))
         .raise();
     }
     let may = client
@@ -144,15 +145,9 @@ fn check_target(
             hint: "GRANT the role to yourself (or ask its owner), or choose a role you belong to.",
         }
         .raise(),
-        (Some(true), _) => option_error(OptionError {
-            option: "run_as".into(),
-            message: format!("role \"{run_as}\" is a superuser; effects run with least privilege"),
-        })
+        (Some(true), _) => option_error(OptionError::new("run_as", format!("role \"{run_as}\" is a superuser; effects run with least privilege")))
         .raise(),
-        (None, _) => option_error(OptionError {
-            option: "run_as".into(),
-            message: format!("role \"{run_as}\" does not exist"),
-        })
+        (None, _) => option_error(OptionError::new("run_as", format!("role \"{run_as}\" does not exist")))
         .raise(),
     }
 }
@@ -240,12 +235,7 @@ fn loggable(options: &Value) -> Value {
 fn options_argument(options: Option<&str>) -> Option<Value> {
     options.map(|text| {
         serde_json::from_str(text)
-            .map_err(|e| {
-                option_error(OptionError {
-                    option: "options".into(),
-                    message: format!("cannot be read: {e}"),
-                })
-            })
+            .map_err(|e| option_error(OptionError::new("options", format!("cannot be read: {e}"))))
             .or_raise()
     })
 }
@@ -315,10 +305,10 @@ fn alter_channel(name: Option<&str>, options: Option<&str>) {
     let name = required("name", name);
     let changes = match options_argument(options) {
         Some(v) if v.is_object() => v,
-        Some(v) => option_error(OptionError {
-            option: "options".into(),
-            message: format!("must be a JSON object, not {v}"),
-        })
+        Some(v) => option_error(OptionError::new(
+            "options",
+            format!("must be a JSON object, not {}", shape(&v)),
+        ))
         .raise(),
         None => OutboxError::invalid_argument(
             "options",
@@ -344,10 +334,7 @@ fn alter_channel(name: Option<&str>, options: Option<&str>) {
         if let Some(new_endpoint) = changes.as_object_mut().and_then(|o| o.remove("endpoint")) {
             let e = new_endpoint
                 .as_str()
-                .ok_or_else(|| OptionError {
-                    option: "endpoint".into(),
-                    message: "must be a string".to_string(),
-                })
+                .ok_or_else(|| OptionError::new("endpoint", "must be a string".to_string()))
                 .map_err(option_error)
                 .or_raise();
             endpoint = e.to_string();

@@ -26,7 +26,16 @@
 //! `::a.b.c.d` (but `::` and `::1` are the IPv6 unspecified and loopback addresses). So
 //! `[64:ff9b::a9fe:a9fe]` is refused as 169.254.169.254 is, the entry `169.254.169.254`
 //! allows it and its other forms, and the entry `64:ff9b::a9fe:a9fe` is 169.254.169.254.
-//! An IPv6 block wider than /96 (`::/0`, `64:ff9b::/64`) holds none of them.
+//! An IPv6 block wider than /96 (`::/0`, `64:ff9b::/64`) holds none of them. The
+//! IPv4-translated form `::ffff:0:a.b.c.d` (SIIT, RFC 6145) is one of them too.
+//!
+//! An IPv6 address of a tunnel reaches an IPv4 host without being it: 6to4
+//! `2002:AABB:CCDD::/48` (RFC 3056) is sent through a relay to the IPv4 address AABB:CCDD,
+//! Teredo `2001:0:SSSS:SSSS:f:p:CCCC:CCCC` (RFC 4380) to its server SSSS:SSSS and to its
+//! client, the inverted CCCC:CCCC (see [`tunnelled_ipv4`]). Such an address is refused when
+//! an address it reaches is, unless an entry lists it: the IPv4 address it reaches (or a
+//! block no wider than the refused range), or the IPv6 address itself (or a block that fixes
+//! as many bits of the IPv4 address as the refused range does).
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -179,11 +188,15 @@ fn mask(ip: IpAddr, prefix: u8) -> IpAddr {
 
 /// The high 96 bits of the NAT64 well-known prefix `64:ff9b::/96` (RFC 6052).
 const NAT64_WELL_KNOWN: u128 = 0x0064_ff9b_0000_0000_0000_0000;
+/// The high 96 bits of the IPv4-translated prefix `::ffff:0:0:0/96` (RFC 6145, SIIT).
+const IPV4_TRANSLATED: u128 = 0xffff_0000;
 
 /// The IPv4 address an IPv6 address stands for, if it embeds one in its low 32 bits:
 /// - IPv4-mapped, `::ffff:a.b.c.d` (`::ffff:0:0/96`): the IPv4 address itself, as the
 ///   socket layer of a dual-stack host sends it;
 /// - NAT64 well-known prefix, `64:ff9b::a.b.c.d` (`64:ff9b::/96`, RFC 6052): a NAT64
+///   translator on the path sends it to a.b.c.d;
+/// - IPv4-translated, `::ffff:0:a.b.c.d` (`::ffff:0:0:0/96`, RFC 6145): a stateless
 ///   translator on the path sends it to a.b.c.d;
 /// - IPv4-compatible, `::a.b.c.d` (`::/96`, deprecated by RFC 4291): a.b.c.d, except `::`
 ///   (unspecified) and `::1` (loopback), which keep their IPv6 meaning.
@@ -202,10 +215,52 @@ fn embedded_ipv4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
     let bits = u128::from(v6);
     let low = Ipv4Addr::from(bits as u32);
     match bits >> 32 {
-        NAT64_WELL_KNOWN => Some(low),
+        NAT64_WELL_KNOWN | IPV4_TRANSLATED => Some(low),
         0 if bits > 1 => Some(low),
         _ => None,
     }
+}
+
+/// The prefix of 6to4 addresses, `2002::/16` (RFC 3056), as the high 16 bits.
+const SIX_TO_FOUR: u128 = 0x2002;
+/// The prefix of Teredo addresses, `2001:0::/32` (RFC 4380), as the high 32 bits.
+const TEREDO: u128 = 0x2001_0000;
+
+/// An IPv4 address that an IPv6 address of a tunnel reaches, and how many leading bits of
+/// the IPv6 address come before it (so that a block of IPv6 addresses fixes `offset + n`
+/// bits to fix `n` bits of the IPv4 address).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tunnelled {
+    pub ipv4: Ipv4Addr,
+    pub offset: u8,
+}
+
+/// The IPv4 addresses an IPv6 address reaches through a tunnel, which the address does not
+/// stand for as a whole (many IPv6 addresses reach each of them):
+/// - 6to4, `2002:AABB:CCDD::/48`: the relay sends to AABB:CCDD (bits 16 to 47);
+/// - Teredo, `2001:0:SSSS:SSSS:flags:port:CCCC:CCCC`: the server SSSS:SSSS (bits 32 to
+///   63), and the client, CCCC:CCCC with every bit inverted (bits 96 to 127).
+pub fn tunnelled_ipv4(v6: Ipv6Addr) -> Vec<Tunnelled> {
+    let bits = u128::from(v6);
+    if bits >> 112 == SIX_TO_FOUR {
+        return vec![Tunnelled {
+            ipv4: Ipv4Addr::from((bits >> 80) as u32),
+            offset: 16,
+        }];
+    }
+    if bits >> 96 == TEREDO {
+        return vec![
+            Tunnelled {
+                ipv4: Ipv4Addr::from((bits >> 64) as u32),
+                offset: 32,
+            },
+            Tunnelled {
+                ipv4: Ipv4Addr::from(!(bits as u32)),
+                offset: 96,
+            },
+        ];
+    }
+    Vec::new()
 }
 
 /// An IPv6 address that embeds an IPv4 address (IPv4-mapped, NAT64 well-known prefix,
@@ -218,10 +273,48 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
-/// The refused range `ip` lies in, if any.
+/// The refused range `ip` lies in, if any: the range of the address itself (canonical), or
+/// of an IPv4 address it reaches through a tunnel ([`tunnelled_ipv4`]).
 pub fn sensitive_range(ip: IpAddr) -> Option<&'static SensitiveRange> {
+    sensitive_reach(ip).first().map(|s| s.range)
+}
+
+/// An address refused unless listed, that a connection to some address would reach.
+#[derive(Debug, Clone, Copy)]
+struct SensitiveReach {
+    /// The address reached: the canonical address itself, or the IPv4 address of a tunnel.
+    reached: IpAddr,
+    /// Leading bits of the address connected to before those of `reached` (0 for the
+    /// address itself).
+    offset: u8,
+    range: &'static SensitiveRange,
+}
+
+/// Every refused address a connection to `ip` reaches: the address itself, and the IPv4
+/// addresses a tunnel sends it to.
+fn sensitive_reach(ip: IpAddr) -> Vec<SensitiveReach> {
     let ip = canonical(ip);
-    SENSITIVE.iter().find(|r| r.network.contains(ip))
+    let tunnelled = match ip {
+        IpAddr::V6(v6) => tunnelled_ipv4(v6),
+        IpAddr::V4(_) => Vec::new(),
+    };
+    std::iter::once((ip, 0))
+        .chain(
+            tunnelled
+                .into_iter()
+                .map(|t| (IpAddr::V4(t.ipv4), t.offset)),
+        )
+        .filter_map(|(reached, offset)| {
+            SENSITIVE
+                .iter()
+                .find(|r| r.network.contains(reached))
+                .map(|range| SensitiveReach {
+                    reached,
+                    offset,
+                    range,
+                })
+        })
+        .collect()
 }
 
 /// One entry of the list.
@@ -419,15 +512,29 @@ pub fn host_allowed(list: &AllowList, host: &str) -> bool {
 
 /// May a connection go to `ip` (resolved, or the URL's literal) once its host was allowed?
 /// Yes unless it lies in a [`SENSITIVE`] range that no IP or CIDR entry of the list unlocks.
+/// An address of a tunnel must be unlocked for every refused address it reaches: by an entry
+/// that lists the address reached, or one that lists the address itself and fixes at least
+/// as many bits of the address reached as the refused range does.
 pub fn address_allowed(list: &AllowList, ip: IpAddr) -> bool {
+    first_refused(list, ip).is_none()
+}
+
+/// The first refused address that a connection to `ip` reaches and that no IP or CIDR entry
+/// of the list unlocks.
+fn first_refused(list: &AllowList, ip: IpAddr) -> Option<SensitiveReach> {
     let ip = canonical(ip);
-    let Some(range) = SENSITIVE.iter().find(|r| r.network.contains(ip)) else {
-        return true;
-    };
-    list.entries.iter().any(|e| match e {
-        Entry::Address(a) => *a == ip,
-        Entry::Network(n) => n.contains(ip) && n.prefix >= range.network.prefix,
-        Entry::Any | Entry::Host(_) | Entry::Subdomains(_) => false,
+    sensitive_reach(ip).into_iter().find(|s| {
+        let unlocked = |candidate: IpAddr, prefix: u8| {
+            list.entries.iter().any(|e| match e {
+                Entry::Address(a) => *a == candidate,
+                Entry::Network(n) => n.contains(candidate) && n.prefix >= prefix,
+                Entry::Any | Entry::Host(_) | Entry::Subdomains(_) => false,
+            })
+        };
+        let prefix = s.range.network.prefix;
+        let by_reached = unlocked(s.reached, prefix);
+        let by_itself = s.offset > 0 && unlocked(ip, s.offset.saturating_add(prefix));
+        !(by_reached || by_itself)
     })
 }
 
@@ -513,15 +620,15 @@ pub fn check_host(list: &AllowList, host: &Host<&str>) -> Result<(), Refusal> {
             reason: Reason::NotListed,
         });
     }
-    match ip {
-        Some(ip) if !address_allowed(list, ip) => Err(Refusal {
+    match ip.and_then(|ip| first_refused(list, ip)) {
+        Some(refused) => Err(Refusal {
             host: text,
             reason: Reason::Sensitive {
-                address: canonical(ip),
-                what: sensitive_range(ip).map(|r| r.what).unwrap_or("refused"),
+                address: refused.reached,
+                what: refused.range.what,
             },
         }),
-        _ => Ok(()),
+        None => Ok(()),
     }
 }
 
@@ -1457,5 +1564,172 @@ mod tests {
         );
         assert!(address_allowed(&list("::"), ip("::")));
         assert!(!address_allowed(&list("0.0.0.0"), ip("::")));
+    }
+
+    /// Every IPv6 spelling of an IPv4 address that a connection would reach it by: those
+    /// that stand for it (mapped, translated, NAT64, compatible) and the tunnels (6to4 at
+    /// both ends of its /48, Teredo as server and as client behind an ordinary server).
+    fn ipv6_spellings(v4: Ipv4Addr) -> Vec<Ipv6Addr> {
+        let n = u128::from(u32::from(v4));
+        let teredo_server = u128::from(u32::from(Ipv4Addr::new(65, 54, 227, 120)));
+        let mut forms = vec![
+            0xffff_0000_0000 | n,
+            0xffff_0000_0000_0000 | n,
+            NAT64_WELL_KNOWN << 32 | n,
+            (SIX_TO_FOUR << 112) | (n << 80),
+            (SIX_TO_FOUR << 112) | (n << 80) | 0xffff_ffff_ffff_ffff_ffff,
+            (SIX_TO_FOUR << 112) | (n << 80) | 1,
+            (TEREDO << 96) | (n << 64) | 0x8000_63bf_3fff_fdd2,
+            (TEREDO << 96) | (teredo_server << 64) | 0x8000_63bf_0000_0000 | (!n & 0xffff_ffff),
+            (TEREDO << 96) | (teredo_server << 64) | (!n & 0xffff_ffff),
+        ];
+        // ::a.b.c.d, but :: and ::1 are IPv6 addresses of their own.
+        if n > 1 {
+            forms.push(n);
+        }
+        forms.into_iter().map(Ipv6Addr::from).collect()
+    }
+
+    /// The IPv4 addresses of every refused range: its first, last and a middle address, and
+    /// the cloud metadata addresses themselves.
+    fn refused_ipv4() -> Vec<Ipv4Addr> {
+        let mut all = vec![Ipv4Addr::new(169, 254, 169, 254)];
+        for r in SENSITIVE {
+            if let IpAddr::V4(a) = r.network.addr() {
+                let first = u32::from(a);
+                let size = 1u64 << (32 - u32::from(r.network.prefix()));
+                let last = (u64::from(first) + size - 1) as u32;
+                all.extend([first, first + ((last - first) / 2), last].map(Ipv4Addr::from));
+            }
+        }
+        all
+    }
+
+    #[test]
+    fn every_ipv6_spelling_of_a_refused_ipv4_address_is_refused() {
+        let star = list("*");
+        for v4 in refused_ipv4() {
+            let range = sensitive_range(IpAddr::V4(v4)).expect("a refused address");
+            for v6 in ipv6_spellings(v4) {
+                let ip6 = IpAddr::V6(v6);
+                assert!(!address_allowed(&star, ip6), "{v6} reaches {v4}");
+                assert_eq!(sensitive_range(ip6), Some(range), "{v6} reaches {v4}");
+                let url = url::Url::parse(&format!("http://[{v6}]/")).unwrap();
+                let refusal = check_url(&star, &url).unwrap_err();
+                assert!(
+                    matches!(refusal.reason, Reason::Sensitive { .. }),
+                    "{v6}: {refusal}"
+                );
+                // The address it reaches, as the entry of an administrator who means it,
+                // unlocks every spelling of it.
+                let entry = list(&v4.to_string());
+                assert!(address_allowed(&entry, ip6), "{v6} under the entry {v4}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_same_spellings_of_an_ordinary_address_pass() {
+        let star = list("*");
+        for v4 in [
+            Ipv4Addr::new(93, 184, 216, 34),
+            Ipv4Addr::new(8, 8, 8, 8),
+            Ipv4Addr::new(169, 253, 255, 255),
+            Ipv4Addr::new(169, 255, 0, 0),
+            Ipv4Addr::new(1, 0, 0, 0),
+        ] {
+            for v6 in ipv6_spellings(v4) {
+                assert!(address_allowed(&star, IpAddr::V6(v6)), "{v6} reaches {v4}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_metadata_address_in_the_spellings_the_review_found() {
+        for s in [
+            "::ffff:0:169.254.169.254",
+            "::ffff:0:a9fe:a9fe",
+            "2002:a9fe:a9fe::",
+            "2002:a9fe:a9fe:ffff::1",
+            "2001:0:a9fe:a9fe::1",
+            "2001:0:4136:e378:8000:63bf:5601:5601",
+        ] {
+            assert!(!address_allowed(&list("*"), ip(s)), "{s}");
+            let r = check_url(
+                &list("*"),
+                &url::Url::parse(&format!("http://[{s}]/")).unwrap(),
+            )
+            .unwrap_err();
+            assert_eq!(
+                r.reason,
+                Reason::Sensitive {
+                    address: ip("169.254.169.254"),
+                    what: "IPv4 link-local, which holds the cloud metadata address 169.254.169.254"
+                },
+                "{s}"
+            );
+        }
+        // The translated form stands for the IPv4 address, as the mapped one does.
+        assert_eq!(canonical(ip("::ffff:0:a9fe:a9fe")), ip("169.254.169.254"));
+        // A tunnel's address does not stand for the one address it reaches.
+        assert_eq!(canonical(ip("2002:a9fe:a9fe::")), ip("2002:a9fe:a9fe::"));
+        // 6to4 of an ordinary address, Teredo of an ordinary server and client, and the
+        // prefixes beside them pass.
+        for s in [
+            "2002:808:808::1",
+            "2001:0:4136:e378:8000:63bf:3fff:fdd2",
+            "2003:a9fe:a9fe::",
+            "2001:1:a9fe:a9fe::1",
+            "2001:db8:a9fe:a9fe::1",
+        ] {
+            assert!(address_allowed(&list("*"), ip(s)), "{s}");
+        }
+    }
+
+    #[test]
+    fn a_tunnel_address_is_unlocked_by_what_it_reaches_or_by_a_narrow_block_of_its_own() {
+        // (list, address, allowed)
+        let cases: &[(&str, &str, bool)] = &[
+            ("169.254.169.254", "2002:a9fe:a9fe::1", true),
+            ("169.254.0.0/16", "2002:a9fe:102::", true),
+            ("0.0.0.0/0", "2002:a9fe:a9fe::1", false),
+            ("2002:a9fe:a9fe::1", "2002:a9fe:a9fe::1", true),
+            ("2002:a9fe:a9fe::1", "2002:a9fe:a9fe::2", false),
+            ("2002:a9fe:a9fe::/48", "2002:a9fe:a9fe::2", true),
+            // 16 bits of 6to4, then the 16 that make 169.254/16.
+            ("2002:a9fe::/32", "2002:a9fe:a9fe::2", true),
+            ("2002:a9fe::/31", "2002:a9fe:a9fe::2", false),
+            ("2002::/16", "2002:a9fe:a9fe::", false),
+            ("::/0", "2002:a9fe:a9fe::", false),
+            // Teredo: both ends must be unlocked, each by what reaches it.
+            ("169.254.169.254", "2001:0:a9fe:a9fe::1", true),
+            (
+                "169.254.169.254",
+                "2001:0:4136:e378:8000:63bf:5601:5601",
+                true,
+            ),
+            (
+                "169.254.169.254",
+                "2001:0:a9fe:a9fe:8000:63bf:5601:5601",
+                true,
+            ),
+            ("169.254.169.254", "2001::5601:5601", false),
+            ("169.254.169.254, 0.0.0.0/8", "2001::5601:5601", true),
+            ("2001:0:a9fe::/48", "2001:0:a9fe:a9fe::1", true),
+            ("2001:0::/32", "2001:0:a9fe:a9fe::1", false),
+            (
+                "2001:0:4136:e378:8000:63bf:5601:5601",
+                "2001:0:4136:e378:8000:63bf:5601:5601",
+                true,
+            ),
+            // The translated form, written either way.
+            ("::ffff:0:a9fe:a9fe", "169.254.169.254", true),
+            ("169.254.169.254", "::ffff:0:169.254.169.254", true),
+            ("::ffff:0:a9fe:0/112", "169.254.1.2", true),
+            ("::ffff:0:0:0/96", "::ffff:0:a9fe:a9fe", false),
+        ];
+        for (l, a, allowed) in cases {
+            assert_eq!(address_allowed(&list(l), ip(a)), *allowed, "{l} / {a}");
+        }
     }
 }

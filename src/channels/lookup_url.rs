@@ -114,8 +114,71 @@ pub fn content_sha256(payload: &str) -> String {
 }
 
 /// Fills the template for one message; `Err` when a value it needs is missing (e.g. no
-/// external id was ever recorded): the lookup is then not possible for that message.
+/// external id was ever recorded), or when a value would make a dot segment of the path
+/// ([`dot_segment_from_value`]): the lookup is then not possible for that message.
 pub fn fill(template: &str, subject: &Subject) -> Result<String, String> {
+    let (out, values) = fill_marked(template, subject)?;
+    if dot_segment_from_value(&out, &values) {
+        return Err("a placeholder's value would make a dot segment (\".\" or \"..\") of the lookup's path, which names another resource".into());
+    }
+    Ok(out)
+}
+
+/// Is a segment of the path of `url` that holds some of a placeholder's value (`values`:
+/// the byte ranges of `url` filled from values) a dot segment? A value is percent-encoded,
+/// so it holds no `/`, `\\`, `?` or `#` and never moves the path's other segments, but `.`
+/// is unreserved: an effect key `..` filling a whole segment would make a URL parser step
+/// up one level (`/messages/..` is `/`), and `%2E%2E` is a dot segment to it as well, so
+/// no encoding of such a value keeps its segment: the lookup is refused instead.
+fn dot_segment_from_value(url: &str, values: &[std::ops::Range<usize>]) -> bool {
+    let Some(colon) = url.find(':') else {
+        return false;
+    };
+    let after_scheme = colon + 1;
+    let rest = &url[after_scheme..];
+    let slashes = rest.len() - rest.trim_start_matches(['/', '\\']).len();
+    let authority = after_scheme + slashes;
+    let path_start = url[authority..]
+        .find(['/', '\\', '?', '#'])
+        .map_or(url.len(), |i| authority + i);
+    let path_end = url[path_start..]
+        .find(['?', '#'])
+        .map_or(url.len(), |i| path_start + i);
+    let mut start = path_start;
+    for (i, c) in url[path_start..path_end].char_indices() {
+        let at = path_start + i;
+        if c == '/' || c == '\\' {
+            if is_dot_segment_from(url, start..at, values) {
+                return true;
+            }
+            start = at + 1;
+        }
+    }
+    is_dot_segment_from(url, start..path_end, values)
+}
+
+fn is_dot_segment_from(
+    url: &str,
+    segment: std::ops::Range<usize>,
+    values: &[std::ops::Range<usize>],
+) -> bool {
+    let touched = values
+        .iter()
+        .any(|v| v.start < segment.end && segment.start < v.end);
+    let text = url[segment].to_ascii_lowercase();
+    touched
+        && matches!(
+            text.as_str(),
+            "." | "%2e" | ".." | ".%2e" | "%2e." | "%2e%2e"
+        )
+}
+
+/// The template filled, and the byte ranges of the result that came from values.
+fn fill_marked(
+    template: &str,
+    subject: &Subject,
+) -> Result<(String, Vec<std::ops::Range<usize>>), String> {
+    let mut values = Vec::new();
     let mut out = String::with_capacity(template.len() + 64);
     let mut rest = template;
     while let Some(start) = rest.find('{') {
@@ -137,11 +200,13 @@ pub fn fill(template: &str, subject: &Subject) -> Result<String, String> {
             }
             other => return Err(format!("unknown placeholder {{{other}}}")),
         };
+        let from = out.len();
         out.push_str(&percent_encode(&value));
+        values.push(from..out.len());
         rest = &after[end + 1..];
     }
     out.push_str(rest);
-    Ok(out)
+    Ok((out, values))
 }
 
 #[cfg(test)]
@@ -249,5 +314,68 @@ mod tests {
         assert!(fill("http://h/m?to={payload:/missing}", &s).is_err());
         let h = fill("http://h/m/{content_sha256}", &s).unwrap();
         assert_eq!(h.len(), "http://h/m/".len() + 64);
+    }
+
+    #[test]
+    fn a_value_never_makes_a_dot_segment() {
+        let with_key = |k: &str| Subject {
+            effect_key: k.into(),
+            external_id: Some(k.into()),
+            payload: format!(r#"{{"to": {}}}"#, serde_json::json!(k)),
+            created_at_s: 0,
+        };
+        let templates = [
+            "http://h/messages/{effect_key}",
+            "http://h/messages/{effect_key}/status",
+            "http://h/{external_id}",
+            "http://h/m/{payload:/to}/x",
+            "http://h:8080/m/{effect_key}",
+            "http://h/m/.{effect_key}",
+            "http://h/m/{effect_key}.",
+            "http://h/m\\{effect_key}\\x",
+        ];
+        for t in templates {
+            for k in [
+                ".", "..", "%2e", "%2E%2E", ".%2e", "...", "a/..", "../x", "..\\x",
+            ] {
+                let Ok(url) = fill(t, &with_key(k)) else {
+                    continue; // refused: the lookup is not possible for that message
+                };
+                // As many segments as with an ordinary value: none was stepped over.
+                let parsed = url::Url::parse(&url).unwrap();
+                let ordinary = url::Url::parse(&fill(t, &with_key("k")).unwrap()).unwrap();
+                assert_eq!(
+                    parsed.path_segments().map(Iterator::count),
+                    ordinary.path_segments().map(Iterator::count),
+                    "{t} with {k:?}: {url} -> {parsed}"
+                );
+            }
+        }
+        // The review's case: `..` as the whole last segment is refused, not sent to /.
+        assert!(fill("http://h/messages/{effect_key}", &with_key("..")).is_err());
+        assert!(fill("http://h/messages/{effect_key}", &with_key(".")).is_err());
+        assert!(fill("http://h/m/{effect_key}.", &with_key(".")).is_err());
+        // Dots inside a segment, or in the query, are values like any other.
+        assert_eq!(
+            fill("http://h/messages/{effect_key}", &with_key("...")).unwrap(),
+            "http://h/messages/..."
+        );
+        assert_eq!(
+            fill("http://h/messages/{effect_key}", &with_key("a..b")).unwrap(),
+            "http://h/messages/a..b"
+        );
+        assert_eq!(
+            fill("http://h/m?key={effect_key}", &with_key("..")).unwrap(),
+            "http://h/m?key=.."
+        );
+        assert_eq!(
+            fill("http://h/m#{effect_key}", &with_key("..")).unwrap(),
+            "http://h/m#.."
+        );
+        // A dot segment the template itself writes is the administrator's, and stays.
+        assert_eq!(
+            fill("http://h/a/../m/{effect_key}", &with_key("k")).unwrap(),
+            "http://h/a/../m/k"
+        );
     }
 }

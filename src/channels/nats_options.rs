@@ -4,6 +4,7 @@
 
 use super::nats_subject;
 use super::option_error::OptionError;
+use super::secrets::{number_or_shape, shape};
 use serde_json::{json, Map, Value};
 
 /// How the worker authenticates to the NATS server.
@@ -55,7 +56,7 @@ fn required_string<'a>(
         )),
         Some(v) => Err(OptionError::new(
             key,
-            format!("must be a non-empty string, not {v}"),
+            format!("must be a non-empty string, not {}", shape(v)),
         )),
     }
 }
@@ -64,7 +65,7 @@ fn parse_auth(v: &Value) -> Result<NatsAuth, OptionError> {
     let hint = "must be {\"token\": \"…\"} or {\"user\": \"…\", \"password\": \"…\"}";
     let obj = v
         .as_object()
-        .ok_or_else(|| OptionError::new("auth", format!("{hint}, not {v}")))?;
+        .ok_or_else(|| OptionError::new("auth", format!("{hint}, not {}", shape(v))))?;
     let text = |k: &str| match obj.get(k) {
         Some(Value::String(s)) if !s.is_empty() && !s.chars().any(char::is_control) => {
             Ok(Some(s.clone()))
@@ -120,7 +121,7 @@ pub fn parse(obj: &Map<String, Value>) -> Result<NatsTarget, OptionError> {
         Some(v) => Some(v.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
             OptionError::new(
                 "duplicate_window_ms",
-                format!("must be a positive integer, not {v}"),
+                format!("must be a positive integer, not {}", number_or_shape(v)),
             )
         })?),
     };

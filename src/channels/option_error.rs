@@ -7,6 +7,8 @@
 pub struct OptionError {
     pub option: String,
     pub message: String,
+    /// What to do instead, where it is more than "see the list of options".
+    pub hint: Option<&'static str>,
 }
 
 impl OptionError {
@@ -14,6 +16,12 @@ impl OptionError {
         OptionError {
             option: option.into(),
             message: message.into(),
+            hint: None,
         }
+    }
+
+    pub(crate) fn with_hint(mut self, hint: &'static str) -> Self {
+        self.hint = Some(hint);
+        self
     }
 }

@@ -154,6 +154,7 @@ const HTTP_ONLY: &[&str] = &[
 ];
 
 pub use super::option_error::OptionError;
+use super::secrets::{number_or_shape, shape};
 
 const KNOWN_KEYS: &[&str] = &[
     "kind",
@@ -268,14 +269,51 @@ fn positive_int(key: &str, v: &Value, max: u64) -> Result<u64, OptionError> {
         )),
         None => Err(OptionError::new(
             key,
-            format!("must be a positive integer, not {v}"),
+            format!("must be a positive integer, not {}", number_or_shape(v)),
         )),
     }
 }
 
 fn string<'a>(key: &str, v: &'a Value) -> Result<&'a str, OptionError> {
     v.as_str()
-        .ok_or_else(|| OptionError::new(key, format!("must be a string, not {v}")))
+        .ok_or_else(|| OptionError::new(key, format!("must be a string, not {}", shape(v))))
+}
+
+/// What `create_channel` says to a `sql` channel without `tenants`.
+const SQL_TENANTS_HINT: &str = "Name the tenants whose messages may run the function, e.g. \"tenants\": [\"acme\"]; \"tenants\": [\"*\"] lets every tenant's messages run it, and whoever controls the function then acts for each of them.";
+
+/// Headers that carry credentials: the effect key in one would replace them, or be dropped.
+const CREDENTIAL_HEADERS: &[&str] = &["authorization", "cookie"];
+
+/// An `idempotency_header` or `reference_header`: a header name that the worker may set to
+/// the effect key, so neither a header that frames, routes, authorizes or signs the request
+/// (the transport, the channel's `signing` or its own `headers` set those, and a key there
+/// would become the request's Host or be silently not sent), as a message's own headers may
+/// not be either (`enqueue_check::reserved_header`).
+fn key_header(key: &str, v: &Value) -> Result<String, OptionError> {
+    let h = string(key, v)?;
+    if !is_http_token(h) {
+        return Err(OptionError::new(
+            key,
+            format!("\"{h}\" is not a valid HTTP header name"),
+        ));
+    }
+    let why = crate::outbox::enqueue_check::reserved_header(h, &[]).or_else(|| {
+        CREDENTIAL_HEADERS
+            .iter()
+            .any(|c| c.eq_ignore_ascii_case(h))
+            .then_some("carries the request's credentials")
+    });
+    if let Some(why) = why {
+        return Err(OptionError::new(
+            key,
+            format!("\"{h}\" cannot carry the effect key: it {why}"),
+        )
+        .with_hint(
+            "Name a header of its own for the key, such as Idempotency-Key or X-Outbox-Reference.",
+        ));
+    }
+    Ok(h.to_string())
 }
 
 fn json_pointer(key: &str, v: &Value) -> Result<String, OptionError> {
@@ -293,7 +331,10 @@ impl ChannelOptions {
     /// Parses a complete option object; missing keys take their defaults.
     pub fn from_json(v: &Value) -> Result<ChannelOptions, OptionError> {
         let obj = v.as_object().ok_or_else(|| {
-            OptionError::new("options", format!("must be a JSON object, not {v}"))
+            OptionError::new(
+                "options",
+                format!("must be a JSON object, not {}", shape(v)),
+            )
         })?;
         if let Some(unknown) = obj.keys().find(|k| !KNOWN_KEYS.contains(&k.as_str())) {
             return Err(OptionError::new(
@@ -353,8 +394,18 @@ impl ChannelOptions {
 
     /// [`ChannelOptions::from_json`], and what is checked only when options are set, not
     /// each time a worker reads them: that the `tls` certificates and key can be used.
+    /// A `sql` channel names its tenants: its function reads and writes as the tenant of each
+    /// message it runs for, so the default, every tenant, is taken only when written out.
+    /// (Stored options always hold `tenants`: they are written normalized.)
     pub fn from_json_checked(v: &Value) -> Result<ChannelOptions, OptionError> {
         let o = ChannelOptions::from_json(v)?;
+        if matches!(o.kind, Kind::Sql { .. }) && v.get("tenants").is_none_or(Value::is_null) {
+            return Err(OptionError::new(
+                "tenants",
+                "is required for kind sql: its function acts as the tenant of each message it runs for",
+            )
+            .with_hint(SQL_TENANTS_HINT));
+        }
         if let Some(tls) = &o.tls {
             tls.check()?;
         }
@@ -389,29 +440,11 @@ impl ChannelOptions {
             "headers" => o.headers = parse_headers(value)?,
             "timeout_ms" => o.timeout_ms = positive_int(key, value, 3_600_000)?,
             "connect_timeout_ms" => o.connect_timeout_ms = positive_int(key, value, 600_000)?,
-            "idempotency_header" => {
-                let h = string(key, value)?;
-                if !is_http_token(h) {
-                    return Err(OptionError::new(
-                        key,
-                        format!("\"{h}\" is not a valid HTTP header name"),
-                    ));
-                }
-                o.idempotency_header = Some(h.to_string());
-            }
+            "idempotency_header" => o.idempotency_header = Some(key_header(key, value)?),
             "idempotency_window_ms" => {
                 o.idempotency_window_ms = Some(positive_int(key, value, i64::MAX as u64)?)
             }
-            "reference_header" => {
-                let h = string(key, value)?;
-                if !is_http_token(h) {
-                    return Err(OptionError::new(
-                        key,
-                        format!("\"{h}\" is not a valid HTTP header name"),
-                    ));
-                }
-                o.reference_header = Some(h.to_string());
-            }
+            "reference_header" => o.reference_header = Some(key_header(key, value)?),
             "external_id" => {
                 let s = string(key, value)?;
                 o.external_id = Some(if let Some(name) = s.strip_prefix("header:") {
@@ -515,7 +548,10 @@ impl ChannelOptions {
     /// returns to its default; `retry` is merged key by key, every other key is replaced.
     pub fn merge(current: &Value, changes: &Value) -> Result<Value, OptionError> {
         let changes = changes.as_object().ok_or_else(|| {
-            OptionError::new("options", format!("must be a JSON object, not {changes}"))
+            OptionError::new(
+                "options",
+                format!("must be a JSON object, not {}", shape(changes)),
+            )
         })?;
         let mut merged = current.as_object().cloned().unwrap_or_default();
         for (k, v) in changes {
@@ -662,7 +698,7 @@ fn parse_tenants(v: &Value) -> Result<Vec<String>, OptionError> {
     let hint = "must be [\"*\"] (every tenant) or an array of tenant names";
     let items = v
         .as_array()
-        .ok_or_else(|| OptionError::new("tenants", format!("{hint}, not {v}")))?;
+        .ok_or_else(|| OptionError::new("tenants", format!("{hint}, not {}", shape(v))))?;
     if items.is_empty() || items.len() > MAX_TENANTS {
         return Err(OptionError::new(
             "tenants",
@@ -675,7 +711,10 @@ fn parse_tenants(v: &Value) -> Result<Vec<String>, OptionError> {
     let mut tenants: Vec<String> = Vec::with_capacity(items.len());
     for item in items {
         let name = item.as_str().ok_or_else(|| {
-            OptionError::new("tenants", format!("{hint}; {item} is not a string"))
+            OptionError::new(
+                "tenants",
+                format!("{hint}; an element is {}, not a string", shape(item)),
+            )
         })?;
         if crate::tenancy::acting::check_tenant_name(Some(name), "tenants", true).is_err() {
             return Err(OptionError::new(
@@ -716,7 +755,7 @@ fn parse_headers(v: &Value) -> Result<Vec<(String, String)>, OptionError> {
     let obj = v.as_object().ok_or_else(|| {
         OptionError::new(
             "headers",
-            format!("must be a JSON object of strings, not {v}"),
+            format!("must be a JSON object of strings, not {}", shape(v)),
         )
     })?;
     if obj.len() > MAX_HEADERS {
@@ -775,9 +814,12 @@ fn parse_headers(v: &Value) -> Result<Vec<(String, String)>, OptionError> {
 }
 
 fn parse_reconcile(v: &Value) -> Result<ReconcileConfig, OptionError> {
-    let obj = v
-        .as_object()
-        .ok_or_else(|| OptionError::new("reconcile", format!("must be a JSON object, not {v}")))?;
+    let obj = v.as_object().ok_or_else(|| {
+        OptionError::new(
+            "reconcile",
+            format!("must be a JSON object, not {}", shape(v)),
+        )
+    })?;
     const KEYS: &[&str] = &["url", "method", "found", "external_id", "settle_ms"];
     if let Some(unknown) = obj.keys().find(|k| !KEYS.contains(&k.as_str())) {
         return Err(OptionError::new(
@@ -1256,5 +1298,122 @@ mod tests {
         assert!(is_http_header_value("Bearer abc.def"));
         assert!(!is_http_header_value("a\nb"));
         assert!(!is_http_header_value("a\0b"));
+    }
+
+    #[test]
+    fn a_sql_channel_names_its_tenants() {
+        let sql = json!({"kind": "sql", "function": "app.f", "run_as": "r"});
+        let e = ChannelOptions::from_json_checked(&sql).unwrap_err();
+        assert_eq!(e.option, "tenants");
+        assert!(e.hint.is_some_and(|h| h.contains("[\"*\"]")), "{e:?}");
+        let mut null = sql.clone();
+        null["tenants"] = json!(null);
+        assert_eq!(
+            ChannelOptions::from_json_checked(&null).unwrap_err().option,
+            "tenants"
+        );
+        for tenants in [json!(["*"]), json!(["acme"]), json!(["a", "b"])] {
+            let mut named = sql.clone();
+            named["tenants"] = tenants.clone();
+            let o = ChannelOptions::from_json_checked(&named).unwrap();
+            // Stored normalized, the list is there when the options are read again.
+            assert_eq!(ChannelOptions::from_json_checked(&o.to_json()).unwrap(), o);
+        }
+        // Other kinds keep their default, every tenant.
+        let o = ChannelOptions::from_json_checked(&json!({})).unwrap();
+        assert_eq!(o.tenants, vec!["*".to_string()]);
+    }
+
+    #[test]
+    fn the_key_headers_may_not_frame_route_authorize_or_sign() {
+        for key in ["idempotency_header", "reference_header"] {
+            for name in [
+                "Host",
+                "host",
+                "Content-Length",
+                "Transfer-Encoding",
+                "Connection",
+                "Keep-Alive",
+                "Upgrade",
+                "TE",
+                "Trailer",
+                "Expect",
+                "Proxy-Authorization",
+                "Proxy-Connection",
+                "Forwarded",
+                "X-Forwarded-For",
+                "x-forwarded-host",
+                "Authorization",
+                "AUTHORIZATION",
+                "Cookie",
+                "webhook-id",
+                "Webhook-Timestamp",
+                "webhook-signature",
+            ] {
+                let e = err(json!({ key: name }));
+                assert_eq!(e.option, key, "{name}");
+                assert!(e.message.contains("cannot carry the effect key"), "{e:?}");
+                assert!(e.hint.is_some(), "{name}");
+            }
+            for name in [
+                "Idempotency-Key",
+                "X-Request-Id",
+                "X-Ref",
+                "Hostname",
+                "Authorization-Key",
+            ] {
+                assert!(
+                    ChannelOptions::from_json(&json!({ key: name })).is_ok(),
+                    "{key} {name}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn values_refused_for_their_shape_are_not_quoted() {
+        const SECRET: &str = "Bearer SECRET-7f3a";
+        let wrong_shapes = [
+            json!([SECRET]),
+            json!({ "x": SECRET }),
+            json!([{ "Authorization": SECRET }]),
+            json!(SECRET),
+        ];
+        for key in KNOWN_KEYS {
+            for value in &wrong_shapes {
+                let mut options = json!({ *key: value });
+                if NATS_ONLY.contains(key) {
+                    options = json!({"kind": "nats", "subject": "s", "stream": "S", *key: value});
+                }
+                if let Err(e) = ChannelOptions::from_json(&options) {
+                    let text = format!("{} {}", e.option, e.message);
+                    // A string where a string belongs may be quoted when its option holds
+                    // no secret (a kind, a method, a header name); never any other shape.
+                    if !value.is_string() {
+                        assert!(!text.contains("SECRET"), "{key} = {value}: {text}");
+                    }
+                }
+            }
+        }
+        // The review's cases: a bearer token inside a headers array, a NATS token written as
+        // a plain string, a header value that is no string.
+        for options in [
+            json!({"headers": [format!("Authorization: {SECRET}")]}),
+            json!({"headers": {"Authorization": [SECRET]}}),
+            json!({"kind": "nats", "subject": "s", "stream": "S", "auth": SECRET}),
+            json!({"kind": "nats", "subject": "s", "stream": "S", "auth": {"token": [SECRET]}}),
+            json!({"reconcile": SECRET}),
+            json!({"signing": SECRET}),
+            json!({"tls": SECRET}),
+            json!(SECRET),
+        ] {
+            let e = ChannelOptions::from_json(&options).unwrap_err();
+            let text = format!("{} {}", e.option, e.message);
+            assert!(!text.contains("SECRET"), "{options}: {text}");
+        }
+        assert_eq!(
+            err(json!({"headers": [SECRET]})).message,
+            "must be a JSON object of strings, not an array of 1 element"
+        );
     }
 }

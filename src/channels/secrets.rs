@@ -14,6 +14,39 @@ use serde_json::Value;
 /// What a secret is shown as.
 pub const MASK: &str = "********";
 
+/// An option's value as the message that refuses it for its shape quotes it: its JSON type
+/// and size, never its content. A value of the wrong shape may still be a secret (a bearer
+/// token inside a headers array, a NATS token written as a plain string), and the text of an
+/// error reaches the client and the server's log.
+pub fn shape(v: &Value) -> String {
+    match v {
+        Value::Null => "null".to_string(),
+        Value::Bool(_) => "a boolean".to_string(),
+        Value::Number(_) => "a number".to_string(),
+        Value::String(s) => format!("a string of {}", counted(s.chars().count(), "character")),
+        Value::Array(a) => format!("an array of {}", counted(a.len(), "element")),
+        Value::Object(o) => format!("an object of {}", counted(o.len(), "key")),
+    }
+}
+
+fn counted(n: usize, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
+    }
+}
+
+/// A number as it is (the value of a count or a duration is no secret), anything else by
+/// its [`shape`].
+pub fn number_or_shape(v: &Value) -> String {
+    if v.is_number() {
+        v.to_string()
+    } else {
+        shape(v)
+    }
+}
+
 /// `url` with its userinfo, every query value and its fragment masked. Works on the text as
 /// written (valid or not, template placeholders kept as they are), so that a URL that failed
 /// to parse is masked too. A query value that is a single placeholder (`{effect_key}`) is a

@@ -237,7 +237,7 @@ fn sql_channels_name_an_existing_function_and_a_least_privilege_role() {
     Spi::run("CREATE FUNCTION app.create_task(payload jsonb, effect_key text) RETURNS text LANGUAGE sql AS $$ SELECT effect_key $$").unwrap();
     Spi::run("CREATE FUNCTION app.wrong_return(payload jsonb, effect_key text) RETURNS int LANGUAGE sql AS $$ SELECT 1 $$").unwrap();
     Spi::run("CREATE ROLE outbox_test_effects NOLOGIN").unwrap();
-    let opts = |f: &str, r: &str| format!("'{{\"kind\": \"sql\", \"function\": \"{f}\", \"run_as\": \"{r}\"}}'");
+    let opts = |f: &str, r: &str| format!("'{{\"kind\": \"sql\", \"function\": \"{f}\", \"run_as\": \"{r}\", \"tenants\": [\"*\"]}}'");
     assert_eq!(
         sqlstate(&format!("SELECT outbox.create_channel('tasks', 'sql', {})", opts("app.create_task", "outbox_test_effects"))),
         "00000"

@@ -438,7 +438,7 @@ pub(super) fn channel_options(h: &mut Hostile<'_>, ck: &mut Checker, r: &Round<'
         ("unknown key", json!({ s: 1 }), Expect::Code("22023"), None),
         (
             "sql function and run_as",
-            json!({"kind": "sql", "function": s, "run_as": s}),
+            json!({"kind": "sql", "function": s, "run_as": s, "tenants": ["*"]}),
             Expect::OneOf(not_found),
             None,
         ),

@@ -122,7 +122,7 @@ fn sql_effects_longer_than_the_lease_are_not_taken_back_and_run_once() {
         &ch,
         "sql",
         &format!(
-            r#"{{"kind": "sql", "function": "{s}.slow", "run_as": "{role}", "timeout_ms": 1000, "connect_timeout_ms": 500}}"#
+            r#"{{"kind": "sql", "function": "{s}.slow", "run_as": "{role}", "timeout_ms": 1000, "connect_timeout_ms": 500, "tenants": ["*"]}}"#
         ),
     );
     let _lease = short_lease(&cluster, &mut c);
