@@ -567,15 +567,31 @@ fn random_stalls_of_the_workers_cause_no_blind_duplicate_and_lose_nothing() {
             .args(["-CONT", &pid.to_string()])
             .status();
     }
+    // Everything settles: nothing queued or in flight on the soak's channels any more.
+    let channels: Vec<String> = lanes.iter().map(|(_, ch)| ch.clone()).collect();
+    let quiet = poll(&cluster, Duration::from_secs(120), |c| {
+        let open = count(
+            c,
+            "SELECT count(*) FROM outbox.messages WHERE channel = ANY($1) AND state IN ('queued', 'sending')",
+            &[&channels],
+        );
+        Ok((open == 0).then_some(()))
+    });
+    assert!(quiet.is_some(), "the soak's messages did not settle within 120 s");
+    let states: std::collections::HashMap<i64, String> = c
+        .query(
+            "SELECT id, state::text FROM outbox.messages WHERE channel = ANY($1)",
+            &[&channels],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
     let mut lost = Vec::new();
     let mut duplicates = Vec::new();
     let mut uncertain = 0;
     for (kind, ch, key, id) in &ids {
-        let state = settled(
-            &cluster,
-            *id,
-            &["delivered", "uncertain", "exhausted", "failed"],
-        );
+        let state = states.get(id).cloned().unwrap_or_default();
         let sent = key_sent(&mut c, *id);
         let n = sends_of(&sim, *kind, ch, &sent, key);
         match (kind, state.as_str()) {
