@@ -35,4 +35,3 @@ unsafe extern "C-unwind" {
     pub fn disable_timeouts(timeouts: *const DisableTimeoutParams, count: std::ffi::c_int);
     pub fn disable_timeout(id: TimeoutId, keep_indicator: bool);
 }
-

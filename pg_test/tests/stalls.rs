@@ -7,9 +7,16 @@
 //! of its own process) and the test sends `SIGCONT` once the other worker has taken its
 //! attempts back. Needs two workers (`OUTBOX_WORKERS=2`, as scripts/test.sh sets).
 //!
+//! Each test starts a cluster of its own under `OUTBOX_STALLS_BASE` (`/tmp/outbox_stalls`) on
+//! `OUTBOX_STALLS_PGPORT` (54876), with two workers and `outbox.lease_ms` at its least: the
+//! lease of a claim is the longest `timeout_ms` of any channel plus 5 s, and the channels of
+//! other tests would lengthen it past the stalls here.
+//!
 //! Run: `cargo test -p outbox_e2e --release --test stalls -- --test-threads=1 --nocapture`
 
-use outbox_e2e::cluster::{poll, state_of, unique, wait_for_workers, wait_until, Cluster};
+use outbox_e2e::cluster::{
+    env_port, poll, state_of, unique, wait_for_workers, wait_until, Cluster, OwnCluster,
+};
 use outbox_e2e::helpers::{
     arm_fault, attempts, count, create_channel, describe, enqueue, ident, serial, set_setting,
     SettingsGuard,
@@ -141,6 +148,13 @@ fn key_sent(c: &mut Client, id: i64) -> String {
     .unwrap_or_else(|e| panic!("the key of message {id}: {}", describe(&e)))
 }
 
+/// A cluster of the test's own, started fresh, with two workers and the least lease.
+fn stall_cluster() -> OwnCluster {
+    let base = std::env::var("OUTBOX_STALLS_BASE").unwrap_or_else(|_| "/tmp/outbox_stalls".into());
+    let port = env_port("OUTBOX_STALLS_PGPORT", 54876);
+    OwnCluster::fresh(base.into(), port, "outbox", 2, "outbox.lease_ms = 1000")
+}
+
 /// The lease at its least for the test, and the workers reloaded.
 fn short_lease<'a>(cluster: &'a Cluster, c: &mut Client) -> SettingsGuard<'a> {
     let guard = SettingsGuard::new(cluster, &["outbox.lease_ms"]);
@@ -156,7 +170,8 @@ fn short_lease<'a>(cluster: &'a Cluster, c: &mut Client) -> SettingsGuard<'a> {
 #[test]
 fn a_worker_stopped_between_its_claim_and_its_requests_sends_nothing_when_it_resumes() {
     let _serial = serial();
-    let cluster = Cluster::from_env();
+    let own = stall_cluster();
+    let cluster: &Cluster = &own;
     assert!(
         wait_for_workers(&cluster, &[]).len() >= 2,
         "needs two workers (OUTBOX_WORKERS=2)"
@@ -224,7 +239,8 @@ fn a_worker_stopped_between_its_claim_and_its_requests_sends_nothing_when_it_res
 #[test]
 fn a_worker_stopped_with_its_answers_in_hand_loses_no_confirmation() {
     let _serial = serial();
-    let cluster = Cluster::from_env();
+    let own = stall_cluster();
+    let cluster: &Cluster = &own;
     assert!(
         wait_for_workers(&cluster, &[]).len() >= 2,
         "needs two workers"
@@ -279,7 +295,8 @@ fn a_worker_stopped_with_its_answers_in_hand_loses_no_confirmation() {
 #[test]
 fn a_record_that_fails_is_tried_again_with_the_answers_in_hand() {
     let _serial = serial();
-    let cluster = Cluster::from_env();
+    let own = stall_cluster();
+    let cluster: &Cluster = &own;
     let sim = Simulator::start();
     let mut c = cluster.connect();
     let db: String = c
@@ -375,7 +392,8 @@ fn a_record_that_fails_is_tried_again_with_the_answers_in_hand() {
 /// one send instead of being sent again; on a deduping channel it is retried with the key.
 #[test]
 fn a_gateway_502_or_504_is_not_resent_blindly() {
-    let cluster = Cluster::from_env();
+    let own = stall_cluster();
+    let cluster: &Cluster = &own;
     let sim = Simulator::start();
     let mut c = cluster.connect();
     for status in [502u16, 504] {
@@ -406,7 +424,8 @@ fn a_gateway_502_or_504_is_not_resent_blindly() {
 #[test]
 fn a_claim_that_waited_for_a_lock_is_not_taken_back() {
     let _serial = serial();
-    let cluster = Cluster::from_env();
+    let own = stall_cluster();
+    let cluster: &Cluster = &own;
     assert!(
         wait_for_workers(&cluster, &[]).len() >= 2,
         "needs two workers"
@@ -444,7 +463,8 @@ fn a_claim_that_waited_for_a_lock_is_not_taken_back() {
 /// messages are delivered all the same.
 #[test]
 fn no_login_role_stops_delivery_with_advisory_locks() {
-    let cluster = Cluster::from_env();
+    let own = stall_cluster();
+    let cluster: &Cluster = &own;
     let sim = Simulator::start();
     let mut c = cluster.connect();
     let role = unique("nobody");
@@ -505,7 +525,8 @@ fn no_login_role_stops_delivery_with_advisory_locks() {
 #[test]
 fn random_stalls_of_the_workers_cause_no_blind_duplicate_and_lose_nothing() {
     let _serial = serial();
-    let cluster = Cluster::from_env();
+    let own = stall_cluster();
+    let cluster: &Cluster = &own;
     let workers = wait_for_workers(&cluster, &[]);
     assert!(workers.len() >= 2, "needs two workers");
     let sim = Simulator::start();
@@ -577,7 +598,10 @@ fn random_stalls_of_the_workers_cause_no_blind_duplicate_and_lose_nothing() {
         );
         Ok((open == 0).then_some(()))
     });
-    assert!(quiet.is_some(), "the soak's messages did not settle within 120 s");
+    assert!(
+        quiet.is_some(),
+        "the soak's messages did not settle within 120 s"
+    );
     let states: std::collections::HashMap<i64, String> = c
         .query(
             "SELECT id, state::text FROM outbox.messages WHERE channel = ANY($1)",
@@ -636,7 +660,8 @@ fn random_stalls_of_the_workers_cause_no_blind_duplicate_and_lose_nothing() {
 #[test]
 fn a_request_answered_while_its_worker_was_stopped_is_recorded_as_answered() {
     let _serial = serial();
-    let cluster = Cluster::from_env();
+    let own = stall_cluster();
+    let cluster: &Cluster = &own;
     let workers = wait_for_workers(&cluster, &[]);
     let sim = Simulator::start();
     let mut c = cluster.connect();
