@@ -155,6 +155,39 @@ fn stall_cluster() -> OwnCluster {
     OwnCluster::fresh(base.into(), port, "outbox", 2, "outbox.lease_ms = 1000")
 }
 
+/// One message on a fresh channel of each kind, enqueued in one transaction (one claim
+/// takes all three) while the stall `point` is armed; the worker that stops there stays
+/// stopped past the lease, while the other takes back what it can (a lookup, a resend with
+/// the same key, an operator's queue), then runs again. The messages: kind, channel, key, id.
+fn stalled_at(
+    cluster: &Cluster,
+    sim: &Simulator,
+    c: &mut Client,
+    point: &str,
+) -> Vec<(Kind, String, String, i64)> {
+    let lanes: Vec<(Kind, String)> = KINDS
+        .iter()
+        .map(|&k| (k, channel(c, sim, point, k)))
+        .collect();
+    let fault = arm_fault(cluster, point);
+    let mut tx = c.transaction().unwrap();
+    let ids = lanes
+        .iter()
+        .map(|(k, ch)| {
+            let key = unique("stk");
+            let id = enqueue(&mut tx, ch, &key);
+            (*k, ch.clone(), key, id)
+        })
+        .collect();
+    tx.commit().unwrap();
+    let stopped = stopped_worker(cluster, c);
+    let resume = Continue(stopped);
+    drop(fault);
+    std::thread::sleep(LEASE + Duration::from_secs(2));
+    drop(resume);
+    ids
+}
+
 /// The lease at its least for the test, and the workers reloaded.
 fn short_lease<'a>(cluster: &'a Cluster, c: &mut Client) -> SettingsGuard<'a> {
     let guard = SettingsGuard::new(cluster, &["outbox.lease_ms"]);
@@ -179,30 +212,8 @@ fn a_worker_stopped_between_its_claim_and_its_requests_sends_nothing_when_it_res
     let sim = Simulator::start();
     let mut c = cluster.connect();
     let _lease = short_lease(&cluster, &mut c);
-    let lanes: Vec<(Kind, String)> = KINDS
-        .iter()
-        .map(|&k| (k, channel(&mut c, &sim, "claim", k)))
-        .collect();
     let mark = cluster.log_mark();
-    let fault = arm_fault(&cluster, "stall_after_claim");
-    // One transaction: one claim takes all three.
-    let mut tx = c.transaction().unwrap();
-    let ids: Vec<(Kind, String, String, i64)> = lanes
-        .iter()
-        .map(|(k, ch)| {
-            let key = unique("stk");
-            let id = enqueue(&mut tx, ch, &key);
-            (*k, ch.clone(), key, id)
-        })
-        .collect();
-    tx.commit().unwrap();
-    let stopped = stopped_worker(&cluster, &mut c);
-    let resume = Continue(stopped);
-    drop(fault);
-    // Past the lease: the other worker takes the attempts back (a lookup, a resend with
-    // the same key, an operator's queue).
-    std::thread::sleep(LEASE + Duration::from_secs(2));
-    drop(resume);
+    let ids = stalled_at(cluster, &sim, &mut c, "stall_after_claim");
     let mut rows = Vec::new();
     for (kind, ch, key, id) in &ids {
         let expected: &[&str] = match kind {
@@ -253,26 +264,7 @@ fn a_worker_stopped_with_its_answers_in_hand_loses_no_confirmation() {
         "stall_after_response",
         "stall_before_commit",
     ] {
-        let lanes: Vec<(Kind, String)> = KINDS
-            .iter()
-            .map(|&k| (k, channel(&mut c, &sim, "answer", k)))
-            .collect();
-        let fault = arm_fault(&cluster, point);
-        let mut tx = c.transaction().unwrap();
-        let ids: Vec<(Kind, String, String, i64)> = lanes
-            .iter()
-            .map(|(k, ch)| {
-                let key = unique("sta");
-                let id = enqueue(&mut tx, ch, &key);
-                (*k, ch.clone(), key, id)
-            })
-            .collect();
-        tx.commit().unwrap();
-        let stopped = stopped_worker(&cluster, &mut c);
-        let resume = Continue(stopped);
-        drop(fault);
-        std::thread::sleep(LEASE + Duration::from_secs(2));
-        drop(resume);
+        let ids = stalled_at(cluster, &sim, &mut c, point);
         let mut rows = Vec::new();
         for (kind, ch, key, id) in &ids {
             let state = settled(&cluster, *id, &["delivered"]);
