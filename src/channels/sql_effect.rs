@@ -144,41 +144,11 @@ pub fn call_effect(
                 EFFECT_SEARCH_PATH.with(|p| set_in_nest(c"search_path", &p.borrow()));
                 EFFECT_PLAN_CACHE_MODE.with(|m| set_in_nest(c"plan_cache_mode", &m.borrow()));
                 effect_bound::arm(timeout_ms);
-                let outcome = within_effect(scope, || crate::identity::as_role(role, || {
-                    let found = spi::run_under_caller_settings(
-                        client,
-                        &FIND_FUNCTION,
-                        Some(1),
-                        &[function.into()],
-                    )?;
-                    if found.is_empty() {
-                        return Ok(EffectOutcome::Unavailable(format!(
-                            "function {function}(jsonb, text) does not exist (dropped or renamed since the channel was created?)"
-                        )));
-                    }
-                    let row = found.first();
-                    let qualified: String = row.get(1)?.unwrap_or_default();
-                    if row.get::<bool>(2)? != Some(true) {
-                        return Ok(EffectOutcome::Unavailable(format!(
-                            "function {function}(jsonb, text) no longer returns text"
-                        )));
-                    }
-                    // The name comes from the catalog, quoted by quote_ident: no input
-                    // reaches the SQL text.
-                    let call = format!("SELECT {qualified}($1::jsonb, $2::text)");
-                    // A function declared `RETURNS SETOF text` may return no row: it ran,
-                    // and returned no external id, as one that returns NULL.
-                    let returned = client
-                        .update(call.as_str(), Some(1), &[payload.into(), effect_key.into()])
-                        .and_then(|rows| {
-                            if rows.is_empty() {
-                                Ok(None)
-                            } else {
-                                rows.first().get_one::<String>()
-                            }
-                        })?;
-                    Ok(EffectOutcome::Returned(returned))
-                }))
+                let outcome = within_effect(scope, || {
+                    crate::identity::as_role(role, || {
+                        find_and_call(client, function, payload, effect_key)
+                    })
+                })
                 .map_err(spi_error)?;
                 // A cancel that came as the call ended is the call's: it raises here, inside
                 // the subtransaction, rather than in the worker's next statement.
@@ -222,6 +192,46 @@ pub fn call_effect(
     // takes none of its own, so all of them are the effects'.
     unsafe { pg_sys::LockReleaseSession(pg_sys::USER_LOCKMETHOD as pg_sys::LOCKMETHODID) };
     result
+}
+
+/// Finds `function(jsonb, text)` as the effect's role sees it (its USAGE on the schema
+/// decides), checks that it still returns text, and calls it with the message's payload
+/// and effect key: what it returned, or why it could not be called.
+fn find_and_call(
+    client: &mut SpiClient<'_>,
+    function: &str,
+    payload: &str,
+    effect_key: &str,
+) -> SpiResult<EffectOutcome> {
+    let found =
+        spi::run_under_caller_settings(client, &FIND_FUNCTION, Some(1), &[function.into()])?;
+    if found.is_empty() {
+        return Ok(EffectOutcome::Unavailable(format!(
+            "function {function}(jsonb, text) does not exist (dropped or renamed since the channel was created?)"
+        )));
+    }
+    let row = found.first();
+    let qualified: String = row.get(1)?.unwrap_or_default();
+    if row.get::<bool>(2)? != Some(true) {
+        return Ok(EffectOutcome::Unavailable(format!(
+            "function {function}(jsonb, text) no longer returns text"
+        )));
+    }
+    // The name comes from the catalog, quoted by quote_ident: no input
+    // reaches the SQL text.
+    let call = format!("SELECT {qualified}($1::jsonb, $2::text)");
+    // A function declared `RETURNS SETOF text` may return no row: it ran,
+    // and returned no external id, as one that returns NULL.
+    let returned = client
+        .update(call.as_str(), Some(1), &[payload.into(), effect_key.into()])
+        .and_then(|rows| {
+            if rows.is_empty() {
+                Ok(None)
+            } else {
+                rows.first().get_one::<String>()
+            }
+        })?;
+    Ok(EffectOutcome::Returned(returned))
 }
 
 /// The message of an effect's error: a cancel (57014) says what cancelled it, the worker's
