@@ -84,7 +84,7 @@ fn lanes(sim: &Simulator, nats_url: &str, nats_pid: Option<i32>) -> Vec<Lane> {
             "sql",
             Box::new(|_| "sql".to_string()),
             Box::new(|_| {
-                r#"{"kind": "sql", "function": "bench_app.record", "run_as": "bench_effects", "max_in_flight": 512}"#.to_string()
+                r#"{"kind": "sql", "function": "bench_app.record", "run_as": "bench_effects", "max_in_flight": 512, "tenants": ["*"]}"#.to_string()
             }),
             Vec::new(),
         ),
