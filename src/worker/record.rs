@@ -681,6 +681,7 @@ mod tests {
             budget_attempt: 1,
             ledger,
             position: None,
+            fence: crate::channels::fence::Fence::open(),
         }
     }
 
