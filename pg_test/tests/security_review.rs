@@ -320,6 +320,7 @@ const THROWAWAY_CLUSTER_SCRIPTS: &[&str] = &[
     "bench_drain_start.sh",
     "bench_enqueue_parts.sh",
     "bench_large_answers.sh",
+    "bench_many_channels.sh",
     "bench_latency_prefixes.sh",
     "bench_ordering_backlog.sh",
     "bench_payload_compression.sh",
