@@ -14,6 +14,21 @@
 use crate::spi::{self, Statement};
 use pgrx::spi::{SpiClient, SpiResult};
 
+/// Whether the lease of claim `w` is lost (`liveness`): its worker stalled (no beat for
+/// longer than the claim's own lease, on the boot clock), or no worker of this server holds
+/// it any more and its `lease_until` has passed; never while its worker beats. A lease with
+/// no finite end asks nothing of the holder's beat (NULL) and waits for `lease_until`.
+macro_rules! claim_lost {
+    () => {
+        "CASE outbox._claim_holder(w.lease_owner, w.worker_pid,
+                   CASE WHEN pg_catalog.isfinite(w.lease_until) AND pg_catalog.isfinite(w.started_at)
+                        THEN extract(epoch FROM w.lease_until - w.started_at)::float8 * 1000 END)
+             WHEN 'live' THEN false
+             WHEN 'stalled' THEN true
+             ELSE w.lease_until < pg_catalog.now() END"
+    };
+}
+
 /// The messages of claims whose lease was lost (`liveness`: the holder stalled, or is gone
 /// and `lease_until` passed), of this worker's slot from before it
 /// started (`$1`, `$2`), or made on an old primary before this server was promoted (`$4`
@@ -23,18 +38,15 @@ use pgrx::spi::{SpiClient, SpiResult};
 /// primary key each): joined to the claims, the message table was read whole in id order,
 /// for the `ORDER BY … LIMIT`, whenever the planner expected a lost lease early in it
 /// (0.4 s a sweep at a backlog of 1,000,000, four sweeps a second, BENCHMARKS.md).
-pub(crate) static FIND_LOST_LEASES: Statement = Statement::planned_each_run(
+pub(crate) static FIND_LOST_LEASES: Statement = Statement::planned_each_run(concat!(
     "
 WITH lost AS MATERIALIZED (
     SELECT w.id AS claim_id, w.started_at, w.worker_pid, u.id
       FROM outbox._claims w
      CROSS JOIN LATERAL pg_catalog.unnest(w.message_ids) AS u(id)
-     WHERE CASE outbox._claim_holder(w.lease_owner, w.worker_pid,
-                   CASE WHEN pg_catalog.isfinite(w.lease_until) AND pg_catalog.isfinite(w.started_at)
-                        THEN extract(epoch FROM w.lease_until - w.started_at)::float8 * 1000 END)
-             WHEN 'live' THEN false
-             WHEN 'stalled' THEN true
-             ELSE w.lease_until < pg_catalog.now() END
+     WHERE ",
+    claim_lost!(),
+    "
         OR ($1 AND w.lease_owner = $2 AND w.worker_pid <> pg_catalog.pg_backend_pid())
         OR ($4 > 0 AND w.started_at < pg_catalog.to_timestamp($4::float8 / 1000))
 )
@@ -49,23 +61,20 @@ SELECT m.id, m.channel_id, least(m.attempts, 2147483646) + 1,
    AND m.state = 'queued'
  ORDER BY m.id
  LIMIT $3
-   FOR UPDATE OF m SKIP LOCKED",
-);
+   FOR UPDATE OF m SKIP LOCKED"
+));
 
 /// Ids left in claims whose lease was lost that stand for no attempt under way: their
 /// message was recorded otherwise (an operator's `resolve`) or is gone. Messages locked
 /// by another transaction (one recovering them right now) stay.
-pub(crate) static PRUNE_LOST_CLAIMS: Statement = Statement::planned_each_run(
+pub(crate) static PRUNE_LOST_CLAIMS: Statement = Statement::planned_each_run(concat!(
     "
 WITH lost AS MATERIALIZED (
     SELECT w.id
       FROM outbox._claims w
-     WHERE CASE outbox._claim_holder(w.lease_owner, w.worker_pid,
-                   CASE WHEN pg_catalog.isfinite(w.lease_until) AND pg_catalog.isfinite(w.started_at)
-                        THEN extract(epoch FROM w.lease_until - w.started_at)::float8 * 1000 END)
-             WHEN 'live' THEN false
-             WHEN 'stalled' THEN true
-             ELSE w.lease_until < pg_catalog.now() END
+     WHERE ",
+    claim_lost!(),
+    "
         OR ($1 AND w.lease_owner = $2 AND w.worker_pid <> pg_catalog.pg_backend_pid())
         OR ($3 > 0 AND w.started_at < pg_catalog.to_timestamp($3::float8 / 1000))
 ), emptied AS (
@@ -84,8 +93,8 @@ UPDATE outbox._claims w
                 WHERE NOT EXISTS (SELECT 1 FROM outbox._messages m
                                    WHERE m.id = u.id AND m.state = 'queued'))
    AND EXISTS (SELECT 1 FROM pg_catalog.unnest(w.message_ids) AS u(id)
-                JOIN outbox._messages m ON m.id = u.id AND m.state = 'queued')",
-);
+                JOIN outbox._messages m ON m.id = u.id AND m.state = 'queued')"
+));
 
 /// Rows marked `sending` by hand (the worker never writes that state; a message in flight is
 /// a queued row in a claim): each becomes queued again in a claim whose lease has ended, of
