@@ -2,9 +2,9 @@
 //! a time), holding messages behind their ordering key (one worker at a time) and a round
 //! of the ledger's retention (one round at a time).
 //!
-//! They are advisory locks in a space of their own. PostgreSQL's advisory-lock functions
-//! (`pg_advisory_lock`, `pg_try_advisory_xact_lock`, …) name a lock by one int8 key or by two
-//! int4 keys, and write 1 or 2 into the last field of its tag; these locks carry
+//! They are advisory locks in a space of their own. PostgreSQL's SQL functions of advisory
+//! locks name a lock by one int8 key or by two int4 keys, and write 1 or 2 into the last
+//! field of its tag; these locks carry
 //! [`SPACE`] there instead, so no SQL, of any role, can take, wait for or release one of
 //! them: a login role with no grant at all cannot stop or steer a worker through them.
 //! `pg_locks` shows them as `advisory` locks of the database, `classid` = [`KEY`],
@@ -137,7 +137,7 @@ mod tests {
 
     #[test]
     fn no_sql_advisory_function_names_this_space() {
-        // pg_advisory_lock(int8) writes 1, pg_advisory_lock(int4, int4) writes 2.
+        // The SQL functions write 1 for an int8 key and 2 for two int4 keys.
         assert_ne!(SPACE, 1);
         assert_ne!(SPACE, 2);
     }
