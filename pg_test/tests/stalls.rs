@@ -18,13 +18,13 @@ use outbox_e2e::cluster::{
     env_port, poll, state_of, unique, wait_for_workers, wait_until, Cluster, OwnCluster,
 };
 use outbox_e2e::helpers::{
-    arm_fault, attempts, count, create_channel, describe, enqueue, ident, serial, set_setting,
-    SettingsGuard,
+    arm_fault, attempts, count, create_channel, describe, enqueue, ident, serial,
 };
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::Client;
 use serde_json::{json, Value};
 use std::process::Command;
+use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
 /// Long enough for recovery after a stall longer than the lease, a lookup's settle time and
@@ -148,11 +148,17 @@ fn key_sent(c: &mut Client, id: i64) -> String {
     .unwrap_or_else(|e| panic!("the key of message {id}: {}", describe(&e)))
 }
 
-/// A cluster of the test's own, started fresh, with two workers and the least lease.
-fn stall_cluster() -> OwnCluster {
+/// What every test here starts from: the test's turn, a cluster of its own started fresh
+/// with two workers and the least lease (`outbox.lease_ms` = 1000, in its configuration),
+/// their PIDs once both serve, and a provider simulator.
+fn stage() -> (MutexGuard<'static, ()>, OwnCluster, Vec<i32>, Simulator) {
+    let turn = serial();
     let base = std::env::var("OUTBOX_STALLS_BASE").unwrap_or_else(|_| "/tmp/outbox_stalls".into());
     let port = env_port("OUTBOX_STALLS_PGPORT", 54876);
-    OwnCluster::fresh(base.into(), port, "outbox", 2, "outbox.lease_ms = 1000")
+    let own = OwnCluster::fresh(base.into(), port, "outbox", 2, "outbox.lease_ms = 1000");
+    let workers = wait_for_workers(&own, &[]);
+    assert!(workers.len() >= 2, "needs two workers");
+    (turn, own, workers, Simulator::start())
 }
 
 /// One message on a fresh channel of each kind, enqueued in one transaction (one claim
@@ -188,30 +194,15 @@ fn stalled_at(
     ids
 }
 
-/// The lease at its least for the test, and the workers reloaded.
-fn short_lease<'a>(cluster: &'a Cluster, c: &mut Client) -> SettingsGuard<'a> {
-    let guard = SettingsGuard::new(cluster, &["outbox.lease_ms"]);
-    set_setting(c, "outbox.lease_ms", "1000");
-    std::thread::sleep(Duration::from_millis(700));
-    guard
-}
-
 /// A worker stops right after its claim committed, before any byte of its requests left,
 /// for longer than the lease. The other worker takes the attempts back; when the stopped
 /// one runs again, it does not send them: their fence has passed. No key reaches a
 /// provider that can be asked, or one that can neither dedupe nor be asked, twice.
 #[test]
 fn a_worker_stopped_between_its_claim_and_its_requests_sends_nothing_when_it_resumes() {
-    let _serial = serial();
-    let own = stall_cluster();
+    let (_turn, own, _workers, sim) = stage();
     let cluster: &Cluster = &own;
-    assert!(
-        wait_for_workers(&cluster, &[]).len() >= 2,
-        "needs two workers (OUTBOX_WORKERS=2)"
-    );
-    let sim = Simulator::start();
     let mut c = cluster.connect();
-    let _lease = short_lease(&cluster, &mut c);
     let mark = cluster.log_mark();
     let ids = stalled_at(cluster, &sim, &mut c, "stall_after_claim");
     let mut rows = Vec::new();
@@ -249,16 +240,9 @@ fn a_worker_stopped_between_its_claim_and_its_requests_sends_nothing_when_it_res
 /// answer ends `uncertain`, and no key reaches a provider that can be asked twice.
 #[test]
 fn a_worker_stopped_with_its_answers_in_hand_loses_no_confirmation() {
-    let _serial = serial();
-    let own = stall_cluster();
+    let (_turn, own, _workers, sim) = stage();
     let cluster: &Cluster = &own;
-    assert!(
-        wait_for_workers(&cluster, &[]).len() >= 2,
-        "needs two workers"
-    );
-    let sim = Simulator::start();
     let mut c = cluster.connect();
-    let _lease = short_lease(&cluster, &mut c);
     for point in [
         "stall_after_send",
         "stall_after_response",
@@ -286,10 +270,8 @@ fn a_worker_stopped_with_its_answers_in_hand_loses_no_confirmation() {
 /// channel that can neither dedupe nor be asked ends `delivered`, sent once.
 #[test]
 fn a_record_that_fails_is_tried_again_with_the_answers_in_hand() {
-    let _serial = serial();
-    let own = stall_cluster();
+    let (_turn, own, _workers, sim) = stage();
     let cluster: &Cluster = &own;
-    let sim = Simulator::start();
     let mut c = cluster.connect();
     let db: String = c
         .query_one("SELECT current_database()", &[])
@@ -384,9 +366,8 @@ fn a_record_that_fails_is_tried_again_with_the_answers_in_hand() {
 /// one send instead of being sent again; on a deduping channel it is retried with the key.
 #[test]
 fn a_gateway_502_or_504_is_not_resent_blindly() {
-    let own = stall_cluster();
+    let (_turn, own, _workers, sim) = stage();
     let cluster: &Cluster = &own;
-    let sim = Simulator::start();
     let mut c = cluster.connect();
     for status in [502u16, 504] {
         let neither = channel(&mut c, &sim, &format!("gw{status}"), Kind::Neither);
@@ -415,16 +396,9 @@ fn a_gateway_502_or_504_is_not_resent_blindly() {
 /// was made: the other worker does not take its attempt back while it is being sent.
 #[test]
 fn a_claim_that_waited_for_a_lock_is_not_taken_back() {
-    let _serial = serial();
-    let own = stall_cluster();
+    let (_turn, own, _workers, sim) = stage();
     let cluster: &Cluster = &own;
-    assert!(
-        wait_for_workers(&cluster, &[]).len() >= 2,
-        "needs two workers"
-    );
-    let sim = Simulator::start();
     let mut c = cluster.connect();
-    let _lease = short_lease(&cluster, &mut c);
     let ch = channel(&mut c, &sim, "lockwait", Kind::Dedupe);
     sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(800)));
     let key = unique("stl");
@@ -455,9 +429,8 @@ fn a_claim_that_waited_for_a_lock_is_not_taken_back() {
 /// messages are delivered all the same.
 #[test]
 fn no_login_role_stops_delivery_with_advisory_locks() {
-    let own = stall_cluster();
+    let (_turn, own, _workers, sim) = stage();
     let cluster: &Cluster = &own;
-    let sim = Simulator::start();
     let mut c = cluster.connect();
     let role = unique("nobody");
     c.batch_execute(&format!("CREATE ROLE {} LOGIN", ident(&role)))
@@ -516,14 +489,9 @@ fn no_login_role_stops_delivery_with_advisory_locks() {
 /// can neither dedupe nor be asked).
 #[test]
 fn random_stalls_of_the_workers_cause_no_blind_duplicate_and_lose_nothing() {
-    let _serial = serial();
-    let own = stall_cluster();
+    let (_turn, own, workers, sim) = stage();
     let cluster: &Cluster = &own;
-    let workers = wait_for_workers(&cluster, &[]);
-    assert!(workers.len() >= 2, "needs two workers");
-    let sim = Simulator::start();
     let mut c = cluster.connect();
-    let _lease = short_lease(&cluster, &mut c);
     let lanes: Vec<(Kind, String)> = KINDS
         .iter()
         .map(|&k| (k, channel(&mut c, &sim, "soak", k)))
@@ -651,11 +619,8 @@ fn random_stalls_of_the_workers_cause_no_blind_duplicate_and_lose_nothing() {
 /// an ambiguous outcome.
 #[test]
 fn a_request_answered_while_its_worker_was_stopped_is_recorded_as_answered() {
-    let _serial = serial();
-    let own = stall_cluster();
+    let (_turn, own, workers, sim) = stage();
     let cluster: &Cluster = &own;
-    let workers = wait_for_workers(&cluster, &[]);
-    let sim = Simulator::start();
     let mut c = cluster.connect();
     let ch = channel(&mut c, &sim, "paused_answer", Kind::Neither);
     sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(300)));
