@@ -13,7 +13,11 @@
 #      rate; WAL per message of each; and the ratios of the run;
 #   6. WAL a delivery with keys made by outbox.effect_key (SHA-256 in hex, scattered over
 #      the ledger's key index), on a ledger already holding 1,000,000 such entries;
-#   7. the share of the run's CPU time the hypervisor took (steal).
+#   7. many endpoints (scripts/bench_many_channels.sh, a cluster of its own): one channel x
+#      20,000; 10,000 channels x 2; one channel x 20,000 beside the 10,000 now idle; the 10,000
+#      where 10 % answer after 1 s and 1 % refuse connections; each worker's memory and files
+#      (BENCH_CHANNELS: the number of channels, 10000; 0 skips the step);
+#   8. the share of the run's CPU time the hypervisor took (steal).
 # Figures only; nothing is asserted.
 # Usage: scripts/bench.sh [backlog=10000] [large_backlog=1000000]   (large_backlog 0: skip it)
 # BENCH_SECONDS: length of each pgbench run (10); BENCH_STEADY_SECONDS: the steady load
@@ -261,6 +265,11 @@ SQL
   kill "$SINK_PID" 2>/dev/null || true
 }
 effect_keys_wal
+
+# 7. Many endpoints, on a cluster of its own (its own ports) ------------------------------------
+if [ "${BENCH_CHANNELS:-10000}" -gt 0 ]; then
+  (unset OUTBOX_BASE OUTBOX_PGPORT BENCH_SIM_PORT; bash scripts/bench_many_channels.sh "${BENCH_CHANNELS:-10000}" 2)
+fi
 
 echo "machine_steal $(steal_percent_since "$RUN_TICKS" "$RUN_STEAL") % of the CPU time of the run (taken by the hypervisor: a run with much of it measured a slower machine)"
 rm -rf "$WORK"

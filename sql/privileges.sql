@@ -68,7 +68,7 @@ GRANT SELECT ON outbox.channels, outbox._channels, outbox._tenant_bindings, outb
 -- against the reader, so the metrics' helpers are granted with the views.)
 GRANT EXECUTE ON FUNCTION
     outbox._setting(text, integer),
-    outbox._state_counts(integer),
+    outbox._state_counts(),
     outbox._prom_label(text)
     TO outbox_admin, pg_monitor;
 GRANT SELECT ON outbox.metrics, outbox.alerts TO pg_monitor;

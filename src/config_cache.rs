@@ -24,6 +24,13 @@ use std::hash::Hash;
 thread_local! {
     static GENERATION: Cell<u64> = const { Cell::new(1) };
     static REGISTERED: Cell<bool> = const { Cell::new(false) };
+    /// Moves only on an invalidation of `outbox._channels` (or of every relation): the
+    /// worker's channels are read again after a change of that table alone, not after every
+    /// ANALYZE of another table ([`channels_generation`]).
+    static CHANNELS_GENERATION: Cell<u64> = const { Cell::new(1) };
+    /// The table `outbox._channels`, once [`watch_channels`] named it; until then every
+    /// relation's invalidation counts as one of it.
+    static CHANNELS_OID: Cell<pg_sys::Oid> = const { Cell::new(pg_sys::InvalidOid) };
 }
 
 /// The current generation; a cache filled in an older one must be filled again.
@@ -47,8 +54,23 @@ pub fn generation() -> u64 {
         }
         // Anything cached before the callbacks existed is forgotten.
         advance();
+        advance_channels();
     }
     GENERATION.get()
+}
+
+/// The generation of what was read from `outbox._channels`: moves when a statement changed
+/// that table (its trigger invalidates it) or the whole relation cache was reset.
+pub fn channels_generation() -> u64 {
+    generation();
+    CHANNELS_GENERATION.get()
+}
+
+/// Names the table whose invalidations move [`channels_generation`].
+pub fn watch_channels(oid: pg_sys::Oid) {
+    if CHANNELS_OID.replace(oid) != oid {
+        advance_channels();
+    }
 }
 
 /// Values read from the cached tables, by key, valid for one generation. Keep one in a
@@ -101,9 +123,17 @@ fn advance() {
     GENERATION.set(GENERATION.get().wrapping_add(1));
 }
 
+fn advance_channels() {
+    CHANNELS_GENERATION.set(CHANNELS_GENERATION.get().wrapping_add(1));
+}
+
 #[pg_guard]
-unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, _relid: pg_sys::Oid) {
+unsafe extern "C-unwind" fn on_relcache_invalidation(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
     advance();
+    let watched = CHANNELS_OID.get();
+    if relid == pg_sys::InvalidOid || watched == pg_sys::InvalidOid || relid == watched {
+        advance_channels();
+    }
 }
 
 #[pg_guard]

@@ -33,6 +33,10 @@ pub enum FaultPoint {
     StallAfterResponse,
     #[name = c"stall_before_commit"]
     StallBeforeCommit,
+    /// Inside the claim transaction, after the claim, before COMMIT, holding the claim lock
+    /// and the rows it claimed: a stall only (a crash there rolls the claim back).
+    #[name = c"stall_in_claim"]
+    StallInClaim,
 }
 
 impl FaultPoint {
@@ -47,6 +51,7 @@ impl FaultPoint {
             FaultPoint::StallAfterSend => "stall_after_send",
             FaultPoint::StallAfterResponse => "stall_after_response",
             FaultPoint::StallBeforeCommit => "stall_before_commit",
+            FaultPoint::StallInClaim => "stall_in_claim",
         }
     }
 
@@ -82,6 +87,7 @@ static LEDGER_RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(30 * 24 * 36
 static ALERT_QUEUE_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 static ALERT_ERROR_STREAK: GucSetting<i32> = GucSetting::<i32>::new(10);
 static ALERT_UNCERTAIN_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
+static METRICS_CHANNEL_SERIES: GucSetting<i32> = GucSetting::<i32>::new(1000);
 static FAULT_INJECTION: GucSetting<FaultPoint> = GucSetting::<FaultPoint>::new(FaultPoint::None);
 static WORKER_ROLE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox_worker"));
@@ -234,6 +240,17 @@ fn define_runtime_settings() {
         c"",
         &ALERT_ERROR_STREAK,
         1,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    // Read by outbox.prometheus() (sql/observability.sql).
+    GucRegistry::define_int_guc(
+        c"outbox.metrics_channel_series",
+        c"outbox.prometheus() labels its series by channel while there are at most this many channels.",
+        c"Above it, each family is one series summed over every channel (channel=\"*\"): per-channel series are what a Prometheus stores and bills.",
+        &METRICS_CHANNEL_SERIES,
+        0,
         i32::MAX,
         GucContext::Sighup,
         GucFlags::default(),

@@ -232,6 +232,68 @@ fn a_worker_stopped_between_its_claim_and_its_requests_sends_nothing_when_it_res
     eprintln!("stall after the claim: {rows:?}");
 }
 
+/// A worker stops inside its claim's transaction, holding the claim lock and the rows it
+/// claimed, for longer than the lease. The other worker goes on delivering: it waits for
+/// the claim lock for a second, then claims without it. When the stopped worker runs again
+/// its claim commits with a fence that has passed: it sends nothing, and what it claimed is
+/// sent once, by whichever worker claims it next.
+#[test]
+fn a_worker_stopped_inside_its_claim_does_not_stop_the_other() {
+    let (_turn, own, _workers, sim) = stage();
+    let cluster: &Cluster = &own;
+    let mut c = cluster.connect();
+    let lanes: Vec<(Kind, String)> = KINDS
+        .iter()
+        .map(|&k| (k, channel(&mut c, &sim, "inclaim", k)))
+        .collect();
+    let fault = arm_fault(cluster, "stall_in_claim");
+    let mut tx = c.transaction().unwrap();
+    let held: Vec<(Kind, String, String, i64)> = lanes
+        .iter()
+        .map(|(k, ch)| {
+            let key = unique("stc");
+            (*k, ch.clone(), key.clone(), enqueue(&mut tx, ch, &key))
+        })
+        .collect();
+    tx.commit().unwrap();
+    let stopped = stopped_worker(cluster, &mut c);
+    let resume = Continue(stopped);
+    drop(fault);
+    // While it is stopped, another channel's messages are delivered by the other worker.
+    let other = channel(&mut c, &sim, "inclaim_other", Kind::Dedupe);
+    let started = Instant::now();
+    let others: Vec<i64> = (0..5)
+        .map(|_| enqueue(&mut c, &other, &unique("sto")))
+        .collect();
+    let delivered = wait_until(Duration::from_secs(15), || {
+        others
+            .iter()
+            .all(|id| state_of(cluster, *id).as_deref() == Some("delivered"))
+    });
+    assert!(
+        delivered,
+        "the other worker delivered nothing while one was stopped inside its claim; see {}",
+        cluster.log_path().display()
+    );
+    let waited = started.elapsed();
+    assert_eq!(
+        process_state(stopped),
+        Some('T'),
+        "the worker was still stopped"
+    );
+    std::thread::sleep((LEASE + Duration::from_secs(2)).saturating_sub(waited));
+    drop(resume);
+    let mut rows = Vec::new();
+    for (kind, ch, key, id) in &held {
+        let state = settled(cluster, *id, &["delivered"]);
+        let sent = key_sent(&mut c, *id);
+        let n = sends_of(&sim, *kind, ch, &sent, key);
+        rows.push(format!("{kind:?}: {state}, {n} send(s)"));
+        assert_eq!(n, 1, "{rows:?}");
+    }
+    eprintln!("stall inside the claim: others delivered in {waited:?}; {rows:?}");
+}
+
 /// A worker stops with its answers in hand, for longer than the lease, at each of the points
 /// after its requests went out: before it read the answers (`stall_after_send`), before it
 /// recorded them (`stall_after_response`), and inside the record's transaction before its

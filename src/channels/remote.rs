@@ -309,11 +309,7 @@ impl Remotes {
         if ended > 0 {
             self.window_started = Some(started + pool_budget::IDLE_LIFE * ended);
         }
-        for id in in_use {
-            if let Some(o) = self.open.get_mut(id) {
-                o.used_at = now;
-            }
-        }
+        self.touch(now, in_use);
         let pools: Vec<PoolUse> = self
             .open
             .iter()
@@ -336,6 +332,15 @@ impl Remotes {
             self.transport.forget(*id);
         }
         closed
+    }
+
+    /// Marks the pools of `in_use` (a claim's channels) used now, as [`Remotes::trim`] does.
+    pub fn touch(&mut self, now: Instant, in_use: &[i32]) {
+        for id in in_use {
+            if let Some(o) = self.open.get_mut(id) {
+                o.used_at = now;
+            }
+        }
     }
 
     /// Forgets channels that no longer exist.

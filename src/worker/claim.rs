@@ -12,6 +12,7 @@ use crate::spi::{self, Statement};
 use pgrx::spi::{SpiClient, SpiResult};
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
+use std::rc::Rc;
 
 /// Every channel; a handful of rows, read once per batch.
 static LOAD_CHANNELS: Statement = Statement::planned_once(
@@ -19,7 +20,12 @@ static LOAD_CHANNELS: Statement = Statement::planned_once(
     SELECT id, name, endpoint, options::text, paused, updated_at::text FROM outbox._channels",
 );
 
-/// Due messages, per unpaused channel up to its free bound of attempts open at once
+/// The table of the channels, whose invalidations say that they changed.
+static CHANNELS_TABLE: Statement =
+    Statement::planned_once("SELECT 'outbox._channels'::pg_catalog.regclass::pg_catalog.oid");
+
+/// Due messages of the channels `$10` (those with due work, `due_channels`), per unpaused
+/// channel up to its free bound of attempts open at once
 /// (`max_in_flight`, or `max_unverifiable_in_flight`), oldest due first; a
 /// message with an ordering key waits while an earlier one with that key is pending.
 /// The batch is shared evenly among the channels that have a due message, taken in a
@@ -56,7 +62,8 @@ WITH flying AS MATERIALIZED (
       LEFT JOIN unnest($5::int4[], $6::int8[], $7::int8[]) AS f(channel_id, due_at_us, id)
              ON f.channel_id = c.id
       LEFT JOIN unnest($8::int4[], $9::int4[]) AS g(channel_id, cap) ON g.channel_id = c.id
-     WHERE NOT c.paused
+     -- Only the channels that the walk of the due index kept (crate::worker::due_channels).
+     WHERE c.id = ANY($10::int4[]) AND NOT c.paused
 ), ready AS (
     -- share: the most this claim takes of the channel, its room or its part of the batch;
     -- a channel that got all of it may have more due past what was taken (claim_cursor).
@@ -143,12 +150,24 @@ SELECT d.id, outbox._epoch_us(c.started_at), d.attempt, d.tenant, d.channel_id,
 /// of such a channel's due index would step over the entry of every message claimed since
 /// the last VACUUM, which a deep backlog drained at the bound leaves by the hundred
 /// thousand (2.9 ms and 1,600 buffers a call in a drain of 1,000,000, BENCHMARKS.md).
+/// Only the channels with a queued message are read: a walk of the due index, one descent
+/// per such channel (`due_channels`), none for a channel with an empty queue.
 pub(crate) static NEXT_DUE: Statement = Statement::planned_once(
     "
+WITH RECURSIVE queued(channel_id) AS (
+    SELECT (-2147483649)::int8 -- below every channel id; no channel has it
+  UNION ALL
+    SELECT (SELECT m.channel_id FROM outbox._messages m
+             WHERE m.state = 'queued' AND m.channel_id > q.channel_id
+             ORDER BY m.channel_id LIMIT 1)::int8
+      FROM queued q
+     WHERE q.channel_id IS NOT NULL
+)
 SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infinity'), now()),
                                  now() + interval '1 day')) * 1000)::int8,
        coalesce(min(n.next_attempt_at) <= now(), false)
-  FROM outbox._channels c
+  FROM queued q
+  JOIN outbox._channels c ON c.id = q.channel_id
   LEFT JOIN outbox._channel_flow f ON f.channel_id = c.id
   CROSS JOIN LATERAL (
        SELECT now() AS next_attempt_at
@@ -188,6 +207,9 @@ pub struct Channel {
 #[derive(Debug, Default)]
 pub struct Channels {
     pub by_id: HashMap<i32, Channel>,
+    /// The longest `timeout_ms` and retry horizon of any channel, taken at the load.
+    longest_attempt_ms: u64,
+    longest_retry_horizon_ms: u64,
 }
 
 /// A channel's options as parsed, with the text and the name they were parsed from.
@@ -198,6 +220,11 @@ struct ParsedOptions {
 }
 
 thread_local! {
+    /// The channels as last loaded, with the configuration generation they were loaded in
+    /// (`crate::config_cache`): every statement that changes `outbox._channels` moves it, so
+    /// a claim reads the table again only after a change. Reading it at each claim cost a
+    /// claim about 47 ms with 10,000 channels (BENCHMARKS.md).
+    static LOADED: RefCell<Option<(u64, Rc<Channels>)>> = const { RefCell::new(None) };
     /// Each channel's options as last parsed. Every claim reloads the channels, and the
     /// options of each, parsed from their text again, were most of the worker's own time
     /// between loading the channels and the claim statement. Parsing is a function of the
@@ -217,7 +244,30 @@ fn parse_options(name: &str, text: &str) -> Result<ChannelOptions, String> {
 }
 
 impl Channels {
-    pub fn load(client: &SpiClient<'_>) -> SpiResult<Channels> {
+    /// The channels as committed when the transaction began, or later: read from the table
+    /// when a change has been seen since the last read, else the last read shared.
+    pub fn load(client: &SpiClient<'_>) -> SpiResult<Rc<Channels>> {
+        let generation = crate::config_cache::channels_generation();
+        if let Some(channels) = LOADED.with(|l| {
+            l.borrow()
+                .as_ref()
+                .filter(|(at, _)| *at == generation)
+                .map(|(_, c)| c.clone())
+        }) {
+            return Ok(channels);
+        }
+        let channels = Rc::new(Self::read(client)?);
+        if let Some(oid) = spi::run(client, &CHANNELS_TABLE, Some(1), &[])?
+            .first()
+            .get::<pgrx::pg_sys::Oid>(1)?
+        {
+            crate::config_cache::watch_channels(oid);
+        }
+        LOADED.with(|l| *l.borrow_mut() = Some((generation, channels.clone())));
+        Ok(channels)
+    }
+
+    fn read(client: &SpiClient<'_>) -> SpiResult<Channels> {
         let mut by_id = HashMap::new();
         for row in spi::run(client, &LOAD_CHANNELS, None, &[])? {
             let Some(id) = row.get::<i32>(1)? else {
@@ -254,28 +304,32 @@ impl Channels {
             );
         }
         PARSED_OPTIONS.with(|parsed| parsed.borrow_mut().retain(|id, _| by_id.contains_key(id)));
-        Ok(Channels { by_id })
+        Ok(Channels::new(by_id))
+    }
+
+    pub fn new(by_id: HashMap<i32, Channel>) -> Channels {
+        let valid = || by_id.values().filter_map(|c| c.options.as_ref().ok());
+        let longest_attempt_ms = valid().map(|o| o.timeout_ms).max().unwrap_or(0);
+        let longest_retry_horizon_ms = valid()
+            .map(ChannelOptions::retry_horizon_ms)
+            .max()
+            .unwrap_or(0);
+        Channels {
+            by_id,
+            longest_attempt_ms,
+            longest_retry_horizon_ms,
+        }
     }
 
     /// The longest request any channel allows (its `timeout_ms`), in ms: a lease must
     /// outlast it (`lease`).
     pub fn longest_attempt_ms(&self) -> u64 {
-        self.by_id
-            .values()
-            .filter_map(|c| c.options.as_ref().ok())
-            .map(|o| o.timeout_ms)
-            .max()
-            .unwrap_or(0)
+        self.longest_attempt_ms
     }
 
     /// The longest retry horizon of any channel, in ms: the ledger must outlive it.
     pub fn longest_retry_horizon_ms(&self) -> u64 {
-        self.by_id
-            .values()
-            .filter_map(|c| c.options.as_ref().ok())
-            .map(ChannelOptions::retry_horizon_ms)
-            .max()
-            .unwrap_or(0)
+        self.longest_retry_horizon_ms
     }
 }
 
@@ -331,7 +385,8 @@ pub struct Claimant {
 /// Claims up to `batch_size` due messages for `claimant`, at most `caps` of a channel with
 /// flow control, reading each channel from its cursor when the worker has one; a claim
 /// under cursors that comes back short claims the rest from the heads of the due indexes,
-/// in the same transaction. The caller holds the claim lock (`worker_locks::CLAIMS`).
+/// in the same transaction, of the channels `due` only (`due_channels`). The caller holds
+/// the claim lock (`worker_locks::CLAIMS`).
 pub fn claim_due(
     client: &mut SpiClient<'_>,
     claimant: Claimant,
@@ -339,13 +394,14 @@ pub fn claim_due(
     cursors: &mut ClaimCursors,
     now_ms: i64,
     caps: &HashMap<i32, u32>,
+    due: &[i32],
 ) -> SpiResult<Vec<Job>> {
     let floors = cursors.floors(now_ms);
     // Only a claim that starts with no cursor reads every channel from its head: the rest
     // of a short batch is read from the heads of the channels with room left.
     let from_head = floors.is_empty();
     let floor_channels = floors.channel_ids.clone();
-    let (mut jobs, mut cut, full) = claim_from(client, claimant, batch_size, floors, caps)?;
+    let (mut jobs, mut cut, full) = claim_from(client, claimant, batch_size, floors, caps, due)?;
     if !from_head && (jobs.len() as i32) < batch_size && rest_claim_may_take(&floor_channels, &full)
     {
         let rest = batch_size - jobs.len() as i32;
@@ -358,7 +414,8 @@ pub fn claim_due(
             .collect();
         // A channel that took all its room is not read again.
         left.extend(full.iter().map(|id| (*id, 0)));
-        let (more, more_cut, _) = claim_from(client, claimant, rest, Floors::default(), &left)?;
+        let (more, more_cut, _) =
+            claim_from(client, claimant, rest, Floors::default(), &left, due)?;
         jobs.extend(more);
         cut.extend(more_cut);
     }
@@ -372,6 +429,61 @@ pub fn claim_due(
     Ok(jobs)
 }
 
+/// Messages of `$1` in a claim of another process (`$2`: this one), as committed when the
+/// statement began.
+static CLAIMED_BY_OTHERS: Statement = Statement::planned_once(
+    "
+SELECT count(*) FROM outbox._claims w
+ WHERE w.worker_pid <> $2 AND w.message_ids && $1::int8[]",
+);
+
+/// A claim made without the claim lock, whose holder is stopped or stuck inside its own
+/// claim (a stalled worker must not stop the others from delivering).
+///
+/// Claims are serialized so that each claim statement's snapshot holds every claim made
+/// before it. Without the lock, a claim that committed between this statement's snapshot
+/// and its row locks is not in that snapshot, and the message it took is no longer locked:
+/// this claim could take it again. So the claim runs in a subtransaction and, once it holds
+/// its rows, looks again with a snapshot of its own: a claim of another worker that holds
+/// one of its messages committed before that row was locked here, and is seen. Then the
+/// whole claim is rolled back and nothing is taken this time. A message locked by the
+/// stalled holder's claim is passed over (SKIP LOCKED) and is never in both.
+///
+/// What the lock also gives, and this claim does not: the bound of attempts open at once of
+/// a channel may be passed by what two claims made at the same moment take.
+pub fn claim_unserialized(
+    client: &mut SpiClient<'_>,
+    pid: i32,
+    claim: &mut impl FnMut(&mut SpiClient<'_>) -> SpiResult<Vec<Job>>,
+) -> Vec<Job> {
+    let claimed = crate::spi::subtransaction(|| -> Result<Vec<Job>, String> {
+        let jobs = claim(client).map_err(|e| e.to_string())?;
+        let ids: Vec<i64> = jobs.iter().map(|j| j.message_id).collect();
+        let taken = spi::run(
+            client,
+            &CLAIMED_BY_OTHERS,
+            Some(1),
+            &[ids.into(), pid.into()],
+        )
+        .and_then(|rows| rows.first().get::<i64>(1))
+        .map_err(|e| e.to_string())?
+        .unwrap_or(0);
+        if taken > 0 {
+            return Err(format!(
+                "{taken} message(s) of this claim were taken by another worker's claim meanwhile"
+            ));
+        }
+        Ok(jobs)
+    });
+    match claimed {
+        Ok(jobs) => jobs,
+        Err((_, why)) => {
+            pgrx::log!("outbox_delivery: a claim without the claim lock took nothing: {why}");
+            Vec::new()
+        }
+    }
+}
+
 /// One claim statement: the jobs, the channels that got all the claim could take of them
 /// (`channels_cut`), and those that took all their room (the same count against the
 /// channel's room).
@@ -381,6 +493,7 @@ fn claim_from(
     batch_size: i32,
     floors: Floors,
     caps: &HashMap<i32, u32>,
+    due: &[i32],
 ) -> SpiResult<(Vec<Job>, BTreeSet<i32>, BTreeSet<i32>)> {
     let (cap_ids, cap_values): (Vec<i32>, Vec<i32>) = caps
         .iter()
@@ -400,6 +513,7 @@ fn claim_from(
             floors.ids.into(),
             cap_ids.into(),
             cap_values.into(),
+            due.to_vec().into(),
         ],
     )?;
     let mut jobs = Vec::with_capacity(rows.len());

@@ -8,6 +8,7 @@
 use super::claim::{self, Channels, Job, LookupJob, NextDue};
 use super::claim_cursor::ClaimCursors;
 use super::decide;
+use super::due_channels;
 use super::flight::{self, Bell, Sends};
 use super::record::{self, Outcomes, Tally};
 use super::send::{self, unusable_channel};
@@ -29,8 +30,9 @@ use crate::reconcile;
 use crate::worker_locks;
 use pgrx::prelude::*;
 use pgrx::spi::{SpiClient, SpiResult};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -49,19 +51,25 @@ pub struct CycleReport {
 
 /// What the claim transaction hands to the rest of the cycle.
 struct Claimed {
-    channels: Channels,
+    channels: Rc<Channels>,
     jobs: Vec<Job>,
     /// When the next message is due, for an idle worker's sleep.
     next_due: Option<NextDue>,
-    /// The claim lock could not be had within [`CLAIM_LOCK_WAIT`]: the process that held
-    /// it then, when it was still held.
+    /// The claim lock could not be had within [`CLAIM_LOCK_WAIT`], and the claim ran
+    /// without it (`claim::claim_unserialized`): the process that held it then, when it was
+    /// still held.
     lock_busy: Option<Option<i32>>,
 }
 
 /// Longest wait for the claim lock (`worker_locks::CLAIMS`). A claim holds it for
-/// milliseconds; a holder that keeps it longer is stopped or stuck, and the worker goes on
-/// with its other work (recording, sweeping) and tries again at its next cycle.
+/// milliseconds; a holder that keeps it longer is stopped or stuck, and the worker claims
+/// without it (`claim::claim_unserialized`).
 const CLAIM_LOCK_WAIT: Duration = Duration::from_secs(1);
+/// How often idle pools beyond the budget are looked for (`keep_pools`).
+const TRIM_POOLS_EVERY: Duration = Duration::from_millis(100);
+/// The wait for the claim lock while its holder has kept it past [`CLAIM_LOCK_WAIT`] within
+/// the last [`LOCK_BUSY_LOG_EVERY`]: a claim holds it for milliseconds.
+const CLAIM_LOCK_WAIT_WHILE_BUSY: Duration = Duration::from_millis(50);
 /// The first pause before a failed record is tried again, and the longest.
 const RECORD_RETRY_FIRST: Duration = Duration::from_millis(100);
 const RECORD_RETRY_MAX: Duration = Duration::from_secs(5);
@@ -73,7 +81,8 @@ const LOCK_BUSY_LOG_EVERY: Duration = Duration::from_secs(10);
 /// A claimed batch under way (`flight`): its sends run on the runtime, its other outcomes
 /// and its `sql` effects wait for its first record.
 struct Flight {
-    channels: Channels,
+    /// Shared with the claim and the other flights while no channel changed.
+    channels: Rc<Channels>,
     jobs: Vec<Job>,
     /// Outcomes known without a send (the barrier, unusable channels).
     known: Outcomes,
@@ -127,12 +136,18 @@ pub struct Worker {
     runtime: crate::runtime::IoRuntime,
     /// The remote channels (HTTP pools, NATS connections).
     remotes: Remotes,
+    /// The channels the pools were last matched with, and when idle pools were last closed
+    /// (`keep_pools`).
+    pools_kept_for: Option<Rc<Channels>>,
+    pools_trimmed_at: Option<Instant>,
     /// The random source of retry jitter, seeded per worker process.
     jitter: SplitMix64,
     first_cycle: bool,
     longest_retry_horizon_ms: u64,
     /// Where the next claim of each channel starts, measured on the clock of `started`.
     cursors: ClaimCursors,
+    /// Where the next claim's walk of the due index starts (`due_channels`).
+    rotation: due_channels::Rotation,
     /// When lost leases and due lookups were last looked for, on the clock of `started`.
     sweeps: SweepClock,
     /// When messages waiting behind their ordering key were last held, and from where.
@@ -205,10 +220,13 @@ impl Worker {
             pid,
             runtime,
             remotes: Remotes::default(),
+            pools_kept_for: None,
+            pools_trimmed_at: None,
             jitter: SplitMix64::new(SplitMix64::seed_from(now_ms(), pid)),
             first_cycle: true,
             longest_retry_horizon_ms: 0,
             cursors: ClaimCursors::default(),
+            rotation: due_channels::Rotation::default(),
             sweeps: SweepClock::default(),
             key_holds: key_hold::HoldClock::default(),
             started: Instant::now(),
@@ -315,20 +333,7 @@ impl Worker {
             self.tell_lock_busy(holder);
         }
         self.longest_retry_horizon_ms = channels.longest_retry_horizon_ms();
-        let live: Vec<i32> = self
-            .flights
-            .iter()
-            .flat_map(|f| f.channels.by_id.keys().copied())
-            .collect();
-        self.remotes
-            .retain(|id| channels.by_id.contains_key(&id) || live.contains(&id));
-        // The channels of this claim are about to be sent to: their pools stay.
-        let in_use: Vec<i32> = jobs.iter().map(|j| j.channel_id).collect();
-        self.remotes.trim(
-            Instant::now(),
-            pool_budget::budget(flight::connections(batch_size)),
-            &in_use,
-        );
+        self.keep_pools(&channels, &jobs, batch_size);
         // A full batch says more may be due; a partial one took all it could.
         self.claim_wanted = jobs.len() >= batch_size;
         if jobs.is_empty() {
@@ -493,6 +498,46 @@ impl Worker {
         });
     }
 
+    /// The pools of the remote channels after a claim: those of channels gone are dropped
+    /// once no flight claimed for them, and the idle ones beyond the budget are closed. Both
+    /// look at every open pool, which with 10,000 endpoints is most of a claim's own time:
+    /// the first runs only when the channels changed, the second at most every
+    /// [`TRIM_POOLS_EVERY`]; the pools of this claim's channels are marked used at every claim.
+    fn keep_pools(&mut self, channels: &Rc<Channels>, jobs: &[Job], batch_size: usize) {
+        if !self
+            .pools_kept_for
+            .as_ref()
+            .is_some_and(|c| Rc::ptr_eq(c, channels))
+        {
+            let live: HashSet<i32> = self
+                .flights
+                .iter()
+                .filter(|f| !Rc::ptr_eq(&f.channels, channels))
+                .flat_map(|f| f.channels.by_id.keys().copied())
+                .collect();
+            self.remotes
+                .retain(|id| channels.by_id.contains_key(&id) || live.contains(&id));
+            // While a flight of older channels is under way, look again at the next claim.
+            self.pools_kept_for = live.is_empty().then(|| channels.clone());
+        }
+        let now = Instant::now();
+        let in_use: Vec<i32> = jobs.iter().map(|j| j.channel_id).collect();
+        if self
+            .pools_trimmed_at
+            .is_some_and(|at| now.saturating_duration_since(at) < TRIM_POOLS_EVERY)
+        {
+            self.remotes.touch(now, &in_use);
+            return;
+        }
+        self.pools_trimmed_at = Some(now);
+        // The channels of this claim are about to be sent to: their pools stay.
+        self.remotes.trim(
+            now,
+            pool_budget::budget(flight::connections(batch_size)),
+            &in_use,
+        );
+    }
+
     /// The claim transaction: the channels and the batch of due messages.
     fn claim(&mut self) -> Claimed {
         let (index, pid, role) = (self.index, self.pid, self.role);
@@ -508,31 +553,51 @@ impl Worker {
                     let channels = Channels::load(client)?;
                     let lease_ms = lease::lease_ms(gucs::lease_ms(), channels.longest_attempt_ms());
                     let at = self.started.elapsed().as_millis() as i64;
-                    let gates = flow::gate(client, &channels, batch_size.max(0) as u32)?;
-                    if !worker_locks::CLAIMS.take_within(CLAIM_LOCK_WAIT) {
-                        // The tokens the gate took for this claim go back unused.
-                        flow::give_back(client, &channels, &gates, &[])?;
-                        return Ok(Claimed {
-                            lock_busy: Some(worker_locks::CLAIMS.holder(client)?),
-                            channels,
-                            jobs: Vec::new(),
-                            next_due: None,
-                        });
-                    }
+                    let due = due_channels::due_channels(
+                        client,
+                        &mut self.rotation,
+                        &self.cursors.floors(at),
+                        batch_size.max(1) as usize,
+                    )?;
+                    let gates = flow::gate(client, &channels, &due, batch_size.max(0) as u32)?;
+                    // Once a wait ran out, the next claims wait briefly: the holder is
+                    // stopped or stuck, and every claim would otherwise wait out the whole
+                    // wait before it claims without the lock.
+                    let wait = match self.lock_busy_told {
+                        Some(at) if at.elapsed() < LOCK_BUSY_LOG_EVERY => {
+                            CLAIM_LOCK_WAIT_WHILE_BUSY
+                        }
+                        _ => CLAIM_LOCK_WAIT,
+                    };
+                    let serialized = worker_locks::CLAIMS.take_within(wait);
+                    let lock_busy = if serialized {
+                        None
+                    } else {
+                        Some(worker_locks::CLAIMS.holder(client)?)
+                    };
                     let claimant = claim::Claimant {
                         lease_ms,
                         worker_index: index as i32,
                         pid,
                         fence: Fence::for_claim(claim_began_boot_ms, lease_ms),
                     };
-                    let jobs = claim::claim_due(
-                        client,
-                        claimant,
-                        batch_size,
-                        &mut self.cursors,
-                        at,
-                        &gates.caps,
-                    )?;
+                    let mut claim = |client: &mut SpiClient<'_>| {
+                        claim::claim_due(
+                            client,
+                            claimant,
+                            batch_size,
+                            &mut self.cursors,
+                            at,
+                            &gates.caps,
+                            &due,
+                        )
+                    };
+                    let jobs = if serialized {
+                        claim(client)?
+                    } else {
+                        claim::claim_unserialized(client, pid, &mut claim)
+                    };
+                    crash_if(FaultPoint::StallInClaim, gucs::fault_injection(), &jobs);
                     flow::give_back(client, &channels, &gates, &jobs)?;
                     // Only an idle worker sleeps until the next due time; one that claimed claims again.
                     let next_due = if jobs.is_empty() {
@@ -544,7 +609,7 @@ impl Worker {
                         channels,
                         jobs,
                         next_due,
-                        lock_busy: None,
+                        lock_busy,
                     })
                 })
                 .unwrap_or_else(|e| panic!("outbox_delivery worker: claim failed: {e}"))
@@ -576,21 +641,24 @@ impl Worker {
             role,
             AssertUnwindSafe(|| {
                 crate::spi::subtransaction(|| {
-                    Spi::connect_mut(|client| -> SpiResult<(Channels, usize, Vec<LookupJob>)> {
-                        let channels = Channels::load(client)?;
-                        let lease_ms =
-                            lease::lease_ms(gucs::lease_ms(), channels.longest_attempt_ms());
-                        let lost = recover_lost_leases(
-                            client,
-                            &channels,
-                            jitter,
-                            include_own_slot,
-                            index,
-                            pid,
-                        )?;
-                        let lookups = claim::claim_lookups(client, LOOKUPS_PER_SWEEP, lease_ms)?;
-                        Ok((channels, lost, lookups))
-                    })
+                    Spi::connect_mut(
+                        |client| -> SpiResult<(Rc<Channels>, usize, Vec<LookupJob>)> {
+                            let channels = Channels::load(client)?;
+                            let lease_ms =
+                                lease::lease_ms(gucs::lease_ms(), channels.longest_attempt_ms());
+                            let lost = recover_lost_leases(
+                                client,
+                                &channels,
+                                jitter,
+                                include_own_slot,
+                                index,
+                                pid,
+                            )?;
+                            let lookups =
+                                claim::claim_lookups(client, LOOKUPS_PER_SWEEP, lease_ms)?;
+                            Ok((channels, lost, lookups))
+                        },
+                    )
                 })
             }),
         );
@@ -728,7 +796,7 @@ impl Worker {
             None => "a process that has let it go since".to_string(),
         };
         warning!(
-            "outbox_delivery worker {}: the claim lock was held by {who} for longer than {} ms; this worker claims again at its next cycle and records what it holds meanwhile",
+            "outbox_delivery worker {}: the claim lock was held by {who} for longer than {} ms; this worker claims without it meanwhile (a claim that meets another's claim is rolled back)",
             self.index,
             CLAIM_LOCK_WAIT.as_millis()
         );

@@ -35,6 +35,18 @@ SELECT f.tokens, outbox._epoch_ms(f.tokens_at), outbox._epoch_ms(f.hold_until), 
    FOR UPDATE",
 );
 
+/// The same row for a claim's gate, passed over while another claim holds it: a claim that
+/// waited for it would wait as long as a stalled worker stays inside its claim.
+static LOCK_FLOW_FOR_CLAIM: Statement = Statement::planned_once(
+    "
+SELECT f.tokens, outbox._epoch_ms(f.tokens_at), outbox._epoch_ms(f.hold_until), f.circuit_state,
+       outbox._epoch_ms(f.circuit_since), f.circuit_streak, outbox._epoch_ms(f.probe_until),
+       outbox._epoch_ms(pg_catalog.clock_timestamp())
+  FROM outbox._channel_flow f
+ WHERE f.channel_id = $1
+   FOR UPDATE SKIP LOCKED",
+);
+
 static UPDATE_FLOW: Statement = Statement::planned_once(
     "
 UPDATE outbox._channel_flow
@@ -65,15 +77,37 @@ struct Flow {
 }
 
 fn lock(client: &mut SpiClient<'_>, channel_id: i32, burst: f64) -> SpiResult<Flow> {
+    lock_with(client, &LOCK_FLOW, channel_id, burst)?.ok_or(pgrx::spi::SpiError::InvalidPosition)
+}
+
+/// The row, unless another transaction holds it.
+fn lock_unless_held(
+    client: &mut SpiClient<'_>,
+    channel_id: i32,
+    burst: f64,
+) -> SpiResult<Option<Flow>> {
+    lock_with(client, &LOCK_FLOW_FOR_CLAIM, channel_id, burst)
+}
+
+fn lock_with(
+    client: &mut SpiClient<'_>,
+    statement: &'static Statement,
+    channel_id: i32,
+    burst: f64,
+) -> SpiResult<Option<Flow>> {
     spi::run(
         client,
         &ENSURE_FLOW,
         None,
         &[channel_id.into(), burst.into()],
     )?;
-    let row = spi::run(client, &LOCK_FLOW, Some(1), &[channel_id.into()])?.first();
+    let rows = spi::run(client, statement, Some(1), &[channel_id.into()])?;
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    let row = rows.first();
     let now_ms = row.get::<i64>(8)?.unwrap_or_else(crate::clock::now_ms);
-    Ok(Flow {
+    Ok(Some(Flow {
         bucket: Bucket {
             tokens: row.get::<f64>(1)?.unwrap_or(0.0),
             at_ms: row.get::<i64>(2)?.unwrap_or(now_ms),
@@ -86,7 +120,7 @@ fn lock(client: &mut SpiClient<'_>, channel_id: i32, burst: f64) -> SpiResult<Fl
             probe_until_ms: row.get::<i64>(7)?,
         },
         now_ms,
-    })
+    }))
 }
 
 fn store(client: &mut SpiClient<'_>, channel_id: i32, f: &Flow) -> SpiResult<()> {
@@ -154,19 +188,31 @@ fn flow_options(o: &ChannelOptions) -> Option<(Option<RateLimit>, Option<Circuit
     (o.rate_limit.is_some() || o.circuit.is_some()).then_some((o.rate_limit, o.circuit))
 }
 
-/// Before the claim: for each channel with `rate_limit` or `circuit`, how many messages it
-/// may send now (tokens taken, an open circuit's probe let through).
-pub fn gate(client: &mut SpiClient<'_>, channels: &Channels, batch_size: u32) -> SpiResult<Gates> {
+/// Before the claim: for each channel of `due` with `rate_limit` or `circuit`, how many
+/// messages it may send now (tokens taken, an open circuit's probe let through). A channel
+/// with nothing due is not read: it keeps its tokens.
+pub fn gate(
+    client: &mut SpiClient<'_>,
+    channels: &Channels,
+    due: &[i32],
+    batch_size: u32,
+) -> SpiResult<Gates> {
     let mut gates = Gates::default();
-    let mut ids: Vec<&i32> = channels.by_id.keys().collect();
+    let mut ids: Vec<&i32> = due.iter().collect();
     ids.sort(); // one locking order for every worker
     for id in ids {
-        let channel = &channels.by_id[id];
+        let Some(channel) = channels.by_id.get(id) else {
+            continue;
+        };
         let Some((rate, breaker)) = channel.options.as_ref().ok().and_then(flow_options) else {
             continue;
         };
         let burst = rate.map_or(0.0, |r| r.capacity());
-        let mut f = lock(client, *id, burst)?;
+        let Some(mut f) = lock_unless_held(client, *id, burst)? else {
+            // Another claim holds the channel's flow now: this one takes none of it.
+            gates.caps.insert(*id, 0);
+            continue;
+        };
         let mut cap = batch_size;
         if f.hold_until_ms.is_some_and(|t| f.now_ms < t) {
             cap = 0;

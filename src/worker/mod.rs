@@ -11,6 +11,7 @@ pub mod claims_upkeep;
 pub mod cycle;
 pub mod decide;
 pub mod descriptors;
+pub mod due_channels;
 pub mod flight;
 pub mod flow;
 pub mod key_hold;
