@@ -196,7 +196,15 @@ pub fn check_request(allowed: &AllowList, request: &reqwest::Request) -> Result<
 /// Connection pools, one per channel, rebuilt when the channel's options change or when
 /// `outbox.allowed_hosts` changes (a pooled connection was checked under the old list).
 pub struct Transport {
-    clients: HashMap<i32, (String, reqwest::Client)>,
+    /// Each channel's client: its options' version, the client, the client's number.
+    clients: HashMap<i32, (String, reqwest::Client, u64)>,
+    /// The clients by what they are built from, shared by every channel built alike: a
+    /// client holds its own copy of the system's root certificates and its own pools, and
+    /// one per channel held 40 kB and more each (430 MiB a worker with 10,000 channels).
+    /// Channels to one host then share its connections.
+    shared: HashMap<ClientShape, Vec<SharedClient>>,
+    /// The number of the next client built.
+    built: u64,
     /// The text of `outbox.allowed_hosts` the clients were built with.
     allowed_text: Option<String>,
     allowed: Arc<AllowList>,
@@ -207,6 +215,8 @@ impl Default for Transport {
     fn default() -> Self {
         Transport {
             clients: HashMap::new(),
+            shared: HashMap::new(),
+            built: 0,
             allowed_text: None,
             allowed: Arc::new(AllowList::nothing()),
         }
@@ -229,6 +239,7 @@ impl Transport {
         self.allowed = Arc::new(list);
         self.allowed_text = Some(text.to_string());
         self.clients.clear();
+        self.shared.clear();
         Some(result)
     }
 
@@ -247,10 +258,21 @@ impl Transport {
         options: &ChannelOptions,
         batch_size: usize,
     ) -> Result<reqwest::Client, String> {
-        if let Some((v, c)) = self.clients.get(&channel_id) {
+        if let Some((v, c, _)) = self.clients.get(&channel_id) {
             if v == version {
                 return Ok(c.clone());
             }
+        }
+        let shape = ClientShape {
+            connect_timeout_ms: options.connect_timeout_ms,
+            max_idle: (options.max_in_flight as usize).min(batch_size),
+        };
+        let alike = self.shared.entry(shape).or_default();
+        if let Some(c) = alike.iter().find(|c| c.tls == options.tls) {
+            let client = c.client.clone();
+            self.clients
+                .insert(channel_id, (version.to_string(), client.clone(), c.number));
+            return Ok(client);
         }
         let mut builder = super::tls::with_system_roots(guarded_client(
             self.allowed.clone(),
@@ -262,20 +284,40 @@ impl Transport {
                 .map_err(|e| format!("channel option \"{}\": {}", e.option, e.message))?;
         }
         let client = builder
-            .pool_max_idle_per_host((options.max_in_flight as usize).min(batch_size))
+            .pool_max_idle_per_host(shape.max_idle)
             .pool_idle_timeout(super::pool_budget::IDLE_LIFE)
             .tcp_nodelay(true)
             .build()
             .map_err(|e| format!("HTTP client could not be built: {e}"))?;
+        self.built += 1;
+        let number = self.built;
+        self.shared.entry(shape).or_default().push(SharedClient {
+            tls: options.tls.clone(),
+            client: client.clone(),
+            number,
+        });
         self.clients
-            .insert(channel_id, (version.to_string(), client.clone()));
+            .insert(channel_id, (version.to_string(), client.clone(), number));
         Ok(client)
     }
 
-    /// Drops a channel's pool: its idle connections close once no request holds the
-    /// client any more.
+    /// Drops a channel's pool: its idle connections close once no request and no other
+    /// channel holds the client any more (`let_go`).
     pub fn forget(&mut self, channel_id: i32) {
         self.clients.remove(&channel_id);
+    }
+
+    /// Lets go of the shared clients that no channel uses any more.
+    pub fn let_go(&mut self) {
+        if self.shared.is_empty() {
+            return;
+        }
+        let used: std::collections::HashSet<u64> =
+            self.clients.values().map(|(_, _, n)| *n).collect();
+        for alike in self.shared.values_mut() {
+            alike.retain(|c| used.contains(&c.number));
+        }
+        self.shared.retain(|_, alike| !alike.is_empty());
     }
 
     /// The channels that have a pool, in order.
@@ -289,7 +331,22 @@ impl Transport {
     /// Forgets pools of channels that no longer exist.
     pub fn retain(&mut self, live: impl Fn(i32) -> bool) {
         self.clients.retain(|id, _| live(*id));
+        self.let_go();
     }
+}
+
+/// A client that channels built alike share.
+struct SharedClient {
+    tls: Option<super::tls::TlsOptions>,
+    client: reqwest::Client,
+    number: u64,
+}
+
+/// What a client is built from besides its TLS options (compared apart: they have no hash).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct ClientShape {
+    connect_timeout_ms: u64,
+    max_idle: usize,
 }
 
 /// The method and headers of `out` as HTTP carries them: the defaults (a JSON body, the
@@ -635,6 +692,38 @@ mod tests {
             error,
             "destination refused by outbox.allowed_hosts: host metadata.example.internal resolves only to refused addresses (169.254.169.254)"
         );
+    }
+
+    #[test]
+    fn channels_built_alike_share_one_client_until_none_uses_it() {
+        let mut t = Transport::default();
+        assert_eq!(t.set_allowed_hosts("*"), Some(Ok(())));
+        let o = ChannelOptions::default();
+        for id in 1..=100 {
+            t.client(id, "v1", &o, 200).unwrap();
+        }
+        let slow = ChannelOptions {
+            connect_timeout_ms: 9_000,
+            ..ChannelOptions::default()
+        };
+        t.client(101, "v1", &slow, 200).unwrap();
+        let built = |t: &Transport| t.shared.values().map(Vec::len).sum::<usize>();
+        assert_eq!(
+            built(&t),
+            2,
+            "one client for the 100 alike, one for the other"
+        );
+        assert_eq!(t.clients.len(), 101);
+        for id in 1..=99 {
+            t.forget(id);
+        }
+        t.let_go();
+        assert_eq!(built(&t), 2, "channel 100 still uses the first");
+        t.forget(100);
+        t.let_go();
+        assert_eq!(built(&t), 1);
+        t.retain(|_| false);
+        assert_eq!(built(&t), 0);
     }
 
     #[test]

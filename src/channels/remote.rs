@@ -331,6 +331,9 @@ impl Remotes {
             self.open.remove(id);
             self.transport.forget(*id);
         }
+        if !closed.is_empty() {
+            self.transport.let_go();
+        }
         closed
     }
 
