@@ -200,12 +200,14 @@ pub fn open(
     match &options.kind {
         Kind::Http => {
             let url = reqwest::Url::parse(endpoint).ok();
+            // Channels to one host and port share its connections (`wire::Origin`).
             let wire = url.as_ref().and_then(wire::Endpoint::of).map(|e| {
-                Arc::new(Wire::new(
-                    e,
+                let key = Wire::origin_key(
+                    &e,
                     Duration::from_millis(options.connect_timeout_ms),
                     (options.max_in_flight as usize).min(connections),
-                ))
+                );
+                Arc::new(Wire::on(e, transport.origin(key)))
             });
             Ok(Arc::new(HttpChannel {
                 client: transport.client(channel_id, version, options, connections)?,

@@ -368,14 +368,33 @@ struct Idle {
     since: Instant,
 }
 
-/// One `http://` channel's connections in one worker.
+/// One `http://` channel in one worker: its endpoint, and the connections to its host and
+/// port, which every channel to that origin built alike shares (`http::Transport::origin`).
 pub struct Wire {
     endpoint: Endpoint,
+    origin: Arc<Origin>,
+}
+
+/// The connections of a worker to one host and port: 10,000 channels to one provider's
+/// host send over its warm connections, not over 10,000 connections of their own.
+pub struct Origin {
+    host: String,
+    port: u16,
     connect_timeout: Duration,
     /// Idle connections kept at most.
     max_idle: usize,
     idle: Mutex<VecDeque<Idle>>,
     reaper: AtomicBool,
+}
+
+/// What makes two channels' origins one: the host and port, and how connections to them are
+/// made and kept.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct OriginKey {
+    host: String,
+    port: u16,
+    connect_timeout: Duration,
+    max_idle: usize,
 }
 
 /// Why a request ended without an answer.
@@ -402,11 +421,48 @@ enum NoConnection {
 }
 
 impl Wire {
+    /// A channel's wire with connections of its own.
     pub fn new(endpoint: Endpoint, connect_timeout: Duration, max_idle: usize) -> Wire {
-        Wire {
-            endpoint,
+        let origin = Arc::new(Origin::new(Wire::origin_key(
+            &endpoint,
             connect_timeout,
             max_idle,
+        )));
+        Wire { endpoint, origin }
+    }
+
+    /// A channel's wire over the connections of `origin` (of the same host and port).
+    pub fn on(endpoint: Endpoint, origin: Arc<Origin>) -> Wire {
+        Wire { endpoint, origin }
+    }
+
+    pub fn origin_key(
+        endpoint: &Endpoint,
+        connect_timeout: Duration,
+        max_idle: usize,
+    ) -> OriginKey {
+        OriginKey {
+            host: endpoint.host.clone(),
+            port: endpoint.port,
+            connect_timeout,
+            max_idle,
+        }
+    }
+
+    /// The idle connections now.
+    #[cfg(test)]
+    fn idle_count(&self) -> usize {
+        self.origin.idle_count()
+    }
+}
+
+impl Origin {
+    pub fn new(key: OriginKey) -> Origin {
+        Origin {
+            host: key.host,
+            port: key.port,
+            connect_timeout: key.connect_timeout,
+            max_idle: key.max_idle,
             idle: Mutex::new(VecDeque::new()),
             reaper: AtomicBool::new(false),
         }
@@ -456,12 +512,12 @@ impl Wire {
     }
 
     /// Closes the connections idle for their whole life, once per idle life, for as long as
-    /// the channel is in use (a task on the send runtime, started by the first request).
+    /// a channel uses the origin (a task on the send runtime, started by the first request).
     fn start_reaper(self: &Arc<Self>) {
         if self.reaper.swap(true, Ordering::Relaxed) {
             return;
         }
-        let wire: Weak<Wire> = Arc::downgrade(self);
+        let wire: Weak<Origin> = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(IDLE_LIFE).await;
@@ -474,11 +530,11 @@ impl Wire {
     /// A new connection: the host resolved (a literal is not) and its addresses filtered by
     /// the list, then each tried in turn within the connect timeout.
     async fn connect(&self, allowed: &AllowList) -> Result<Connection, NoConnection> {
-        let host = &self.endpoint.host;
+        let host = &self.host;
         let addresses: Vec<SocketAddr> = match host.parse::<IpAddr>() {
-            Ok(ip) => vec![SocketAddr::new(ip, self.endpoint.port)],
+            Ok(ip) => vec![SocketAddr::new(ip, self.port)],
             Err(_) => {
-                let found = tokio::net::lookup_host((host.as_str(), self.endpoint.port))
+                let found = tokio::net::lookup_host((host.as_str(), self.port))
                     .await
                     .map_err(|e| {
                         NoConnection::Failed(Failure::new(
@@ -663,7 +719,7 @@ pub async fn transmit(wire: Arc<Wire>, out: Outgoing, allowed: Arc<AllowList>) -
             elapsed_ms: 0,
         };
     }
-    wire.start_reaper();
+    wire.origin.start_reaper();
     let started = Instant::now();
     let elapsed = || started.elapsed().as_millis() as u64;
     let deadline = tokio::time::Instant::now() + out.timeout;
@@ -674,11 +730,11 @@ pub async fn transmit(wire: Arc<Wire>, out: Outgoing, allowed: Arc<AllowList>) -
         elapsed_ms,
     };
     let timed_out = |phase: Phase| Failure::new(phase, true, TIMED_OUT);
-    let mut pooled = wire.take_idle();
+    let mut pooled = wire.origin.take_idle();
     let mut connection = loop {
         let (mut connection, reused) = match pooled.take() {
             Some(c) => (c, true),
-            None => match tokio::time::timeout_at(deadline, wire.connect(&allowed)).await {
+            None => match tokio::time::timeout_at(deadline, wire.origin.connect(&allowed)).await {
                 Ok(Ok(c)) => (c, false),
                 Ok(Err(NoConnection::Refused(refusal))) => {
                     return Transmission::Refused {
@@ -737,7 +793,7 @@ pub async fn transmit(wire: Arc<Wire>, out: Outgoing, allowed: Arc<AllowList>) -
         }
     };
     if reusable && head.keep_alive && read_error.is_none() && !over_limit {
-        wire.put_idle(connection);
+        wire.origin.put_idle(connection);
     }
     let external_id = match &out.external_id {
         Some(ExternalIdSource::Header(_)) => head.external_id,
@@ -1172,7 +1228,7 @@ mod tests {
         {
             // The pooled connection still reads as open, but takes no byte any more.
             use std::os::fd::AsRawFd;
-            let idle = wire.idle.lock().unwrap();
+            let idle = wire.origin.idle.lock().unwrap();
             let fd = idle.back().unwrap().connection.stream.as_raw_fd();
             // SAFETY: shuts down the writing side of a socket the pool owns.
             assert_eq!(unsafe { libc::shutdown(fd, libc::SHUT_WR) }, 0);
