@@ -20,6 +20,7 @@ use outbox_e2e::cluster::{
 use outbox_e2e::helpers::{
     arm_fault, attempts, count, create_channel, describe, enqueue, ident, serial,
 };
+use outbox_e2e::nats::NatsServer;
 use outbox_e2e::sim::{Action, Simulator};
 use postgres::Client;
 use serde_json::{json, Value};
@@ -324,6 +325,58 @@ fn a_worker_stopped_with_its_answers_in_hand_loses_no_confirmation() {
         }
         eprintln!("{point}: {rows:?}");
     }
+}
+
+/// A `nats` channel (JetStream, which drops a second publish of a `Nats-Msg-Id` inside its
+/// duplicate window) stopped at each of the four points for longer than the lease: each
+/// message ends `delivered`, and the stream holds its key once.
+#[test]
+fn a_nats_channel_stopped_at_each_point_keeps_each_key_once() {
+    let (_turn, own, _workers, _sim) = stage();
+    let cluster: &Cluster = &own;
+    let mut c = cluster.connect();
+    let nats = NatsServer::start(None);
+    let mut rows = Vec::new();
+    for point in [
+        "stall_after_claim",
+        "stall_after_send",
+        "stall_after_response",
+        "stall_before_commit",
+    ] {
+        let ch = unique("st_nats");
+        let prefix = ch.replace(['-', '.'], "_");
+        let stream = prefix.to_uppercase();
+        nats.create_stream(&stream, &[&format!("{prefix}.>")], Duration::from_secs(600));
+        create_channel(
+            &mut c,
+            &ch,
+            &nats.url(),
+            &json!({
+                "kind": "nats", "subject": format!("{prefix}.out"), "stream": stream,
+                "timeout_ms": 1000, "connect_timeout_ms": 500,
+                "retry": {"base_ms": 200, "max_ms": 1000, "jitter": "none"}
+            })
+            .to_string(),
+        );
+        let fault = arm_fault(cluster, point);
+        let id = enqueue(&mut c, &ch, &unique("stn"));
+        let stopped = stopped_worker(cluster, &mut c);
+        let resume = Continue(stopped);
+        drop(fault);
+        std::thread::sleep(LEASE + Duration::from_secs(2));
+        drop(resume);
+        let state = settled(cluster, id, &["delivered"]);
+        let sent = key_sent(&mut c, id);
+        let copies = nats.copies_by_id(&stream);
+        let stored = nats.messages(&stream).len();
+        rows.push(format!("{point}: {state}, {stored} stored"));
+        assert_eq!(
+            (copies.get(&sent).copied(), stored),
+            (Some(1), 1),
+            "{point}: the stream holds the key once: {copies:?}; {rows:?}"
+        );
+    }
+    eprintln!("nats: {rows:?}");
 }
 
 /// The record of a batch fails (here: it is cancelled twice while it waits for a row lock
