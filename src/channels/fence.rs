@@ -22,7 +22,11 @@
 //! on the plain HTTP path and the publish call on NATS (both on a connection made before the
 //! check), the connection's set-up too on the reqwest (HTTPS) path. A worker stopped exactly there sends when it resumes; recovery will have taken
 //! the attempt back as interrupted, so the provider can see the key twice, and a deduping
-//! provider drops the copy. docs/reliability.md lists this window with its measurement.
+//! provider drops the copy. Measured on the plain HTTP path (`wire`'s test
+//! `the_window_between_the_fence_check_and_the_written_request_is_microseconds`, 2,000
+//! requests on loopback): from the check to the whole request written, p50 15 µs, p99 27 µs,
+//! max 229 µs, against a margin of at least 1.25 s; a stop must land inside those
+//! microseconds. docs/reliability.md lists this window.
 
 use crate::clock::boot_ms;
 

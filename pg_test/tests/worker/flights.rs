@@ -258,11 +258,16 @@ fn the_pools_of_channels_no_longer_used_are_closed_beyond_the_budget() {
 
     let sim = Simulator::start();
     for i in 0..CHANNELS {
+        // A connect timeout of its own gives each channel a pool of its own: channels built
+        // alike to one host and port share its connections (`wire::Origin`).
         let ch = sim_channel(
             &mut c,
             &sim,
             &format!("pools{i}"),
-            r#"{"max_in_flight": 64, "idempotency_header": "Idempotency-Key"}"#,
+            &format!(
+                r#"{{"max_in_flight": 64, "idempotency_header": "Idempotency-Key", "connect_timeout_ms": {}}}"#,
+                1000 + i
+            ),
         );
         sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(100)));
         let ids = {
