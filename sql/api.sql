@@ -125,6 +125,51 @@ $fn$;
 COMMENT ON FUNCTION outbox.pause_channel(text, text) IS
     'Stops sending on a channel; messages keep queueing and are held until resume_channel.';
 
+CREATE FUNCTION outbox.drop_channel(name text, reason text) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    dropped integer;
+    pending bigint;
+    removed bigint;
+BEGIN
+    IF reason IS NULL OR pg_catalog.btrim(reason) = '' THEN
+        RAISE EXCEPTION 'a reason is required'
+            USING ERRCODE = '22023', HINT = 'Say why the channel is dropped; it is written to outbox.operator_log.';
+    END IF;
+    -- No enqueue on the channel may commit between the count below and the drop: an
+    -- enqueue that did would leave a message no worker can send. Enqueues (and records)
+    -- wait for this transaction, which is short.
+    LOCK TABLE outbox._messages IN SHARE ROW EXCLUSIVE MODE;
+    SELECT c.id INTO dropped FROM outbox._channels c WHERE c.name = drop_channel.name FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'channel "%" does not exist', drop_channel.name
+            USING ERRCODE = '42704', HINT = 'List channels in outbox.channels.';
+    END IF;
+    SELECT count(*) INTO pending FROM outbox._messages m
+     WHERE m.channel_id = dropped AND m.state IN ('queued', 'sending', 'uncertain');
+    IF pending > 0 THEN
+        RAISE EXCEPTION 'channel "%" still has % message(s) queued, sending or uncertain', drop_channel.name, pending
+            USING ERRCODE = '55006',
+                  HINT = 'Pause it (outbox.pause_channel), then let them settle or settle them by hand (outbox.cancel, outbox.resolve) before dropping it.';
+    END IF;
+    DELETE FROM outbox._attempts a USING outbox._messages m
+     WHERE a.message_id = m.id AND m.channel_id = dropped;
+    DELETE FROM outbox._messages m WHERE m.channel_id = dropped;
+    GET DIAGNOSTICS removed = ROW_COUNT;
+    DELETE FROM outbox._channel_stats s WHERE s.channel_id = dropped;
+    DELETE FROM outbox._channel_minutes b WHERE b.channel_id = dropped;
+    DELETE FROM outbox._channels c WHERE c.id = dropped;
+    INSERT INTO outbox._operator_log (action, channel, reason, detail)
+    VALUES ('drop_channel', drop_channel.name, drop_channel.reason,
+            pg_catalog.jsonb_build_object('messages_removed', removed));
+END
+$fn$;
+COMMENT ON FUNCTION outbox.drop_channel(text, text) IS
+    'Removes a channel with nothing queued, sending or uncertain on it, and its finished messages; its ledger entries stay. Logged.';
+
 CREATE FUNCTION outbox.resume_channel(name text) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER

@@ -55,6 +55,7 @@ GRANT EXECUTE ON FUNCTION
     outbox.create_channel(text, text, jsonb),
     outbox.alter_channel(text, jsonb),
     outbox.pause_channel(text, text),
+    outbox.drop_channel(text, text),
     outbox.resume_channel(text),
     outbox.bind_tenant(name, text),
     outbox.unbind_tenant(name, text),

@@ -199,6 +199,29 @@ fn enqueue_dedupes_by_effect_key() {
 }
 
 #[pg_test]
+fn drop_channel_refuses_pending_work_and_removes_a_settled_channel() {
+    channel("dr");
+    let id = Spi::get_one::<i64>("SELECT outbox.enqueue('dr', '{}', 'k-dr')").unwrap().unwrap();
+    assert_eq!(sqlstate("SELECT outbox.drop_channel('dr', '')"), "22023", "a reason is required");
+    assert_eq!(sqlstate("SELECT outbox.drop_channel('nope', 'gone')"), "42704");
+    for pending in ["queued", "uncertain"] {
+        Spi::run(&format!("UPDATE outbox._messages SET state = '{pending}' WHERE id = {id}")).unwrap();
+        let got = sqlstate("SELECT outbox.drop_channel('dr', 'customer left')");
+        assert_eq!(got, "55006", "{pending}: {got}");
+    }
+    assert_eq!(count("SELECT count(*) FROM outbox.channels WHERE name = 'dr'"), 1, "refused: nothing changed");
+    Spi::run(&format!("UPDATE outbox._messages SET state = 'failed' WHERE id = {id}")).unwrap();
+    Spi::run("SELECT outbox.drop_channel('dr', 'customer left')").unwrap();
+    assert_eq!(count("SELECT count(*) FROM outbox._channels WHERE name = 'dr'"), 0);
+    assert_eq!(count(&format!("SELECT count(*) FROM outbox._messages WHERE id = {id}")), 0);
+    assert_eq!(
+        count("SELECT count(*) FROM outbox.operator_log WHERE action = 'drop_channel' AND channel = 'dr' AND reason = 'customer left'"),
+        1
+    );
+    assert_eq!(sqlstate("SELECT outbox.enqueue('dr', '{}', 'k-dr-2')"), "42704", "gone: nothing can be enqueued on it");
+}
+
+#[pg_test]
 fn status_pause_and_resume() {
     channel("st");
     let id = Spi::get_one::<i64>("SELECT outbox.enqueue('st', '{}', 'k-st')").unwrap().unwrap();
