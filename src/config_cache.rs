@@ -66,6 +66,11 @@ pub fn channels_generation() -> u64 {
     CHANNELS_GENERATION.get()
 }
 
+/// Whether [`watch_channels`] has named the table yet.
+pub fn channels_watched() -> bool {
+    CHANNELS_OID.get() != pg_sys::InvalidOid
+}
+
 /// Names the table whose invalidations move [`channels_generation`].
 pub fn watch_channels(oid: pg_sys::Oid) {
     if CHANNELS_OID.replace(oid) != oid {

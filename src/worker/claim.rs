@@ -14,7 +14,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 use std::rc::Rc;
 
-/// Every channel; a handful of rows, read once per batch.
+/// Every channel, read again after any change of the table (`Channels::load`).
 static LOAD_CHANNELS: Statement = Statement::planned_once(
     "\
     SELECT id, name, endpoint, options::text, paused, updated_at::text FROM outbox._channels",
@@ -225,11 +225,10 @@ thread_local! {
     /// a claim reads the table again only after a change. Reading it at each claim cost a
     /// claim about 47 ms with 10,000 channels (BENCHMARKS.md).
     static LOADED: RefCell<Option<(u64, Rc<Channels>)>> = const { RefCell::new(None) };
-    /// Each channel's options as last parsed. Every claim reloads the channels, and the
-    /// options of each, parsed from their text again, were most of the worker's own time
-    /// between loading the channels and the claim statement. Parsing is a function of the
-    /// text alone (no setting, file or variable of the environment is read), so options
-    /// whose text did not change are taken from here.
+    /// Each channel's options as last parsed: a change of one channel reads them all again,
+    /// and parsing every channel's options again was most of such a read. Parsing is a
+    /// function of the text alone (no setting, file or variable of the environment is
+    /// read), so options whose text did not change are taken from here.
     static PARSED_OPTIONS: RefCell<HashMap<i32, ParsedOptions>> = RefCell::new(HashMap::new());
 }
 
@@ -247,6 +246,14 @@ impl Channels {
     /// The channels as committed when the transaction began, or later: read from the table
     /// when a change has been seen since the last read, else the last read shared.
     pub fn load(client: &SpiClient<'_>) -> SpiResult<Rc<Channels>> {
+        if !crate::config_cache::channels_watched() {
+            if let Some(oid) = spi::run(client, &CHANNELS_TABLE, Some(1), &[])?
+                .first()
+                .get::<pgrx::pg_sys::Oid>(1)?
+            {
+                crate::config_cache::watch_channels(oid);
+            }
+        }
         let generation = crate::config_cache::channels_generation();
         if let Some(channels) = LOADED.with(|l| {
             l.borrow()
@@ -257,12 +264,6 @@ impl Channels {
             return Ok(channels);
         }
         let channels = Rc::new(Self::read(client)?);
-        if let Some(oid) = spi::run(client, &CHANNELS_TABLE, Some(1), &[])?
-            .first()
-            .get::<pgrx::pg_sys::Oid>(1)?
-        {
-            crate::config_cache::watch_channels(oid);
-        }
         LOADED.with(|l| *l.borrow_mut() = Some((generation, channels.clone())));
         Ok(channels)
     }
@@ -307,7 +308,7 @@ impl Channels {
         Ok(Channels::new(by_id))
     }
 
-    pub fn new(by_id: HashMap<i32, Channel>) -> Channels {
+    fn new(by_id: HashMap<i32, Channel>) -> Channels {
         let valid = || by_id.values().filter_map(|c| c.options.as_ref().ok());
         let longest_attempt_ms = valid().map(|o| o.timeout_ms).max().unwrap_or(0);
         let longest_retry_horizon_ms = valid()

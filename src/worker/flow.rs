@@ -24,28 +24,25 @@ VALUES ($1, $2, pg_catalog.clock_timestamp())
 ON CONFLICT (channel_id) DO NOTHING",
 );
 
-/// The row, locked until the transaction ends, and the database's clock.
-static LOCK_FLOW: Statement = Statement::planned_once(
-    "
+/// A channel's flow row and the database's clock; locked by the statements below.
+macro_rules! flow_row {
+    () => {
+        "
 SELECT f.tokens, outbox._epoch_ms(f.tokens_at), outbox._epoch_ms(f.hold_until), f.circuit_state,
        outbox._epoch_ms(f.circuit_since), f.circuit_streak, outbox._epoch_ms(f.probe_until),
        outbox._epoch_ms(pg_catalog.clock_timestamp())
   FROM outbox._channel_flow f
- WHERE f.channel_id = $1
-   FOR UPDATE",
-);
+ WHERE f.channel_id = $1"
+    };
+}
+
+/// The row, locked until the transaction ends, and the database's clock.
+static LOCK_FLOW: Statement = Statement::planned_once(concat!(flow_row!(), "\n   FOR UPDATE"));
 
 /// The same row for a claim's gate, passed over while another claim holds it: a claim that
 /// waited for it would wait as long as a stalled worker stays inside its claim.
-static LOCK_FLOW_FOR_CLAIM: Statement = Statement::planned_once(
-    "
-SELECT f.tokens, outbox._epoch_ms(f.tokens_at), outbox._epoch_ms(f.hold_until), f.circuit_state,
-       outbox._epoch_ms(f.circuit_since), f.circuit_streak, outbox._epoch_ms(f.probe_until),
-       outbox._epoch_ms(pg_catalog.clock_timestamp())
-  FROM outbox._channel_flow f
- WHERE f.channel_id = $1
-   FOR UPDATE SKIP LOCKED",
-);
+static LOCK_FLOW_FOR_CLAIM: Statement =
+    Statement::planned_once(concat!(flow_row!(), "\n   FOR UPDATE SKIP LOCKED"));
 
 static UPDATE_FLOW: Statement = Statement::planned_once(
     "
