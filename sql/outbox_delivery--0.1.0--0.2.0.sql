@@ -1374,3 +1374,9 @@ COMMENT ON FUNCTION outbox.drop_channel(text, text) IS
     'Removes a channel with nothing queued, sending or uncertain on it, and its finished messages; its ledger entries stay. Logged.';
 REVOKE ALL ON FUNCTION outbox.drop_channel(text, text) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.drop_channel(text, text) TO outbox_admin;
+
+-- Lanes of shared channels: a claim takes a channel's tenants in turn.
+CREATE INDEX _messages_lane_idx ON outbox._messages (channel_id, tenant, next_attempt_at, id)
+    WHERE state = 'queued' AND NOT held_by_key;
+-- A circuit that one tenant's failures opened holds back that tenant's lane alone.
+ALTER TABLE outbox._channel_flow ADD COLUMN circuit_tenant text;

@@ -56,6 +56,9 @@ CREATE TABLE outbox._channel_flow (
     circuit_since  timestamptz,
     circuit_streak integer          NOT NULL DEFAULT 0,
     probe_until    timestamptz,
+    -- The tenant whose lane alone the circuit holds back (or whose failures alone make its
+    -- streak); NULL: the whole channel (src/channels/circuit.rs).
+    circuit_tenant text,
     CONSTRAINT circuit_state_known CHECK (circuit_state IN ('closed', 'open', 'half_open'))
 );
 COMMENT ON TABLE outbox._channel_flow IS 'Rate limit tokens, channel-wide Retry-After and circuit state per channel (private; see outbox.channels).';
@@ -123,6 +126,12 @@ COMMENT ON TABLE outbox._messages IS 'Outbox messages (private; read outbox.mess
 -- still reads one index.
 CREATE INDEX _messages_due_idx ON outbox._messages (channel_id, held_by_key, next_attempt_at, id)
     WHERE state = 'queued';
+-- Lanes: the queued messages of each tenant of a channel, in due order. A claim takes the
+-- tenants of a shared channel in turn (src/worker/claim.rs, CLAIM_DUE): it walks a
+-- channel's tenants here, one descent each, and reads each tenant's head, so that one
+-- tenant's backlog never stands before another tenant's next message.
+CREATE INDEX _messages_lane_idx ON outbox._messages (channel_id, tenant, next_attempt_at, id)
+    WHERE state = 'queued' AND NOT held_by_key;
 -- A message in flight is a queued row in a claim (outbox._claims): no row is `sending` but
 -- one written so by hand, which recovery adopts into a claim whose lease has ended and then
 -- takes back as an interrupted attempt. Empty, but for such rows.

@@ -114,8 +114,8 @@ fn check_worker_statements() {
     let statements = [
         (
             &crate::worker::claim::CLAIM_DUE,
-            "int4, float8, int4, int4, int4[], int8[], int8[], int4[], int4[], int4[]",
-            "200, 60000, 0, 1, '{1}', '{0}', '{1}', '{2}', '{5}', '{1,2,3}'",
+            "int4, float8, int4, int4, int4[], int8[], int8[], int4[], int4[], int4[], int4[], text[], int4[], text[], int4[]",
+            "200, 60000, 0, 1, '{1}', '{0}', '{1}', '{2}', '{5}', '{1,2,3}', '{1}', '{default}', '{2}', '{default}', '{0}'",
         ),
         (
             &crate::worker::due_channels::DUE_CHANNELS,
@@ -286,8 +286,8 @@ fn analyzed_claim_plans() -> [serde_json::Value; 2] {
     [
         analyzed_plan(
             &crate::worker::claim::CLAIM_DUE,
-            "int4, float8, int4, int4, int4[], int8[], int8[], int4[], int4[], int4[]",
-            &format!("200, 60000, 0, 1, '{{}}', '{{}}', '{{}}', '{{}}', '{{}}', '{channels}'"),
+            "int4, float8, int4, int4, int4[], int8[], int8[], int4[], int4[], int4[], int4[], text[], int4[], text[], int4[]",
+            &format!("200, 60000, 0, 1, '{{}}', '{{}}', '{{}}', '{{}}', '{{}}', '{channels}', '{{}}', '{{}}', '{{}}', '{{}}', '{{}}'"),
         ),
         analyzed_plan(
             &crate::worker::due_channels::DUE_CHANNELS,

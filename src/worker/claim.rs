@@ -6,6 +6,8 @@
 //! by recovery.
 
 use super::claim_cursor::{channels_cut, rest_claim_may_take, ClaimCursors, Floors, Position};
+use super::flow::Gates;
+use super::lane_turns::{LaneTurns, Picked};
 use crate::channels::fence::Fence;
 use crate::channels::options::ChannelOptions;
 use crate::spi::{self, Statement};
@@ -26,8 +28,11 @@ static CHANNELS_TABLE: Statement =
 
 /// Due messages of the channels `$10` (those with due work, `due_channels`), per unpaused
 /// channel up to its free bound of attempts open at once
-/// (`max_in_flight`, or `max_unverifiable_in_flight`), oldest due first; a
+/// (`max_in_flight`, or `max_unverifiable_in_flight`); a
 /// message with an ordering key waits while an earlier one with that key is pending.
+/// Within a channel, each tenant's messages (a lane) are taken oldest due first, and the
+/// lanes take turns, from the tenant after the one this worker served last (`$11`, `$12`;
+/// `lane_turns`), each at most its cap (`$13`–`$15`).
 /// The batch is shared evenly among the channels that have a due message, taken in a
 /// random order, so that a channel with a deep backlog cannot hold back another channel's
 /// next message for longer than one batch.
@@ -67,47 +72,113 @@ WITH flying AS MATERIALIZED (
 ), ready AS (
     -- share: the most this claim takes of the channel, its room or its part of the batch;
     -- a channel that got all of it may have more due past what was taken (claim_cursor).
+    -- head_tenant: the tenant of a due message, where the walk of its lanes starts.
     SELECT ch.id, ch.floor_at, ch.floor_id, ch.room,
-           least(ch.room, ceil($1::numeric / count(*) OVER ())::int) AS share
+           least(ch.room, ceil($1::numeric / count(*) OVER ())::int) AS share,
+           h.tenant AS head_tenant
       FROM ch
-       -- A scalar subquery, one probe of the head of the due index per channel: an EXISTS
-       -- becomes a semi-join that reads every due message of the backlog. Only a channel
-       -- with room is probed: the CASE keeps the planner from running the probe first (it
-       -- did, on a channel at its bound, over every entry a drain had left since the last
-       -- VACUUM, before its room ruled it out).
-     WHERE CASE WHEN ch.room > 0
-                THEN (SELECT true FROM outbox._messages q
-                       WHERE q.channel_id = ch.id AND q.state = 'queued' AND NOT q.held_by_key
-                         AND q.next_attempt_at <= now()
-                         AND (q.next_attempt_at, q.id) >= (ch.floor_at, ch.floor_id)
-                         AND q.id NOT IN (SELECT flying.id FROM flying)
-                       LIMIT 1)
-           END
+       -- One probe of the head of the due index per channel; only a channel with room is
+       -- probed (a one-time filter: the planner ran a probe as a join first, on a channel
+       -- at its bound, over every entry a drain had left since the last VACUUM).
+      CROSS JOIN LATERAL (
+           SELECT q.tenant FROM outbox._messages q
+            WHERE ch.room > 0
+              AND q.channel_id = ch.id AND q.state = 'queued' AND NOT q.held_by_key
+              AND q.next_attempt_at <= now()
+              AND (q.next_attempt_at, q.id) >= (ch.floor_at, ch.floor_id)
+              AND q.id NOT IN (SELECT flying.id FROM flying)
+            ORDER BY q.next_attempt_at, q.id
+            LIMIT 1) h
      ORDER BY random()
+), lanes AS MATERIALIZED (
+    -- The tenants with a queued message in each ready channel (its lanes), by a walk of
+    -- `_messages_lane_idx` that starts at the head's tenant: one descent per tenant above
+    -- it, one per tenant below it. A descent never enters the head tenant's part of the
+    -- index, where a drained backlog leaves its entries until VACUUM: a channel of one
+    -- tenant costs two descents that find nothing.
+    WITH RECURSIVE above(channel_id, tenant) AS (
+        SELECT ready.id, ready.head_tenant FROM ready
+      UNION ALL
+        SELECT a.channel_id,
+               (SELECT m.tenant FROM outbox._messages m
+                 WHERE m.channel_id = a.channel_id AND m.state = 'queued' AND NOT m.held_by_key
+                   AND m.tenant > a.tenant
+                 ORDER BY m.tenant LIMIT 1)
+          FROM above a
+         WHERE a.tenant IS NOT NULL
+    ), below(channel_id, tenant, head_tenant) AS (
+        SELECT ready.id,
+               (SELECT m.tenant FROM outbox._messages m
+                 WHERE m.channel_id = ready.id AND m.state = 'queued' AND NOT m.held_by_key
+                   AND m.tenant < ready.head_tenant
+                 ORDER BY m.tenant LIMIT 1),
+               ready.head_tenant
+          FROM ready
+      UNION ALL
+        SELECT b.channel_id,
+               (SELECT m.tenant FROM outbox._messages m
+                 WHERE m.channel_id = b.channel_id AND m.state = 'queued' AND NOT m.held_by_key
+                   AND m.tenant > b.tenant AND m.tenant < b.head_tenant
+                 ORDER BY m.tenant LIMIT 1),
+               b.head_tenant
+          FROM below b
+         WHERE b.tenant IS NOT NULL
+    )
+    SELECT above.channel_id, above.tenant FROM above WHERE above.tenant IS NOT NULL
+     UNION ALL
+    SELECT below.channel_id, below.tenant FROM below WHERE below.tenant IS NOT NULL
+), turns AS (
+    -- The order in which the lanes of a channel take turns: from the tenant after the one
+    -- this worker served last on the channel ($11, $12), round to it. A lane's cap ($13,
+    -- $14, $15) is its circuit's (crate::worker::flow): 0 while it is open for that tenant
+    -- alone, 1 for its probe. Each lane is read for at most the channel's share, or for
+    -- one message when the channel has as many lanes as its share.
+    SELECT lanes.channel_id, lanes.tenant, ready.share, ready.room, ready.floor_at, ready.floor_id,
+           count(*) OVER per_channel AS lanes_n,
+           row_number() OVER (per_channel ORDER BY (r.after IS NOT NULL AND lanes.tenant <= r.after),
+                                                   lanes.tenant) AS lane_order,
+           coalesce(k.cap, 2147483647) AS lane_cap
+      FROM lanes
+      JOIN ready ON ready.id = lanes.channel_id
+      LEFT JOIN unnest($11::int4[], $12::text[]) AS r(channel_id, after)
+             ON r.channel_id = lanes.channel_id
+      LEFT JOIN unnest($13::int4[], $14::text[], $15::int4[]) AS k(channel_id, tenant, cap)
+             ON k.channel_id = lanes.channel_id AND k.tenant = lanes.tenant
+    WINDOW per_channel AS (PARTITION BY lanes.channel_id)
 ), due AS MATERIALIZED (
-    SELECT d.*, ready.share, ready.room
-      FROM ready CROSS JOIN LATERAL (
-           SELECT m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers,
-                  -- The attempt under way: the one after those the row counts. Saturates:
-                  -- a counter at its limit (set by hand) must not fail every claim.
-                  least(m.attempts, 2147483646) + 1 AS attempt,
-                  coalesce(m.budget_started_at, m.created_at) AS budget_started_at,
-                  m.first_attempt_at, m.budget_base, m.next_attempt_at
-             FROM outbox._messages m
-            WHERE m.channel_id = ready.id
-              AND m.state = 'queued'
-              -- Held behind its key (crate::worker::key_hold): out of the part read here.
-              AND NOT m.held_by_key
-              AND m.next_attempt_at <= now()
-              AND (m.next_attempt_at, m.id) >= (ready.floor_at, ready.floor_id)
-              AND m.id NOT IN (SELECT flying.id FROM flying)
-              AND (m.ordering_key IS NULL OR NOT EXISTS (
-                     SELECT 1 FROM outbox._messages e
-                      WHERE e.tenant = m.tenant AND e.ordering_key = m.ordering_key
-                        AND e.id < m.id AND e.state IN ('queued', 'uncertain')))
-            ORDER BY m.next_attempt_at, m.id
-            LIMIT ready.share
-              FOR UPDATE OF m SKIP LOCKED) d
+    -- Each lane's oldest due messages, taken in turns: the first of every lane, then the
+    -- second of every lane, and so on, up to the channel's share. One tenant's backlog
+    -- stands before another tenant's next message for one turn at most.
+    SELECT picked.*
+      FROM (SELECT d.*, t.share, t.room, t.lanes_n,
+                   row_number() OVER (PARTITION BY t.channel_id ORDER BY d.turn, t.lane_order) AS pick
+              FROM turns t CROSS JOIN LATERAL (
+                   SELECT lane.*, row_number() OVER (ORDER BY lane.next_attempt_at, lane.id) AS turn
+                     FROM (
+                   SELECT m.id, m.tenant, m.channel_id, m.effect_key, m.payload, m.headers,
+                          -- The attempt under way: the one after those the row counts.
+                          -- Saturates: a counter at its limit (set by hand) must not fail
+                          -- every claim.
+                          least(m.attempts, 2147483646) + 1 AS attempt,
+                          coalesce(m.budget_started_at, m.created_at) AS budget_started_at,
+                          m.first_attempt_at, m.budget_base, m.next_attempt_at
+                     FROM outbox._messages m
+                    WHERE m.channel_id = t.channel_id
+                      AND m.tenant = t.tenant
+                      AND m.state = 'queued'
+                      -- Held behind its key (crate::worker::key_hold): out of the lanes.
+                      AND NOT m.held_by_key
+                      AND m.next_attempt_at <= now()
+                      AND (m.next_attempt_at, m.id) >= (t.floor_at, t.floor_id)
+                      AND m.id NOT IN (SELECT flying.id FROM flying)
+                      AND (m.ordering_key IS NULL OR NOT EXISTS (
+                             SELECT 1 FROM outbox._messages e
+                              WHERE e.tenant = m.tenant AND e.ordering_key = m.ordering_key
+                                AND e.id < m.id AND e.state IN ('queued', 'uncertain')))
+                    ORDER BY m.next_attempt_at, m.id
+                    LIMIT least(t.lane_cap, CASE WHEN t.lanes_n >= t.share THEN 1 ELSE t.share END)
+                      FOR UPDATE OF m SKIP LOCKED) lane) d) picked
+     WHERE picked.pick <= picked.share
      LIMIT $1
 ), claimed AS (
     -- An attempt starts when it is claimed, not when the claim's transaction began: the
@@ -130,7 +201,7 @@ SELECT d.id, outbox._epoch_us(c.started_at), d.attempt, d.tenant, d.channel_id,
        -- NULL for a due time outside the range of positions (one set by hand).
        CASE WHEN d.next_attempt_at BETWEEN timestamptz '1900-01-01' AND timestamptz '2200-01-01'
             THEN outbox._epoch_us(d.next_attempt_at) END,
-       d.share, d.room
+       d.share, d.room, d.lanes_n::int4, d.pick
   FROM due d
   JOIN claimed c ON c.channel_id = d.channel_id
   -- The barrier: one ledger probe per claimed message (crate::ledger).
@@ -178,10 +249,14 @@ SELECT (extract(epoch FROM least(greatest(coalesce(min(n.next_attempt_at), 'infi
        -- Not before the channel's flow control lets it send (src/worker/flow.rs): the end
        -- of a Retry-After hold, of an open circuit, of a probe out, the next token.
        (SELECT greatest(m.next_attempt_at, f.hold_until,
-                       CASE WHEN f.circuit_state = 'open'
+                       -- A circuit that holds back one tenant's lane alone holds no
+                       -- channel back: the worker waits as one that could not take what
+                       -- is due, until a record or the lane's open_ms (idle_wait).
+                       CASE WHEN f.circuit_state = 'open' AND f.circuit_tenant IS NULL
                             THEN f.circuit_since + outbox._option_int(c.options, '{circuit,open_ms}')
                                                    * interval '1 millisecond' END,
-                       CASE WHEN f.circuit_state = 'half_open' THEN f.probe_until END,
+                       CASE WHEN f.circuit_state = 'half_open' AND f.circuit_tenant IS NULL
+                            THEN f.probe_until END,
                        CASE WHEN f.tokens < 1 AND jsonb_typeof(c.options -> 'rate_limit') = 'object'
                             THEN f.tokens_at + (1 - f.tokens) * 1000.0
                                  / greatest(outbox._option_int(c.options, '{rate_limit,per_second}'), 1)
@@ -359,6 +434,16 @@ pub struct Job {
     pub position: Option<Position>,
     /// When its request may no longer start (`crate::channels::fence`).
     pub fence: Fence,
+    /// Its place among the lanes of its channel (`lane_turns`).
+    pub turn: Turn,
+}
+
+/// A claimed message's place among the tenants of its channel: how many lanes the channel
+/// had in the claim, and its place in the channel's order of turns (from 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Turn {
+    pub lanes: i32,
+    pub pick: i64,
 }
 
 impl Job {
@@ -383,26 +468,42 @@ pub struct Claimant {
     pub fence: Fence,
 }
 
-/// Claims up to `batch_size` due messages for `claimant`, at most `caps` of a channel with
-/// flow control, reading each channel from its cursor when the worker has one; a claim
-/// under cursors that comes back short claims the rest from the heads of the due indexes,
-/// in the same transaction, of the channels `due` only (`due_channels`). The caller holds
-/// the claim lock (`worker_locks::CLAIMS`).
+/// What a worker's claims remember from one claim to the next: where each channel's due
+/// index is read from (`claim_cursor`), and which tenant of a shared channel goes first
+/// (`lane_turns`).
+#[derive(Debug, Default)]
+pub struct ClaimMemory {
+    pub cursors: ClaimCursors,
+    pub turns: LaneTurns,
+}
+
+/// Claims up to `batch_size` due messages for `claimant`, at most what `gates` lets a
+/// channel with flow control give, reading each channel from its cursor when the worker
+/// has one; a claim under cursors that comes back short claims the rest from the heads of
+/// the due indexes, in the same transaction, of the channels `due` only (`due_channels`).
+/// The caller holds the claim lock (`worker_locks::CLAIMS`), or claims without it
+/// (`claim_unserialized`).
 pub fn claim_due(
     client: &mut SpiClient<'_>,
     claimant: Claimant,
     batch_size: i32,
-    cursors: &mut ClaimCursors,
+    memory: &mut ClaimMemory,
     now_ms: i64,
-    caps: &HashMap<i32, u32>,
+    gates: &Gates,
     due: &[i32],
 ) -> SpiResult<Vec<Job>> {
-    let floors = cursors.floors(now_ms);
+    let caps = &gates.caps;
+    let floors = memory.cursors.floors(now_ms);
     // Only a claim that starts with no cursor reads every channel from its head: the rest
     // of a short batch is read from the heads of the channels with room left.
     let from_head = floors.is_empty();
     let floor_channels = floors.channel_ids.clone();
-    let (mut jobs, mut cut, full) = claim_from(client, claimant, batch_size, floors, caps, due)?;
+    let read = Read {
+        turns: memory.turns.args(),
+        lane_caps: &gates.lane_caps,
+        due,
+    };
+    let (mut jobs, mut cut, full) = claim_from(client, claimant, batch_size, floors, caps, &read)?;
     if !from_head && (jobs.len() as i32) < batch_size && rest_claim_may_take(&floor_channels, &full)
     {
         let rest = batch_size - jobs.len() as i32;
@@ -416,18 +517,32 @@ pub fn claim_due(
         // A channel that took all its room is not read again.
         left.extend(full.iter().map(|id| (*id, 0)));
         let (more, more_cut, _) =
-            claim_from(client, claimant, rest, Floors::default(), &left, due)?;
+            claim_from(client, claimant, rest, Floors::default(), &left, &read)?;
         jobs.extend(more);
         cut.extend(more_cut);
     }
-    cursors.after_claim(
+    memory.cursors.after_claim(
         now_ms,
         from_head,
         batch_size.max(0) as usize,
         jobs.iter().map(|j| (j.channel_id, j.position)),
         &cut,
     );
+    memory.turns.after_claim(jobs.iter().map(|j| Picked {
+        channel_id: j.channel_id,
+        lanes: j.turn.lanes,
+        pick: j.turn.pick,
+        tenant: &j.tenant,
+    }));
     Ok(jobs)
+}
+
+/// What every claim statement of one claim reads alike: the lanes' turns and caps, and the
+/// channels with due work.
+struct Read<'a> {
+    turns: (Vec<i32>, Vec<String>),
+    lane_caps: &'a [(i32, String, u32)],
+    due: &'a [i32],
 }
 
 /// Messages of `$1` in a claim of another process (`$2`: this one), as committed when the
@@ -494,12 +609,20 @@ fn claim_from(
     batch_size: i32,
     floors: Floors,
     caps: &HashMap<i32, u32>,
-    due: &[i32],
+    read: &Read<'_>,
 ) -> SpiResult<(Vec<Job>, BTreeSet<i32>, BTreeSet<i32>)> {
     let (cap_ids, cap_values): (Vec<i32>, Vec<i32>) = caps
         .iter()
         .map(|(id, cap)| (*id, (*cap).min(i32::MAX as u32) as i32))
         .unzip();
+    let mut lane_cap_ids = Vec::with_capacity(read.lane_caps.len());
+    let mut lane_cap_tenants = Vec::with_capacity(read.lane_caps.len());
+    let mut lane_cap_values = Vec::with_capacity(read.lane_caps.len());
+    for (id, tenant, cap) in read.lane_caps {
+        lane_cap_ids.push(*id);
+        lane_cap_tenants.push(tenant.clone());
+        lane_cap_values.push((*cap).min(i32::MAX as u32) as i32);
+    }
     let rows = spi::run(
         client,
         &CLAIM_DUE,
@@ -514,7 +637,12 @@ fn claim_from(
             floors.ids.into(),
             cap_ids.into(),
             cap_values.into(),
-            due.to_vec().into(),
+            read.due.to_vec().into(),
+            read.turns.0.clone().into(),
+            read.turns.1.clone().into(),
+            lane_cap_ids.into(),
+            lane_cap_tenants.into(),
+            lane_cap_values.into(),
         ],
     )?;
     let mut jobs = Vec::with_capacity(rows.len());
@@ -533,6 +661,10 @@ fn claim_from(
             None => None,
         };
         let tenant = row.get::<String>(4)?.unwrap_or_default();
+        let turn = Turn {
+            lanes: row.get::<i32>(17)?.unwrap_or(1),
+            pick: row.get::<i64>(18)?.unwrap_or(1),
+        };
         // As outbox._provider_key gives it, without a call of it for every message.
         let effect_key =
             crate::effect_key::into_provider(&tenant, row.get::<String>(6)?.unwrap_or_default());
@@ -549,10 +681,16 @@ fn claim_from(
             first_attempt_at_ms: row.get::<i64>(10)?.unwrap_or_default(),
             budget_attempt: row.get::<i64>(13)?.unwrap_or(1),
             ledger,
-            position: row.get::<i64>(14)?.map(|due_at_us| Position {
-                due_at_us,
-                id: message_id,
-            }),
+            // A channel read in several lanes keeps no cursor: a position in one tenant's
+            // lane says nothing of where the others stand.
+            position: row
+                .get::<i64>(14)?
+                .filter(|_| turn.lanes <= 1)
+                .map(|due_at_us| Position {
+                    due_at_us,
+                    id: message_id,
+                }),
+            turn,
             fence: claimant.fence,
         });
     }

@@ -5,8 +5,7 @@
 //! lookups) runs beside the sends of a busy worker's claim, and after the record of a
 //! worker that was idle. Up to [`flight::FLIGHTS`] batches are under way at once (`flight`).
 
-use super::claim::{self, Channels, Job, LookupJob, NextDue};
-use super::claim_cursor::ClaimCursors;
+use super::claim::{self, Channels, ClaimMemory, Job, LookupJob, NextDue};
 use super::decide;
 use super::due_channels;
 use super::flight::{self, Bell, Sends};
@@ -145,7 +144,7 @@ pub struct Worker {
     first_cycle: bool,
     longest_retry_horizon_ms: u64,
     /// Where the next claim of each channel starts, measured on the clock of `started`.
-    cursors: ClaimCursors,
+    memory: ClaimMemory,
     /// Where the next claim's walk of the due index starts (`due_channels`).
     rotation: due_channels::Rotation,
     /// When lost leases and due lookups were last looked for, on the clock of `started`.
@@ -225,7 +224,7 @@ impl Worker {
             jitter: SplitMix64::new(SplitMix64::seed_from(now_ms(), pid)),
             first_cycle: true,
             longest_retry_horizon_ms: 0,
-            cursors: ClaimCursors::default(),
+            memory: ClaimMemory::default(),
             rotation: due_channels::Rotation::default(),
             sweeps: SweepClock::default(),
             key_holds: key_hold::HoldClock::default(),
@@ -517,6 +516,9 @@ impl Worker {
                 .collect();
             self.remotes
                 .retain(|id| channels.by_id.contains_key(&id) || live.contains(&id));
+            self.memory
+                .turns
+                .retain(|id| channels.by_id.contains_key(&id));
             // While a flight of older channels is under way, look again at the next claim.
             self.pools_kept_for = live.is_empty().then(|| channels.clone());
         }
@@ -556,7 +558,7 @@ impl Worker {
                     let due = due_channels::due_channels(
                         client,
                         &mut self.rotation,
-                        &self.cursors.floors(at),
+                        &self.memory.cursors.floors(at),
                         batch_size.max(1) as usize,
                     )?;
                     let gates = flow::gate(client, &channels, &due, batch_size.max(0) as u32)?;
@@ -586,9 +588,9 @@ impl Worker {
                             client,
                             claimant,
                             batch_size,
-                            &mut self.cursors,
+                            &mut self.memory,
                             at,
-                            &gates.caps,
+                            &gates,
                             &due,
                         )
                     };

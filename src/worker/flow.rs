@@ -30,7 +30,7 @@ macro_rules! flow_row {
         "
 SELECT f.tokens, outbox._epoch_ms(f.tokens_at), outbox._epoch_ms(f.hold_until), f.circuit_state,
        outbox._epoch_ms(f.circuit_since), f.circuit_streak, outbox._epoch_ms(f.probe_until),
-       outbox._epoch_ms(pg_catalog.clock_timestamp())
+       outbox._epoch_ms(pg_catalog.clock_timestamp()), f.circuit_tenant
   FROM outbox._channel_flow f
  WHERE f.channel_id = $1"
     };
@@ -53,7 +53,8 @@ UPDATE outbox._channel_flow
        circuit_state = $5,
        circuit_since = pg_catalog.to_timestamp($6 / 1000.0),
        circuit_streak = $7,
-       probe_until = pg_catalog.to_timestamp($8 / 1000.0)
+       probe_until = pg_catalog.to_timestamp($8 / 1000.0),
+       circuit_tenant = $9
  WHERE channel_id = $1",
 );
 
@@ -65,7 +66,7 @@ VALUES (CURRENT_USER, $2, $1, $3, $4::jsonb)",
 );
 
 /// A channel's flow row as read.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Flow {
     bucket: Bucket,
     hold_until_ms: Option<i64>,
@@ -115,6 +116,7 @@ fn lock_with(
             since_ms: row.get::<i64>(5)?.unwrap_or(now_ms),
             streak: row.get::<i32>(6)?.unwrap_or(0).max(0) as u32,
             probe_until_ms: row.get::<i64>(7)?,
+            tenant: row.get::<String>(9)?,
         },
         now_ms,
     }))
@@ -135,6 +137,7 @@ fn store(client: &mut SpiClient<'_>, channel_id: i32, f: &Flow) -> SpiResult<()>
             (c.since_ms as f64).into(),
             (c.streak.min(i32::MAX as u32) as i32).into(),
             c.probe_until_ms.map(|t| t as f64).into(),
+            c.tenant.clone().into(),
         ],
     )?;
     Ok(())
@@ -148,17 +151,21 @@ fn log_change(
     options: &CircuitOptions,
     why: &str,
 ) -> SpiResult<()> {
-    if before.state == after.state {
+    if (before.state, &before.tenant) == (after.state, &after.tenant) {
         return Ok(());
     }
+    // The tenant whose lane alone the circuit holds back (none: the whole channel).
+    let tenant = after.tenant.as_ref().or(before.tenant.as_ref());
     let detail = serde_json::json!({
         "from": before.state.as_str(), "to": after.state.as_str(),
         "open_after": options.open_after, "open_ms": options.open_ms,
+        "tenant": tenant,
     });
     pgrx::log!(
-        "outbox_delivery: channel \"{channel}\" circuit {} -> {}: {why}",
+        "outbox_delivery: channel \"{channel}\" circuit {} -> {}{}: {why}",
         before.state.as_str(),
-        after.state.as_str()
+        after.state.as_str(),
+        tenant.map_or(String::new(), |t| format!(" for tenant \"{t}\" alone"))
     );
     spi::run(
         client,
@@ -179,6 +186,9 @@ fn log_change(
 pub struct Gates {
     /// Most messages the claim may take per channel.
     pub caps: HashMap<i32, u32>,
+    /// Most messages the claim may take of one tenant's lane of a channel: (channel,
+    /// tenant, cap), for a circuit open for that tenant alone.
+    pub lane_caps: Vec<(i32, String, u32)>,
 }
 
 fn flow_options(o: &ChannelOptions) -> Option<(Option<RateLimit>, Option<CircuitOptions>)> {
@@ -219,7 +229,7 @@ pub fn gate(
                 .options
                 .as_ref()
                 .map_or(10_000, |o| o.timeout_ms as i64);
-            let g = circuit::gate(f.circuit, &o, f.now_ms, timeout + 5_000);
+            let g = circuit::gate(f.circuit.clone(), &o, f.now_ms, timeout + 5_000);
             log_change(
                 client,
                 &channel.name,
@@ -230,6 +240,9 @@ pub fn gate(
             )?;
             f.circuit = g.circuit;
             cap = cap.min(g.cap.unwrap_or(u32::MAX));
+            if let Some((tenant, lane_cap)) = g.lane_cap {
+                gates.lane_caps.push((*id, tenant, lane_cap));
+            }
         }
         if let Some(r) = rate {
             let (granted, bucket) = rate_limit::take(f.bucket, &r, f.now_ms, cap);
@@ -252,7 +265,15 @@ pub fn give_back(
 ) -> SpiResult<()> {
     for (id, cap) in &gates.caps {
         let claimed = jobs.iter().filter(|j| j.channel_id == *id).count() as u32;
-        if claimed >= *cap {
+        // A probe of one tenant's lane that found none of its messages.
+        let lane_probe_unused = gates.lane_caps.iter().any(|(lane, tenant, lane_cap)| {
+            lane == id
+                && *lane_cap > 0
+                && !jobs
+                    .iter()
+                    .any(|j| j.channel_id == *id && &j.tenant == tenant)
+        });
+        if claimed >= *cap && !lane_probe_unused {
             continue;
         }
         let Some((rate, _)) = channels.by_id[id]
@@ -265,9 +286,11 @@ pub fn give_back(
         };
         let mut f = lock(client, *id, 0.0)?;
         if let Some(r) = rate {
-            f.bucket = rate_limit::give_back(f.bucket, &r, cap - claimed);
+            f.bucket = rate_limit::give_back(f.bucket, &r, cap.saturating_sub(claimed));
         }
-        if f.circuit.state == circuit::State::HalfOpen && claimed == 0 {
+        if f.circuit.state == circuit::State::HalfOpen
+            && (claimed == 0 || (f.circuit.tenant.is_some() && lane_probe_unused))
+        {
             f.circuit.probe_until_ms = None;
         }
         store(client, *id, &f)?;
@@ -318,11 +341,14 @@ pub fn after_batch(
     outcomes: &Outcomes,
 ) -> SpiResult<()> {
     let seen = seen_by_message(outcomes);
-    let mut per_channel: HashMap<i32, Vec<&Seen>> = HashMap::new();
+    let mut per_channel: HashMap<i32, Vec<(&Seen, &str)>> = HashMap::new();
     for i in sent {
         let job = &jobs[*i];
         if let Some(s) = seen.get(&job.message_id) {
-            per_channel.entry(job.channel_id).or_default().push(s);
+            per_channel
+                .entry(job.channel_id)
+                .or_default()
+                .push((s, job.tenant.as_str()));
         }
     }
     let mut ids: Vec<i32> = per_channel.keys().copied().collect();
@@ -337,29 +363,38 @@ pub fn after_batch(
         let list = &per_channel[&id];
         let hold = list
             .iter()
-            .filter_map(|s| s.hold_ms)
+            .filter_map(|(s, _)| s.hold_ms)
             .max()
             .filter(|_| rate.is_some());
         if breaker.is_none() && hold.is_none() {
             continue;
         }
         let mut f = lock(client, id, rate.map_or(0.0, |r| r.capacity()))?;
-        let before = (f.circuit, f.hold_until_ms);
+        let before = (f.circuit.clone(), f.hold_until_ms);
         if let Some(ms) = hold {
             let until = f.now_ms.saturating_add(ms.min(i64::MAX as u64) as i64);
             f.hold_until_ms = Some(f.hold_until_ms.map_or(until, |t| t.max(until)));
         }
         if let Some(o) = breaker {
-            let failures: Vec<bool> = list.iter().map(|s| s.failed).collect();
-            let next = circuit::after(f.circuit, &o, &failures, f.now_ms);
+            let outcomes: Vec<circuit::Outcome<'_>> = list
+                .iter()
+                .map(|(s, tenant)| circuit::Outcome {
+                    failed: s.failed,
+                    tenant,
+                })
+                .collect();
+            let next = circuit::after(f.circuit.clone(), &o, &outcomes, f.now_ms);
             let why = match next.state {
+                circuit::State::Open if next.tenant.is_some() => {
+                    "consecutive transient or ambiguous outcomes, all of one tenant"
+                }
                 circuit::State::Open => "consecutive transient or ambiguous outcomes",
                 _ => "the provider answered",
             };
             log_change(client, &channel.name, &f.circuit, &next, &o, why)?;
             f.circuit = next;
         }
-        if (f.circuit, f.hold_until_ms) != before {
+        if (&f.circuit, f.hold_until_ms) != (&before.0, before.1) {
             store(client, id, &f)?;
         }
     }

@@ -15,6 +15,7 @@ pub mod due_channels;
 pub mod flight;
 pub mod flow;
 pub mod key_hold;
+pub mod lane_turns;
 pub mod lease;
 pub mod liveness;
 pub mod record;

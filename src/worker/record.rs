@@ -682,6 +682,7 @@ mod tests {
             ledger,
             position: None,
             fence: crate::channels::fence::Fence::open(),
+            turn: crate::worker::claim::Turn { lanes: 1, pick: 1 },
         }
     }
 

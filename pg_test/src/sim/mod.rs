@@ -432,6 +432,17 @@ impl Simulator {
         ch.rng = None;
     }
 
+    /// Sets the action for the sends whose key starts with `prefix` when the plan is
+    /// empty, in place of the channel's default (a provider that fails one tenant's
+    /// messages: a tenant's keys start with `<length>:<tenant>:`).
+    pub fn set_default_for_keys(&self, channel: &str, prefix: &str, action: Action) {
+        let mut st = self.shared.lock();
+        let ch = st.channel_mut(channel);
+        ch.by_key_prefix.retain(|(p, _)| p != prefix);
+        ch.by_key_prefix.push((prefix.to_string(), action));
+        ch.rng = None;
+    }
+
     /// Sets the default of every existing channel and of every channel created later
     /// (also what `reset` restores).
     pub fn set_default_all(&self, action: Action) {

@@ -119,6 +119,9 @@ pub(super) struct Channel {
     pub(super) name: String,
     pub(super) plan: VecDeque<Action>,
     pub(super) default: Action,
+    /// Actions for the sends whose key starts with a prefix, in place of `default` (the
+    /// plan still comes first): a provider that fails one tenant's messages alone.
+    pub(super) by_key_prefix: Vec<(String, Action)>,
     pub(super) lookup_plan: VecDeque<LookupAction>,
     /// Lowercased.
     pub(super) dedupe_header: Option<String>,
@@ -137,6 +140,7 @@ impl Channel {
             name: name.to_owned(),
             plan: VecDeque::new(),
             default,
+            by_key_prefix: Vec::new(),
             lookup_plan: VecDeque::new(),
             dedupe_header,
             rng: None,
@@ -149,10 +153,17 @@ impl Channel {
         }
     }
 
-    /// Takes the next action (plan first, then default) and resolves `Random`.
-    pub(super) fn next_step(&mut self) -> Step {
+    /// Takes the next action (plan first, then the action for the send's key prefix, then
+    /// default) and resolves `Random`.
+    pub(super) fn next_step(&mut self, key: Option<&str>) -> Step {
         let popped = self.plan.pop_front();
-        let action = popped.as_ref().unwrap_or(&self.default);
+        let for_key = key.and_then(|k| {
+            self.by_key_prefix
+                .iter()
+                .find(|(prefix, _)| k.starts_with(prefix.as_str()))
+                .map(|(_, a)| a)
+        });
+        let action = popped.as_ref().or(for_key).unwrap_or(&self.default);
         match action {
             Action::Accept => Step::Accept(None, 0),
             Action::AcceptAfter(d) => Step::Accept(Some(*d), 0),

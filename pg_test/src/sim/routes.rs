@@ -154,8 +154,8 @@ async fn handle_send(shared: &Shared, req: &Request<'_>, channel: &str, out: &mu
         let observer = st.observer.clone();
         let ch = st.channel_mut(channel);
         ch.sends += 1;
-        let step = ch.next_step();
         let (key, from_dedupe) = req.send_key(ch.dedupe_header.as_deref());
+        let step = ch.next_step(key.as_deref());
         if let Some(r) = draft.as_mut() {
             r.seq = seq;
             r.key = key.clone();

@@ -49,6 +49,7 @@ mod hostile_names;
 mod isolation;
 mod per_transaction;
 mod privileges;
+mod shared_channels;
 mod worker_role;
 
 /// How long a negative check ("the worker does nothing") watches.

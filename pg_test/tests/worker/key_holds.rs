@@ -161,7 +161,13 @@ fn a_message_held_with_nothing_before_it_is_released() {
     wait_message(&cluster, id, "delivered");
     assert_eq!(sim.send_count(&ch), 1);
 
-    // Only a message with an ordering key can be held.
+    // Only a message with an ordering key can be held. The channel is paused so that the
+    // message is still queued (not yet moved out as delivered) when the update is tried.
+    c.execute(
+        "SELECT outbox.pause_channel($1, 'holding a message by hand')",
+        &[&ch],
+    )
+    .unwrap();
     let plain = outbox_e2e::helpers::enqueue(&mut c, &ch, &unique("plain"));
     let e = c
         .execute(
@@ -170,6 +176,8 @@ fn a_message_held_with_nothing_before_it_is_released() {
         )
         .unwrap_err();
     assert_eq!(outbox_e2e::helpers::code_of(&e), "23514", "{e}");
+    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
+        .unwrap();
     wait_message(&cluster, plain, "delivered");
 }
 
