@@ -68,6 +68,8 @@ def total(costs, base, kind, a, n):
 
 def burst(rate_shard, a):
     """A tenant enqueues `burst` messages at once on a shard running at `rate_shard`."""
+    # Tenants sharing its channel take turns with it (src/worker/lane_turns.rs): they wait
+    # one turn, not the burst; `shared` is what the burst would add in due order.
     shared = a.burst / rate_shard
     # On channels of their own, the batch is shared evenly: the bursting channel gets one
     # share of `tenant_channels`, and each other channel keeps its share.
@@ -105,7 +107,8 @@ def main():
     rate_shard = min(shard.values())
     shared, alone, share = burst(rate_shard, a)
     print(f"burst of {a.burst:,.0f} messages by one tenant on a shard at {rate_shard:,.0f}/s:")
-    print(f"  tenants sharing its channel wait behind it: {shared:.1f} s added to each of their messages")
+    print(f"  tenants sharing its channel take turns with it: one turn added to each of their messages, "
+          f"not the {shared:.1f} s the burst takes")
     print(f"  tenants on channels of their own keep 1/{a.tenant_channels} of the shard each "
           f"({share:,.0f}/s); the burst drains in {alone:.1f} s if all {a.tenant_channels} channels stay busy")
     print("  other shards: unaffected while the bus has room (their rate is their own shard's)")

@@ -326,6 +326,7 @@ const THROWAWAY_CLUSTER_SCRIPTS: &[&str] = &[
     "bench_payload_compression.sh",
     "bench_prefixes.sh",
     "bench_record_statement.sh",
+    "bench_shared_channel.sh",
     "bench_sql_effects.sh",
     "bench_successive_drains.sh",
     "bench_write_paths.sh",

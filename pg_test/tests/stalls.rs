@@ -212,7 +212,7 @@ fn a_worker_stopped_between_its_claim_and_its_requests_sends_nothing_when_it_res
             Kind::Neither => &["uncertain"],
             _ => &["delivered"],
         };
-        let state = settled(&cluster, *id, expected);
+        let state = settled(cluster, *id, expected);
         let sent = key_sent(&mut c, *id);
         let n = sends_of(&sim, *kind, ch, &sent, key);
         rows.push(format!("{kind:?}: {state}, {n} send(s)"));
@@ -314,7 +314,7 @@ fn a_worker_stopped_with_its_answers_in_hand_loses_no_confirmation() {
         let ids = stalled_at(cluster, &sim, &mut c, point);
         let mut rows = Vec::new();
         for (kind, ch, key, id) in &ids {
-            let state = settled(&cluster, *id, &["delivered"]);
+            let state = settled(cluster, *id, &["delivered"]);
             let sent = key_sent(&mut c, *id);
             let n = sends_of(&sim, *kind, ch, &sent, key);
             rows.push(format!("{kind:?}: {state}, {n} send(s)"));
@@ -408,7 +408,7 @@ fn a_record_that_fails_is_tried_again_with_the_answers_in_hand() {
             ));
         }
     }
-    let _reset = ResetDatabase(&cluster, db.clone());
+    let _reset = ResetDatabase(cluster, db.clone());
     // The workers read the database's settings when they connect: restart them.
     let before = wait_for_workers(&cluster, &[]);
     c.batch_execute(
