@@ -151,11 +151,18 @@ fn log_change(
     options: &CircuitOptions,
     why: &str,
 ) -> SpiResult<()> {
-    if (before.state, &before.tenant) == (after.state, &after.tenant) {
+    // A closed circuit's tenant is only whose failures make its streak: not a change to log.
+    let held = |c: &Circuit| {
+        (
+            c.state,
+            c.tenant.as_ref().filter(|_| c.state != circuit::State::Closed),
+        )
+    };
+    if held(before) == held(after) {
         return Ok(());
     }
     // The tenant whose lane alone the circuit holds back (none: the whole channel).
-    let tenant = after.tenant.as_ref().or(before.tenant.as_ref());
+    let tenant = held(after).1.or(held(before).1);
     let detail = serde_json::json!({
         "from": before.state.as_str(), "to": after.state.as_str(),
         "open_after": options.open_after, "open_ms": options.open_ms,
