@@ -410,12 +410,12 @@ fn a_record_that_fails_is_tried_again_with_the_answers_in_hand() {
     }
     let _reset = ResetDatabase(cluster, db.clone());
     // The workers read the database's settings when they connect: restart them.
-    let before = wait_for_workers(&cluster, &[]);
+    let before = wait_for_workers(cluster, &[]);
     c.batch_execute(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE backend_type = 'outbox_delivery worker'",
     )
     .unwrap();
-    wait_for_workers(&cluster, &before);
+    wait_for_workers(cluster, &before);
 
     let ch = channel(&mut c, &sim, "record", Kind::Neither);
     sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(700)));
@@ -466,7 +466,7 @@ fn a_record_that_fails_is_tried_again_with_the_answers_in_hand() {
     std::thread::sleep(Duration::from_millis(500));
     tx.commit().unwrap();
     let state = settled(
-        &cluster,
+        cluster,
         id,
         &["delivered", "uncertain", "failed", "exhausted"],
     );
@@ -488,7 +488,7 @@ fn a_gateway_502_or_504_is_not_resent_blindly() {
         let neither = channel(&mut c, &sim, &format!("gw{status}"), Kind::Neither);
         sim.set_default(&neither, Action::Status(status));
         let id = enqueue(&mut c, &neither, &unique("stg"));
-        let state = settled(&cluster, id, &["uncertain", "exhausted", "failed"]);
+        let state = settled(cluster, id, &["uncertain", "exhausted", "failed"]);
         std::thread::sleep(Duration::from_millis(1500));
         assert_eq!(
             (state.as_str(), sim.send_count(&neither)),
@@ -498,7 +498,7 @@ fn a_gateway_502_or_504_is_not_resent_blindly() {
         let dedupe = channel(&mut c, &sim, &format!("gwd{status}"), Kind::Dedupe);
         sim.set_plan(&dedupe, vec![Action::Status(status)]);
         let id = enqueue(&mut c, &dedupe, &unique("stg"));
-        assert_eq!(settled(&cluster, id, &["delivered"]), "delivered");
+        assert_eq!(settled(cluster, id, &["delivered"]), "delivered");
         assert_eq!(
             sim.send_count(&dedupe),
             2,
@@ -531,7 +531,7 @@ fn a_claim_that_waited_for_a_lock_is_not_taken_back() {
         .unwrap();
     std::thread::sleep(LEASE + Duration::from_secs(2));
     tx.commit().unwrap();
-    let state = settled(&cluster, id, &["delivered", "uncertain"]);
+    let state = settled(cluster, id, &["delivered", "uncertain"]);
     let tries = attempts(&mut c, id);
     assert_eq!(state, "delivered");
     assert_eq!(sim.send_count(&ch), 1, "attempts: {tries:?}");
@@ -579,7 +579,7 @@ fn no_login_role_stops_delivery_with_advisory_locks() {
     let ids: Vec<i64> = (0..5)
         .map(|_| enqueue(&mut c, &ch, &unique("sth")))
         .collect();
-    let delivered = poll(&cluster, Duration::from_secs(10), |c| {
+    let delivered = poll(cluster, Duration::from_secs(10), |c| {
         let n = count(
             c,
             "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'delivered'",
@@ -665,7 +665,7 @@ fn random_stalls_of_the_workers_cause_no_blind_duplicate_and_lose_nothing() {
     }
     // Everything settles: nothing queued or in flight on the soak's channels any more.
     let channels: Vec<String> = lanes.iter().map(|(_, ch)| ch.clone()).collect();
-    let quiet = poll(&cluster, Duration::from_secs(120), |c| {
+    let quiet = poll(cluster, Duration::from_secs(120), |c| {
         let open = count(
             c,
             "SELECT count(*) FROM outbox.messages WHERE channel = ANY($1) AND state IN ('queued', 'sending')",
@@ -756,7 +756,7 @@ fn a_request_answered_while_its_worker_was_stopped_is_recorded_as_answered() {
         .collect();
     std::thread::sleep(Duration::from_secs(3));
     drop(resume);
-    let state = settled(&cluster, id, &["delivered", "uncertain"]);
+    let state = settled(cluster, id, &["delivered", "uncertain"]);
     let tries = attempts(&mut c, id);
     assert_eq!(state, "delivered", "attempts: {tries:?}");
     assert_eq!(

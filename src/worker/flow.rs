@@ -152,12 +152,14 @@ fn log_change(
     why: &str,
 ) -> SpiResult<()> {
     // A closed circuit's tenant is only whose failures make its streak: not a change to log.
-    let held = |c: &Circuit| {
+    fn held(c: &Circuit) -> (circuit::State, Option<&String>) {
         (
             c.state,
-            c.tenant.as_ref().filter(|_| c.state != circuit::State::Closed),
+            c.tenant
+                .as_ref()
+                .filter(|_| c.state != circuit::State::Closed),
         )
-    };
+    }
     if held(before) == held(after) {
         return Ok(());
     }
