@@ -20,7 +20,10 @@
 # OUTBOX_DB (outbox: one database, or a comma-separated list, each created with the
 # extension), OUTBOX_WORKERS (1), OUTBOX_EXTRA_CONF (extra postgresql.conf lines),
 # OUTBOX_PGBIN (the server's binaries: a private copy of PostgreSQL, see scripts/pg_prefix.sh),
-# OUTBOX_LOCALE (the cluster's locale at initdb, C.UTF-8; en_US.UTF-8 needs `locale-gen`).
+# OUTBOX_LOCALE (the cluster's locale at initdb, C.UTF-8; en_US.UTF-8 needs `locale-gen`),
+# OUTBOX_FAKETIME_FILE (tests only: the server runs under libfaketime, its wall clock offset
+# by what the file says, e.g. `+1h`, read again every second; its monotonic and boot
+# clocks stay the machine's).
 set -euo pipefail
 
 PGBIN=${OUTBOX_PGBIN:-/usr/lib/postgresql/15/bin}
@@ -50,6 +53,16 @@ psql_db() {
 }
 
 running() { [ -f "$PGDATA/postmaster.pid" ] && pg_ctl status >/dev/null 2>&1; }
+
+# Runs "$@" with the server's environment: under libfaketime when OUTBOX_FAKETIME_FILE is
+# set (see the settings above).
+server_env() {
+  if [ -z "${OUTBOX_FAKETIME_FILE:-}" ]; then "$@"; return; fi
+  local lib=/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1
+  [ -f "$lib" ] || { echo "[cluster] $lib is missing: bash scripts/setup.sh installs libfaketime" >&2; return 1; }
+  LD_PRELOAD=$lib FAKETIME_TIMESTAMP_FILE=$OUTBOX_FAKETIME_FILE FAKETIME_CACHE_DURATION=1 \
+    DONT_FAKE_MONOTONIC=1 "$@"
+}
 
 cmd_install() {
   (cd "$ROOT" && cargo pgrx install --release --pg-config "$PG_CONFIG" >/dev/null)
@@ -99,7 +112,7 @@ CONF
     # Where the block could not be reserved (not root), an outgoing connection that used
     # the port as its local port may still hold it, for a minute after it closes (TIME_WAIT).
     local deadline=$((SECONDS + 90)) from
-    while from=$(stat -c %s "$LOG"); ! pg_ctl -l "$LOG" -w -t 60 start >/dev/null 2>&1; do
+    while from=$(stat -c %s "$LOG"); ! server_env pg_ctl -l "$LOG" -w -t 60 start >/dev/null 2>&1; do
       if [ $SECONDS -ge $deadline ] || ! tail -c +"$((from + 1))" "$LOG" | grep -q 'Address already in use'; then
         echo "[cluster] the server did not start; the end of $LOG:" >&2
         tail -n 20 "$LOG" >&2

@@ -1380,3 +1380,6 @@ CREATE INDEX _messages_lane_idx ON outbox._messages (channel_id, tenant, next_at
     WHERE state = 'queued' AND NOT held_by_key;
 -- A circuit that one tenant's failures opened holds back that tenant's lane alone.
 ALTER TABLE outbox._channel_flow ADD COLUMN circuit_tenant text;
+-- The settle window of an uncertain message on the boot clock: a step of the wall clock
+-- never brings its first lookup forward.
+ALTER TABLE outbox._messages ADD COLUMN settle_boot_id uuid, ADD COLUMN settle_boot_ms bigint;

@@ -113,6 +113,13 @@ CREATE TABLE outbox._messages (
     -- when it stops being pending (outbox._release_key). Only ever a hint for the claim,
     -- which checks the order itself.
     held_by_key      boolean            NOT NULL DEFAULT false,
+    -- The end of the settle window of an `uncertain` message (the wait before its first
+    -- lookup) on the boot clock (CLOCK_BOOTTIME, ms) of the machine's boot
+    -- `settle_boot_id`: no lookup runs, and no not-found answer requeues it, before then,
+    -- whatever the wall clock does. On another boot (a restart, a failover, a move) the
+    -- wall clock alone decides (src/clock.rs).
+    settle_boot_id   uuid,
+    settle_boot_ms   bigint,
     CONSTRAINT message_effect_key_unique UNIQUE (tenant, effect_key),
     CONSTRAINT message_held_has_key CHECK (NOT held_by_key OR ordering_key IS NOT NULL)
 ) WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.05);

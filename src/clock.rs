@@ -29,6 +29,30 @@ pub fn boot_ms() -> i64 {
     ts.tv_sec.saturating_mul(1000) + ts.tv_nsec / 1_000_000
 }
 
+/// The machine's boot id (`/proc/sys/kernel/random/boot_id`), read once: a reading of the
+/// boot clock means something only on the boot it was taken in. `None` where it cannot be
+/// read; the wall clock alone then decides.
+pub fn boot_id() -> Option<&'static str> {
+    static BOOT_ID: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    BOOT_ID
+        .get_or_init(|| {
+            std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+                .ok()
+                .map(|s| s.trim().to_string())
+                .filter(|s| uuid_shaped(s))
+        })
+        .as_deref()
+}
+
+/// Whether `s` is a UUID in its hyphenated form (as `uuid` reads it).
+fn uuid_shaped(s: &str) -> bool {
+    s.len() == 36
+        && s.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_hexdigit(),
+        })
+}
+
 /// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01 00:00 UTC), from which a
 /// `timestamptz` counts its microseconds.
 const POSTGRES_EPOCH_UNIX_US: i64 = 946_684_800_000_000;
@@ -96,6 +120,17 @@ COMMENT ON FUNCTION outbox._epoch_us(timestamptz) IS
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_boot_id_is_read_as_a_uuid() {
+        assert!(uuid_shaped("0f4ad1e2-6a6d-4a58-9d1f-3c2b1a0e9f88"));
+        assert!(!uuid_shaped("0f4ad1e2-6a6d-4a58-9d1f-3c2b1a0e9f8"));
+        assert!(!uuid_shaped("0f4ad1e2x6a6d-4a58-9d1f-3c2b1a0e9f88"));
+        assert!(!uuid_shaped("0f4ad1e2-6a6d-4a58-9d1f-3c2b1a0e9fzz"));
+        if let Some(id) = boot_id() {
+            assert!(uuid_shaped(id), "{id}");
+        }
+    }
 
     /// Exact arithmetic on i128, as `extract(epoch FROM t)` (a numeric) computes it, rounded
     /// half away from zero as a numeric's cast to bigint rounds.

@@ -24,12 +24,18 @@ use pgrx::spi::{SpiClient, SpiResult};
 /// message, and records it as an attempt of kind `reconcile`. A message that is `sending`
 /// or already `delivered` is left alone. Returns the message's state afterwards (no row if
 /// it was left alone). `$2` is the answer (`not_found` or `unavailable`); `$7` is the
-/// default `retry.max_attempts`, for options changed by hand into no number.
+/// default `retry.max_attempts`, for options changed by hand into no number. A not-found
+/// answer requeues the message only once its settle window has passed on the wall clock
+/// and, when it was written on the boot clock of this boot (`$9`, the boot id; `$10`, the
+/// boot clock now), on that clock too: a step forward of the wall clock must not turn an
+/// answer that came too early into a resend.
 const RECORD_LOOKUP: &str = "
 WITH cur AS (
     SELECT m.id, m.state,
            (m.attempts::int8 - m.budget_base) >= coalesce(outbox._option_int(c.options, '{retry,max_attempts}'), $7) AS spent,
-           last_send.at + $6::int8 * interval '1 millisecond' AS settled_at
+           last_send.at + $6::int8 * interval '1 millisecond' AS settled_at,
+           (m.settle_boot_ms IS NULL OR m.settle_boot_id IS DISTINCT FROM $9::uuid
+            OR m.settle_boot_ms <= $10) AS settled_on_boot_clock
       FROM outbox._messages m
       LEFT JOIN outbox._channels c ON c.id = m.channel_id
       LEFT JOIN LATERAL (SELECT max(a.started_at) AS at FROM outbox._attempts a
@@ -38,7 +44,8 @@ WITH cur AS (
 ), verdict AS (
     -- A not-found answer is believed only once the last attempt has settled at the provider.
     SELECT cur.*, $2 = 'not_found' AND cur.state = 'uncertain'
-                  AND (cur.settled_at IS NULL OR cur.settled_at <= now()) AS requeue
+                  AND (cur.settled_at IS NULL OR cur.settled_at <= now())
+                  AND cur.settled_on_boot_clock AS requeue
       FROM cur
 ), m AS (
     UPDATE outbox._messages m
@@ -180,6 +187,8 @@ pub fn record_lookup(
             (options.reconcile_settle_ms().min(i64::MAX as u64) as i64).into(),
             (DEFAULT_MAX_ATTEMPTS as i32).into(),
             http_status.into(),
+            crate::clock::boot_id().map(str::to_string).into(),
+            crate::clock::boot_ms().into(),
         ],
     )?;
     if rows.is_empty() {

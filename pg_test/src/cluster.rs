@@ -270,6 +270,25 @@ impl OwnCluster {
         own
     }
 
+    /// As [`OwnCluster::fresh`], with more of `scripts/cluster.sh`'s settings (`env`, e.g.
+    /// `OUTBOX_FAKETIME_FILE`).
+    pub fn fresh_with(
+        base: PathBuf,
+        port: u16,
+        databases: &str,
+        workers: u32,
+        extra_conf: &str,
+        env: &[(&str, &str)],
+    ) -> Self {
+        let mut own = Self::new(base, port, databases, workers, extra_conf);
+        own.cluster
+            .env
+            .extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        own.script(&["destroy"]);
+        own.script(&["start"]);
+        own
+    }
+
     /// A streaming hot standby of `primary` (`pg_basebackup -R`), started, under `base` on
     /// `port`; `name` is its application_name (for `synchronous_standby_names`). Its
     /// settings are the primary's (the extension preloaded, the same databases and workers).

@@ -139,8 +139,8 @@ fn check_worker_statements() {
         (&crate::worker::record::LOCK_EFFECT_MESSAGES, "int8[]", "'{1,2,3}'"),
         (
             &crate::worker::record::RECORD_SETTLED,
-            "int8[], int4[], text[], int8[], text[], text[], int4[], int8[], text[], bool[], int8[], int4[]",
-            "'{1}', '{1}', '{queued}', '{0}', '{transient}', '{e}', '{500}', '{NULL}', '{transient}', '{f}', '{NULL}', '{NULL}'",
+            "int8[], int4[], text[], int8[], text[], text[], int4[], int8[], text[], bool[], int8[], int4[], int8[], text",
+            "'{1}', '{1}', '{queued}', '{0}', '{transient}', '{e}', '{500}', '{NULL}', '{transient}', '{f}', '{NULL}', '{NULL}', '{NULL}', NULL",
         ),
     ];
     for (statement, types, args) in statements {

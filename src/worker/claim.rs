@@ -717,7 +717,10 @@ pub fn next_due(client: &SpiClient<'_>) -> SpiResult<Option<NextDue>> {
 
 /// Due `uncertain` messages on channels that can reconcile: their next read-only lookup.
 /// The lookup is leased by pushing `next_attempt_at` past the lease, so that no other worker
-/// looks the same message up meanwhile.
+/// looks the same message up meanwhile. A message whose settle window was written on the
+/// boot clock of this boot (`$3`, the boot id; `$4`, the boot clock now) waits for it too,
+/// whatever the wall clock says: a step forward of the wall clock must not look it up
+/// before the provider has had the time to finish the request.
 static CLAIM_LOOKUPS: Statement = Statement::planned_each_run("
 WITH due AS (
     SELECT m.id
@@ -727,6 +730,8 @@ WITH due AS (
        AND outbox._can_look_up(c.options)
        AND NOT c.paused
        AND m.next_attempt_at <= now()
+       AND (m.settle_boot_ms IS NULL OR m.settle_boot_id IS DISTINCT FROM $3::uuid
+            OR m.settle_boot_ms <= $4)
      ORDER BY m.next_attempt_at
      LIMIT $1
        FOR UPDATE OF m SKIP LOCKED
@@ -756,7 +761,12 @@ pub fn claim_lookups(
         client,
         &CLAIM_LOOKUPS,
         None,
-        &[limit.into(), (lease_ms as f64).into()],
+        &[
+            limit.into(),
+            (lease_ms as f64).into(),
+            crate::clock::boot_id().map(str::to_string).into(),
+            crate::clock::boot_ms().into(),
+        ],
     )?;
     let mut out = Vec::with_capacity(rows.len());
     for row in rows {

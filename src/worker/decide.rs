@@ -56,6 +56,11 @@ pub struct Verdict {
     pub error: Option<String>,
     /// Short outcome for the attempt row: delivered, transient, permanent, ambiguous, ...
     pub outcome: String,
+    /// For `Uncertain` on a channel that can be asked: how long the provider may take to
+    /// finish the request (`reconcile.settle_ms`). Until then no lookup runs, and a lookup
+    /// that does not find the message is not believed; the record keeps that window on the
+    /// boot clock too (`_messages.settle_boot_ms`).
+    pub settle_ms: Option<u64>,
 }
 
 /// How a resend of a message on this channel would be guarded: by its key where the
@@ -207,6 +212,7 @@ fn not_started(error: &str) -> Verdict {
         external_id: None,
         error: Some(error.to_string()),
         outcome: "not sent".into(),
+        settle_ms: None,
     }
 }
 
@@ -230,6 +236,7 @@ pub fn after_transmission(
             external_id: None,
             error: Some(format!("not sent: {error}")),
             outcome: "permanent".into(),
+            settle_ms: None,
         },
         // Nothing was written, and resending to the same destination would be refused again
         // until an administrator changes outbox.allowed_hosts: permanent, whatever `classify`.
@@ -334,6 +341,7 @@ pub fn after_effect(
             external_id: external_id.clone(),
             error: None,
             outcome: "delivered".into(),
+            settle_ms: None,
         },
         EffectOutcome::Raised { sqlstate, message } => {
             let class = classify_sqlstate(sqlstate);
@@ -404,6 +412,7 @@ fn settle(
         external_id,
         error: Some(what),
         outcome: class.as_str().to_string(),
+        settle_ms: None,
     };
     let retry = |key_window_ms: Option<u64>, rng: &mut dyn FnMut() -> f64| {
         decide(
@@ -489,6 +498,7 @@ fn settle(
                 // processing the request whose answer never came.
                 let wait = options.retry.base_ms.max(options.reconcile_settle_ms());
                 v.next_at_ms = Some(ctx.now_ms.saturating_add(wait.min(i64::MAX as u64) as i64));
+                v.settle_ms = Some(options.reconcile_settle_ms());
                 note(&mut v, "no resend before a read-only reconcile".into());
             }
             None => {

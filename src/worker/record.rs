@@ -56,9 +56,10 @@ WITH o AS (
     SELECT o.*, coalesce(timestamptz 'epoch' + o.started_at_us * interval '1 microsecond', now()) AS started_at,
            coalesce(o.by_pid, pg_catalog.pg_backend_pid()) AS pid
       FROM unnest($1::int8[], $2::int4[], $3::text[], $4::int8[], $5::text[], $6::text[],
-                  $7::int4[], $8::int8[], $9::text[], $10::bool[], $11::int8[], $12::int4[])
+                  $7::int4[], $8::int8[], $9::text[], $10::bool[], $11::int8[], $12::int4[],
+                  $13::int8[])
         AS o(message_id, attempt, state, next_at_ms, error_class, error, http_status,
-             retry_after_ms, outcome, row_written, started_at_us, by_pid)
+             retry_after_ms, outcome, row_written, started_at_us, by_pid, settle_boot_ms)
 ), m AS (
     UPDATE outbox._messages m
        SET state = o.state::outbox.state,
@@ -73,6 +74,10 @@ WITH o AS (
            last_http_status = o.http_status,
            lease_until = NULL,
            lease_owner = NULL,
+           -- The settle window of an uncertain message on the boot clock of this boot
+           -- ($14, the machine's boot id): its first lookup waits for it.
+           settle_boot_id = CASE WHEN o.settle_boot_ms IS NOT NULL THEN $14::uuid END,
+           settle_boot_ms = o.settle_boot_ms,
            updated_at = now()
       FROM o
      WHERE m.id = o.message_id AND m.state::text = 'queued'
@@ -414,6 +419,19 @@ fn retry_after_ms(verdict: &Verdict) -> Option<i64> {
 }
 
 fn record_settled(client: &mut SpiClient<'_>, s: &[Settlement]) -> SpiResult<()> {
+    // The end of the settle window of each message left uncertain with a lookup ahead, on
+    // the boot clock (from now: a little after the request, never before): a step of the
+    // wall clock never brings that lookup forward.
+    let boot_now_ms = crate::clock::boot_ms();
+    let settle_boot_ms: Vec<Option<i64>> = s
+        .iter()
+        .map(|x| {
+            x.verdict
+                .settle_ms
+                .filter(|_| x.verdict.state == State::Uncertain)
+                .map(|ms| boot_now_ms.saturating_add(ms.min(i64::MAX as u64) as i64))
+        })
+        .collect();
     spi::run(
         client,
         &RECORD_SETTLED,
@@ -452,6 +470,8 @@ fn record_settled(client: &mut SpiClient<'_>, s: &[Settlement]) -> SpiResult<()>
             s.iter().map(|x| x.row_written).collect::<Vec<_>>().into(),
             s.iter().map(|x| x.started_at_us).collect::<Vec<_>>().into(),
             s.iter().map(|x| x.pid).collect::<Vec<_>>().into(),
+            settle_boot_ms.into(),
+            crate::clock::boot_id().map(str::to_string).into(),
         ],
     )?;
     Ok(())
@@ -696,6 +716,7 @@ mod tests {
             external_id: None,
             error: None,
             outcome: "delivered".into(),
+            settle_ms: None,
         }
     }
 

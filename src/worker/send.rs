@@ -155,6 +155,7 @@ fn already_recorded(recorded_by: i64, external_id: Option<String>) -> Verdict {
         external_id,
         error: None,
         outcome: format!("not sent: effect already in the ledger (message {recorded_by})"),
+        settle_ms: None,
     }
 }
 
@@ -169,5 +170,6 @@ pub fn unusable_channel(class: Class, state: State, error: String) -> Verdict {
         external_id: None,
         error: Some(error),
         outcome: class.as_str().to_string(),
+        settle_ms: None,
     }
 }
