@@ -165,6 +165,20 @@ SELECT 'circuit_open', c.name, 'critical',
  WHERE f.circuit_state IN ('open', 'half_open')
    AND jsonb_typeof(c.options -> 'circuit') = 'object'
 UNION ALL
+-- A channel paused for longer than outbox.alert_paused_s: its queue raises no queue_age alert
+-- while it is paused. value = seconds since it was paused.
+SELECT 'channel_paused', c.name, 'warning',
+       round(extract(epoch FROM pg_catalog.now() - c.paused_at), 3)::numeric,
+       outbox._setting('outbox.alert_paused_s', 3600)::numeric, c.paused_at
+  FROM outbox._channels c
+ WHERE c.paused
+   AND c.paused_at < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_paused_s', 3600))
+UNION ALL
+-- No delivery worker serves this database (it is not in outbox.database, or the library is
+-- not preloaded): whatever is enqueued here stays queued. value = 0.
+SELECT 'database_not_served', NULL, 'critical', 0::numeric, 0::numeric, NULL::timestamptz
+ WHERE NOT outbox._database_served()
+UNION ALL
 -- The ledger's retention has put off emptying a due generation for five minutes: a session
 -- holds its table (docs/runbook.md). value = seconds since the first time it was put off.
 SELECT 'ledger_retention_deferred', NULL, 'warning',
@@ -173,7 +187,7 @@ SELECT 'ledger_retention_deferred', NULL, 'warning',
   FROM outbox._ledger_generations g
  WHERE g.emptying_deferred_since < pg_catalog.now() - interval '5 minutes';
 COMMENT ON VIEW outbox.alerts IS
-    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can), a channel whose circuit is open, a generation of the ledger whose emptying has been put off for five minutes. since = when it began.';
+    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can), a channel whose circuit is open, a channel paused longer than outbox.alert_paused_s, a database no delivery worker serves, a generation of the ledger whose emptying has been put off for five minutes. since = when it began.';
 
 CREATE FUNCTION outbox._prom_label(v text) RETURNS text
 LANGUAGE sql IMMUTABLE
@@ -193,7 +207,10 @@ m AS (
     SELECT e.scope, CASE WHEN e.scope = 'total' THEN '*' ELSE e.channel END AS channel, e.queued,
            e.sending, e.uncertain, e.exhausted, e.failed, e.oldest_queued_age_s, e.delivered_total,
            e.attempts_failed_total, e.exhausted_total, e.failed_total, e.error_streak,
-           e.success_rate_5m
+           e.success_rate_5m,
+           CASE WHEN e.scope = 'total'
+                THEN (SELECT count(*) FROM every p WHERE p.scope = 'channel' AND p.paused)
+                ELSE e.paused::int END AS paused
       FROM every e
      WHERE e.scope = CASE WHEN (SELECT count(*) FROM every c WHERE c.scope = 'channel')
                                <= outbox._setting('outbox.metrics_channel_series', 1000)
@@ -210,7 +227,8 @@ families(ord, name, kind, help) AS (VALUES
     (8, 'outbox_success_rate_5m', 'gauge', 'Share of attempts in the last 5 minutes that delivered.'),
     (9, 'outbox_alert', 'gauge', 'Active alerts (1 per alert).'),
     (10, 'outbox_worker_up', 'gauge', 'Delivery workers running.'),
-    (11, 'outbox_queued', 'gauge', 'Queued messages of a channel (outbox_messages with state queued).')
+    (11, 'outbox_queued', 'gauge', 'Queued messages of a channel (outbox_messages with state queued).'),
+    (12, 'outbox_channel_paused', 'gauge', 'Whether a channel is paused (1) or not (0); for channel "*", how many are.')
 ),
 samples(ord, line) AS (
     SELECT 1, format('outbox_messages{channel="%s",state="%s"} %s', outbox._prom_label(m.channel), s.state, s.n)
@@ -238,6 +256,8 @@ samples(ord, line) AS (
     SELECT 10, format('outbox_worker_up %s', count(*)) FROM outbox.worker_status() w WHERE w.pid IS NOT NULL
     UNION ALL
     SELECT 11, format('outbox_queued{channel="%s"} %s', outbox._prom_label(m.channel), m.queued) FROM m
+    UNION ALL
+    SELECT 12, format('outbox_channel_paused{channel="%s"} %s', outbox._prom_label(m.channel), m.paused) FROM m
 )
 SELECT string_agg(x.line, E'\n' ORDER BY x.ord, x.sub, x.line) || E'\n'
   FROM (SELECT f.ord, 0 AS sub, format('# HELP %s %s', f.name, f.help) AS line FROM families f

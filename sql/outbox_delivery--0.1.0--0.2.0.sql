@@ -1383,3 +1383,156 @@ ALTER TABLE outbox._channel_flow ADD COLUMN circuit_tenant text;
 -- The settle window of an uncertain message on the boot clock: a step of the wall clock
 -- never brings its first lookup forward.
 ALTER TABLE outbox._messages ADD COLUMN settle_boot_id uuid, ADD COLUMN settle_boot_ms bigint;
+-- outbox.alerts raises database_not_served where no delivery worker serves the database,
+-- and channel_paused for a channel paused longer than outbox.alert_paused_s; /metrics shows
+-- outbox_channel_paused.
+CREATE FUNCTION outbox._database_served() RETURNS bool
+STABLE STRICT PARALLEL SAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', '_database_served_wrapper';
+REVOKE ALL ON FUNCTION outbox._database_served() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox._database_served() TO outbox_admin, pg_monitor;
+CREATE OR REPLACE VIEW outbox.alerts AS
+SELECT 'queue_age'::text AS alert,
+       m.channel,
+       CASE WHEN m.oldest_queued_age_s > 4 * outbox._setting('outbox.alert_queue_age_s', 300)
+            THEN 'critical' ELSE 'warning' END AS severity,
+       m.oldest_queued_age_s AS value,
+       outbox._setting('outbox.alert_queue_age_s', 300)::numeric AS threshold,
+       pg_catalog.now() - make_interval(secs => m.oldest_queued_age_s::double precision) AS since
+  FROM outbox.metrics m
+ WHERE m.scope = 'channel' AND NOT m.paused
+   AND m.oldest_queued_age_s > outbox._setting('outbox.alert_queue_age_s', 300)
+UNION ALL
+SELECT 'error_streak', c.name, 'warning', s.error_streak::numeric,
+       outbox._setting('outbox.alert_error_streak', 10)::numeric, s.error_streak_since
+  FROM outbox._channel_stats s
+  JOIN outbox._channels c ON c.id = s.channel_id
+ WHERE s.error_streak >= outbox._setting('outbox.alert_error_streak', 10)
+UNION ALL
+SELECT 'terminal_failures', c.name, 'critical', count(*)::numeric, 0::numeric, min(m.updated_at)
+  FROM outbox._messages m
+  JOIN outbox._channels c ON c.id = m.channel_id
+ WHERE m.state IN ('failed', 'exhausted') AND m.updated_at > pg_catalog.now() - interval '1 hour'
+ GROUP BY c.name
+UNION ALL
+SELECT 'uncertain', c.name, 'critical', count(*)::numeric,
+       outbox._setting('outbox.alert_uncertain_age_s', 300)::numeric, min(u.since)
+  FROM outbox._messages m
+  JOIN outbox._channels c ON c.id = m.channel_id
+  -- Uncertain since the send (or the recovery of a lost lease) that left it so: the
+  -- inconclusive lookups that follow change the row, not how long nobody has known.
+  CROSS JOIN LATERAL (
+      SELECT coalesce((SELECT coalesce(a.finished_at, a.started_at)
+                         FROM outbox._attempts a
+                        WHERE a.message_id = m.id AND a.kind IN ('send', 'recovery')
+                        ORDER BY a.id DESC LIMIT 1),
+                      m.updated_at) AS since) u
+ WHERE m.state = 'uncertain'
+   AND (NOT outbox._can_look_up(c.options)
+        OR u.since < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_uncertain_age_s', 300)))
+ GROUP BY c.name
+UNION ALL
+-- A channel whose circuit is open (or half open, probing): value = seconds in that state.
+SELECT 'circuit_open', c.name, 'critical',
+       round(extract(epoch FROM pg_catalog.now() - f.circuit_since), 3)::numeric, 0::numeric,
+       f.circuit_since
+  FROM outbox._channel_flow f
+  JOIN outbox._channels c ON c.id = f.channel_id
+ WHERE f.circuit_state IN ('open', 'half_open')
+   AND jsonb_typeof(c.options -> 'circuit') = 'object'
+UNION ALL
+-- A channel paused for longer than outbox.alert_paused_s: its queue raises no queue_age alert
+-- while it is paused. value = seconds since it was paused.
+SELECT 'channel_paused', c.name, 'warning',
+       round(extract(epoch FROM pg_catalog.now() - c.paused_at), 3)::numeric,
+       outbox._setting('outbox.alert_paused_s', 3600)::numeric, c.paused_at
+  FROM outbox._channels c
+ WHERE c.paused
+   AND c.paused_at < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_paused_s', 3600))
+UNION ALL
+-- No delivery worker serves this database (it is not in outbox.database, or the library is
+-- not preloaded): whatever is enqueued here stays queued. value = 0.
+SELECT 'database_not_served', NULL, 'critical', 0::numeric, 0::numeric, NULL::timestamptz
+ WHERE NOT outbox._database_served()
+UNION ALL
+-- The ledger's retention has put off emptying a due generation for five minutes: a session
+-- holds its table (docs/runbook.md). value = seconds since the first time it was put off.
+SELECT 'ledger_retention_deferred', NULL, 'warning',
+       round(extract(epoch FROM pg_catalog.now() - g.emptying_deferred_since), 3)::numeric,
+       300::numeric, g.emptying_deferred_since
+  FROM outbox._ledger_generations g
+ WHERE g.emptying_deferred_since < pg_catalog.now() - interval '5 minutes';
+COMMENT ON VIEW outbox.alerts IS
+    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can), a channel whose circuit is open, a channel paused longer than outbox.alert_paused_s, a database no delivery worker serves, a generation of the ledger whose emptying has been put off for five minutes. since = when it began.';
+
+CREATE OR REPLACE FUNCTION outbox.prometheus() RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+-- A series per channel while there are at most outbox.metrics_channel_series channels;
+-- above it, the total of every channel as channel "*".
+WITH every AS MATERIALIZED (SELECT * FROM outbox.metrics),
+m AS (
+    SELECT e.scope, CASE WHEN e.scope = 'total' THEN '*' ELSE e.channel END AS channel, e.queued,
+           e.sending, e.uncertain, e.exhausted, e.failed, e.oldest_queued_age_s, e.delivered_total,
+           e.attempts_failed_total, e.exhausted_total, e.failed_total, e.error_streak,
+           e.success_rate_5m,
+           CASE WHEN e.scope = 'total'
+                THEN (SELECT count(*) FROM every p WHERE p.scope = 'channel' AND p.paused)
+                ELSE e.paused::int END AS paused
+      FROM every e
+     WHERE e.scope = CASE WHEN (SELECT count(*) FROM every c WHERE c.scope = 'channel')
+                               <= outbox._setting('outbox.metrics_channel_series', 1000)
+                          THEN 'channel' ELSE 'total' END
+),
+families(ord, name, kind, help) AS (VALUES
+    (1, 'outbox_messages', 'gauge', 'Messages by channel and state.'),
+    (2, 'outbox_oldest_queued_age_seconds', 'gauge', 'How long the oldest due queued message of a channel has waited.'),
+    (3, 'outbox_delivered_total', 'counter', 'Messages confirmed delivered (by a 2xx or by reconcile).'),
+    (4, 'outbox_attempts_failed_total', 'counter', 'Attempts that did not deliver.'),
+    (5, 'outbox_exhausted_total', 'counter', 'Messages whose retry budget ran out.'),
+    (6, 'outbox_failed_total', 'counter', 'Messages that failed permanently.'),
+    (7, 'outbox_error_streak', 'gauge', 'Consecutive failed attempts on a channel.'),
+    (8, 'outbox_success_rate_5m', 'gauge', 'Share of attempts in the last 5 minutes that delivered.'),
+    (9, 'outbox_alert', 'gauge', 'Active alerts (1 per alert).'),
+    (10, 'outbox_worker_up', 'gauge', 'Delivery workers running.'),
+    (11, 'outbox_queued', 'gauge', 'Queued messages of a channel (outbox_messages with state queued).'),
+    (12, 'outbox_channel_paused', 'gauge', 'Whether a channel is paused (1) or not (0); for channel "*", how many are.')
+),
+samples(ord, line) AS (
+    SELECT 1, format('outbox_messages{channel="%s",state="%s"} %s', outbox._prom_label(m.channel), s.state, s.n)
+      FROM m CROSS JOIN LATERAL (VALUES ('queued', m.queued), ('sending', m.sending), ('uncertain', m.uncertain),
+                                        ('exhausted', m.exhausted), ('failed', m.failed)) AS s(state, n)
+    UNION ALL
+    SELECT 2, format('outbox_oldest_queued_age_seconds{channel="%s"} %s', outbox._prom_label(m.channel), coalesce(m.oldest_queued_age_s, 0)) FROM m
+    UNION ALL
+    SELECT 3, format('outbox_delivered_total{channel="%s"} %s', outbox._prom_label(m.channel), m.delivered_total) FROM m
+    UNION ALL
+    SELECT 4, format('outbox_attempts_failed_total{channel="%s"} %s', outbox._prom_label(m.channel), m.attempts_failed_total) FROM m
+    UNION ALL
+    SELECT 5, format('outbox_exhausted_total{channel="%s"} %s', outbox._prom_label(m.channel), m.exhausted_total) FROM m
+    UNION ALL
+    SELECT 6, format('outbox_failed_total{channel="%s"} %s', outbox._prom_label(m.channel), m.failed_total) FROM m
+    UNION ALL
+    SELECT 7, format('outbox_error_streak{channel="%s"} %s', outbox._prom_label(m.channel), m.error_streak) FROM m
+    UNION ALL
+    SELECT 8, format('outbox_success_rate_5m{channel="%s"} %s', outbox._prom_label(m.channel), m.success_rate_5m)
+      FROM m WHERE m.success_rate_5m IS NOT NULL
+    UNION ALL
+    SELECT 9, format('outbox_alert{alert="%s",channel="%s",severity="%s"} 1', a.alert, outbox._prom_label(a.channel), a.severity)
+      FROM outbox.alerts a
+    UNION ALL
+    SELECT 10, format('outbox_worker_up %s', count(*)) FROM outbox.worker_status() w WHERE w.pid IS NOT NULL
+    UNION ALL
+    SELECT 11, format('outbox_queued{channel="%s"} %s', outbox._prom_label(m.channel), m.queued) FROM m
+    UNION ALL
+    SELECT 12, format('outbox_channel_paused{channel="%s"} %s', outbox._prom_label(m.channel), m.paused) FROM m
+)
+SELECT string_agg(x.line, E'\n' ORDER BY x.ord, x.sub, x.line) || E'\n'
+  FROM (SELECT f.ord, 0 AS sub, format('# HELP %s %s', f.name, f.help) AS line FROM families f
+        UNION ALL
+        SELECT f.ord, 1, format('# TYPE %s %s', f.name, f.kind) FROM families f
+        UNION ALL
+        SELECT s.ord, 2, s.line FROM samples s) x
+$fn$;

@@ -70,7 +70,8 @@ GRANT SELECT ON outbox.channels, outbox._channels, outbox._tenant_bindings, outb
 GRANT EXECUTE ON FUNCTION
     outbox._setting(text, integer),
     outbox._state_counts(),
-    outbox._prom_label(text)
+    outbox._prom_label(text),
+    outbox._database_served()
     TO outbox_admin, pg_monitor;
 GRANT SELECT ON outbox.metrics, outbox.alerts TO pg_monitor;
 -- outbox.alerts asks whether a channel can look an uncertain message up.

@@ -87,6 +87,7 @@ static LEDGER_RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(30 * 24 * 36
 static ALERT_QUEUE_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 static ALERT_ERROR_STREAK: GucSetting<i32> = GucSetting::<i32>::new(10);
 static ALERT_UNCERTAIN_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
+static ALERT_PAUSED_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
 static METRICS_CHANNEL_SERIES: GucSetting<i32> = GucSetting::<i32>::new(1000);
 static FAULT_INJECTION: GucSetting<FaultPoint> = GucSetting::<FaultPoint>::new(FaultPoint::None);
 static WORKER_ROLE: GucSetting<Option<CString>> =
@@ -230,6 +231,16 @@ fn define_runtime_settings() {
         c"On channels that cannot reconcile every uncertain message is an alert at once.",
         &ALERT_UNCERTAIN_AGE_S,
         0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.alert_paused_s",
+        c"Alert when a channel has been paused longer than this many seconds.",
+        c"A paused channel raises no queue_age alert: its messages wait by design, until someone forgets to resume it.",
+        &ALERT_PAUSED_S,
+        1,
         i32::MAX,
         GucContext::Sighup,
         GucFlags::default(),

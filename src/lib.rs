@@ -64,7 +64,7 @@ extension_sql_file!(
 extension_sql_file!(
     "../sql/observability.sql",
     name = "observability",
-    requires = ["operator", worker_status]
+    requires = ["operator", worker_status, _database_served]
 );
 extension_sql_file!(
     "../sql/api.sql",

@@ -57,12 +57,32 @@ pub fn _wake_at_commit() {
     WAKE_PENDING.set(true);
 }
 
-/// Run at CREATE EXTENSION: warns when no worker can run.
+/// Run at CREATE EXTENSION: warns when no worker can run, or when the workers serve other
+/// databases than this one (its messages would stay queued, silently).
 #[pg_extern(volatile)]
 fn _check_preloaded() -> bool {
     let preloaded = slots::preloaded();
     if !preloaded {
         warn_not_preloaded_once();
+        return false;
     }
-    preloaded
+    let served = crate::worker::served_database::served_here();
+    if !served {
+        pg_sys::panic::ErrorReport::new(
+            PgSqlErrorCode::ERRCODE_WARNING,
+            "no delivery worker serves this database: its messages are stored but stay queued",
+            "outbox_delivery",
+        )
+        .set_detail(format!(
+            "outbox.database is \"{}\" and outbox.workers is {}.",
+            crate::gucs::database(),
+            crate::gucs::workers()
+        ))
+        .set_hint(
+            "Add this database to outbox.database (a comma-separated list) and restart the server; \
+             outbox.alerts shows database_not_served until then.",
+        )
+        .report(PgLogLevel::WARNING);
+    }
+    served
 }

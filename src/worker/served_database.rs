@@ -16,6 +16,31 @@ use pgrx::bgworkers::BackgroundWorker;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
+/// Whether delivery workers serve the connected database: the library is preloaded, it
+/// runs workers, and the database is in `outbox.database`. Messages of a database that is
+/// not served stay queued.
+pub fn served_here() -> bool {
+    if !slots::preloaded() || crate::gucs::workers() == 0 {
+        return false;
+    }
+    // SAFETY: a backend connected to a database; the name is palloc'd in the current context.
+    let name = unsafe {
+        let p = pg_sys::get_database_name(pg_sys::MyDatabaseId);
+        if p.is_null() {
+            return false;
+        }
+        std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+    };
+    crate::gucs::databases().contains(&name)
+}
+
+/// `outbox._database_served()`: [`served_here`], for `outbox.alerts`
+/// (`database_not_served`).
+#[pg_extern(stable, parallel_safe)]
+fn _database_served() -> bool {
+    served_here()
+}
+
 /// Does the extension exist in the connected database?
 pub fn extension_exists() -> bool {
     BackgroundWorker::transaction(|| unsafe {

@@ -322,3 +322,113 @@ fn uncertain_alert_at_once_without_reconcile_clears_on_resolve() {
     assert_eq!(by, "operator");
     assert_eq!(sim.send_count(&ch), 1, "resolve sends nothing");
 }
+
+/// A paused channel raises no queue_age alert (its messages wait by design), so a channel
+/// left paused is its own alert, `channel_paused`, after `outbox.alert_paused_s`; /metrics
+/// shows `outbox_channel_paused` 1 meanwhile. Resuming clears both.
+#[test]
+fn a_channel_left_paused_raises_channel_paused_and_the_gauge_shows_it() {
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    wait_for_workers(&cluster, &[]);
+    let _settings = SettingsGuard::new(&cluster, &["outbox.alert_paused_s"]);
+    let mut c = cluster.connect();
+    set_setting_seen(&mut c, "outbox.alert_paused_s", "1");
+    let sim = Simulator::start();
+    let ch = unique("obs_paused");
+    create_channel(&mut c, &ch, &sim.send_url(&ch), "{}");
+    let gauge = |c: &mut Client| {
+        let text = prometheus_text(c);
+        let e = parse(&text);
+        sample_value(&e, "outbox_channel_paused", &ch, &[])
+    };
+    assert_eq!(gauge(&mut c), 0.0, "not paused");
+    c.execute(
+        "SELECT outbox.pause_channel($1, 'provider maintenance')",
+        &[&ch],
+    )
+    .unwrap();
+    assert_eq!(gauge(&mut c), 1.0, "paused");
+    assert!(
+        !alerts_of(&mut c, &ch)
+            .iter()
+            .any(|a| a.alert == "channel_paused"),
+        "not before outbox.alert_paused_s"
+    );
+    wait_for_alert(&mut c, &ch, "channel_paused", Duration::from_secs(10));
+    let row = alerts_of(&mut c, &ch)
+        .into_iter()
+        .find(|a| a.alert == "channel_paused")
+        .unwrap();
+    assert_eq!(row.severity, "warning");
+    c.execute("SELECT outbox.resume_channel($1)", &[&ch])
+        .unwrap();
+    assert!(
+        !alerts_of(&mut c, &ch)
+            .iter()
+            .any(|a| a.alert == "channel_paused"),
+        "cleared by the resume"
+    );
+    assert_eq!(gauge(&mut c), 0.0, "resumed");
+}
+
+/// `CREATE EXTENSION` in a database that `outbox.database` does not list succeeds (the
+/// extension's tables are usable), but nothing enqueued there would ever be delivered: it
+/// says so with a WARNING naming the setting, and `outbox.alerts` raises
+/// `database_not_served` there, and not in a served database.
+#[test]
+fn create_extension_in_a_database_no_worker_serves_warns_and_raises_an_alert() {
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    let mut c = cluster.connect();
+    assert_eq!(
+        count(
+            &mut c,
+            "SELECT count(*) FROM outbox.alerts WHERE alert = 'database_not_served'",
+            &[]
+        ),
+        0,
+        "the served database raises none"
+    );
+    let db = unique("unserved");
+    c.batch_execute(&format!("CREATE DATABASE {db}")).unwrap();
+    struct DropDb<'a>(&'a mut Client, String);
+    impl Drop for DropDb<'_> {
+        fn drop(&mut self) {
+            let _ = self
+                .0
+                .batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.1));
+        }
+    }
+    let _drop = DropDb(&mut c, db.clone());
+    let notices = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = notices.clone();
+    let mut config: postgres::Config = cluster.conninfo_for(&db).parse().unwrap();
+    config.notice_callback(move |n| sink.lock().unwrap().push(n));
+    let mut other = config.connect(NoTls).unwrap();
+    other
+        .batch_execute("CREATE EXTENSION outbox_delivery CASCADE")
+        .unwrap();
+    let warned: Vec<String> = notices
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|n| n.severity() == "WARNING")
+        .map(|n| format!("{} | {:?} | {:?}", n.message(), n.detail(), n.hint()))
+        .collect();
+    assert!(
+        warned
+            .iter()
+            .any(|w| w.contains("no delivery worker serves this database")
+                && w.contains("outbox.database")),
+        "the warning: {warned:?}"
+    );
+    let raised: Vec<String> = other
+        .query("SELECT alert, severity FROM outbox.alerts", &[])
+        .unwrap()
+        .iter()
+        .map(|r| format!("{}/{}", r.get::<_, String>(0), r.get::<_, String>(1)))
+        .collect();
+    assert_eq!(raised, vec!["database_not_served/critical".to_string()]);
+    drop(other);
+}

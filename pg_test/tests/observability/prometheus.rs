@@ -7,7 +7,7 @@ use super::*;
 // 2. The Prometheus exposition, parsed
 // ---------------------------------------------------------------------------------------
 
-const FAMILIES: [(&str, PrometheusType); 11] = [
+const FAMILIES: [(&str, PrometheusType); 12] = [
     ("outbox_messages", PrometheusType::Gauge),
     ("outbox_oldest_queued_age_seconds", PrometheusType::Gauge),
     ("outbox_delivered_total", PrometheusType::Counter),
@@ -19,6 +19,7 @@ const FAMILIES: [(&str, PrometheusType); 11] = [
     ("outbox_alert", PrometheusType::Gauge),
     ("outbox_worker_up", PrometheusType::Gauge),
     ("outbox_queued", PrometheusType::Gauge),
+    ("outbox_channel_paused", PrometheusType::Gauge),
 ];
 
 /// Real traffic on a channel whose name holds a `"`, a `\` and a newline, then

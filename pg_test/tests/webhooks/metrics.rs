@@ -144,7 +144,58 @@ fn the_alert_rules_pass_promtool() {
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "promtool check rules: {text}");
-    assert!(text.contains("SUCCESS: 8 rules found"), "{text}");
+    assert!(text.contains("SUCCESS: 9 rules found"), "{text}");
+}
+
+/// A heading's anchor as GitHub makes it: lower case, spaces to hyphens, other punctuation
+/// dropped.
+fn anchor_of(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn every_alert_rule_links_to_a_runbook_section_that_exists() {
+    let rules = std::fs::read_to_string(repo().join("docs/prometheus-rules.yml")).unwrap();
+    let runbook = std::fs::read_to_string(repo().join("docs/runbook.md")).unwrap();
+    let anchors: Vec<String> = runbook
+        .lines()
+        .filter(|l| l.starts_with('#'))
+        .map(|l| anchor_of(l.trim_start_matches('#')))
+        .collect();
+    let mut alert = None;
+    let mut linked = 0;
+    for line in rules.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix("- alert: ") {
+            assert!(
+                alert.is_none(),
+                "{name}: the rule before it has no runbook_url"
+            );
+            alert = Some(name.to_string());
+        }
+        if let Some(url) = line.strip_prefix("runbook_url: ") {
+            let name = alert.take().expect("a runbook_url inside a rule");
+            let url = url.trim_matches('\'');
+            let anchor = url
+                .strip_prefix("docs/runbook.md#")
+                .unwrap_or_else(|| panic!("{name}: {url} is not a section of docs/runbook.md"));
+            assert!(
+                anchors.iter().any(|a| a == anchor),
+                "{name}: docs/runbook.md has no section #{anchor}"
+            );
+            linked += 1;
+        }
+    }
+    assert!(alert.is_none(), "{alert:?} has no runbook_url");
+    assert_eq!(linked, 9, "every rule links to the runbook");
 }
 
 #[test]
