@@ -14,7 +14,8 @@ PG_CONFIG=/usr/bin/pg_config
 # postgresql-15-pgq3: PgQ, the queue the delivery benchmark measures beside ours (scripts/bench_anchors.sh).
 # libfaketime: a wall clock the clock-step tests move under a server of their own
 # (OUTBOX_FAKETIME_FILE, scripts/cluster.sh; pg_test/tests/clock_steps.rs).
-APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-client-15 libclang-dev clang sudo pkg-config curl binutils pgbouncer nats-server openssl prometheus postgresql-15-pgq3 libfaketime)
+# lintian: the package test checks the Debian packages with it.
+APT_PACKAGES=(postgresql-15 postgresql-server-dev-15 postgresql-client-15 libclang-dev clang sudo pkg-config curl binutils pgbouncer nats-server openssl prometheus postgresql-15-pgq3 libfaketime lintian)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # The Python example's psycopg, pinned in its requirements.txt, installed beside it with pip
 # (--target: outside any environment Debian manages).

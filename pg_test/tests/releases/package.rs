@@ -99,6 +99,60 @@ impl Drop for DevInstallAside {
     }
 }
 
+/// What Debian's own extension packages have: lintian finds no error in the package or in
+/// its debug symbols' package; the library is stripped and its symbols are in the `-dbgsym`
+/// package under its build id; the copyright, the changelog and the operator's documents
+/// are in its documentation directory.
+fn check_hygiene(deb: &Path) {
+    let dbgsym = deb.with_file_name(deb.file_name().unwrap().to_string_lossy().replacen(
+        PACKAGE,
+        &format!("{PACKAGE}-dbgsym"),
+        1,
+    ));
+    assert!(dbgsym.exists(), "{} is missing", dbgsym.display());
+    let (ok, text) = run(Command::new("lintian")
+        .args(["--tag-display-limit", "0", "--fail-on", "error"])
+        .arg(deb)
+        .arg(&dbgsym));
+    assert!(ok, "lintian found errors:\n{text}");
+    eprintln!("lintian:\n{text}");
+
+    let (ok, listing) = run(Command::new("dpkg-deb").arg("--contents").arg(deb));
+    assert!(ok, "{listing}");
+    for file in [
+        "copyright",
+        "changelog.gz",
+        "runbook.md.gz",
+        "prometheus-rules.yml",
+        "README.md.gz",
+        "RELEASES.md.gz",
+    ] {
+        let path = format!("./usr/share/doc/{PACKAGE}/{file}");
+        assert!(listing.contains(&path), "{path} missing:\n{listing}");
+    }
+    let tree = current_package()
+        .tree
+        .join("usr/lib/postgresql/15/lib/outbox_delivery.so");
+    let (ok, sections) = run(Command::new("readelf").arg("-S").arg(&tree));
+    assert!(ok, "{sections}");
+    assert!(!sections.contains(".symtab"), "the library is stripped");
+    let (ok, notes) = run(Command::new("readelf").arg("-n").arg(&tree));
+    assert!(ok, "{notes}");
+    let build_id = notes
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Build ID: "))
+        .expect("a build id")
+        .to_string();
+    let (ok, listing) = run(Command::new("dpkg-deb").arg("--contents").arg(&dbgsym));
+    assert!(ok, "{listing}");
+    let debug = format!(
+        "./usr/lib/debug/.build-id/{}/{}.debug",
+        &build_id[..2],
+        &build_id[2..]
+    );
+    assert!(listing.contains(&debug), "{debug} missing:\n{listing}");
+}
+
 #[test]
 fn debian_package_installs_delivers_and_removes_cleanly() {
     let package = current_package();
@@ -116,6 +170,11 @@ fn debian_package_installs_delivers_and_removes_cleanly() {
     let (ok, info) = run(Command::new("dpkg-deb").args(["--info", &deb]));
     assert!(ok, "dpkg-deb --info: {info}");
     assert!(info.contains("Depends: postgresql-15, libc6"), "{info}");
+    assert!(
+        !info.contains("@localhost"),
+        "a maintainer with a real address: {info}"
+    );
+    check_hygiene(&package.deb);
 
     let _lock = system_pg_lock();
     let base =
