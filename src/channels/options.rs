@@ -374,6 +374,12 @@ impl ChannelOptions {
         {
             return Err(OptionError::new(*k, "is only used by channels of kind sql"));
         }
+        // Unset, the connect timeout is its default or the whole request's, whichever is
+        // shorter: a channel that only shortens timeout_ms must not fail on a setting it
+        // never wrote.
+        if obj.get("connect_timeout_ms").is_none_or(Value::is_null) {
+            o.connect_timeout_ms = o.connect_timeout_ms.min(o.timeout_ms);
+        }
         if o.connect_timeout_ms > o.timeout_ms {
             return Err(OptionError::new(
                 "connect_timeout_ms",
@@ -1133,6 +1139,13 @@ mod tests {
             err(json!({"connect_timeout_ms": 5000, "timeout_ms": 1000})).option,
             "connect_timeout_ms"
         );
+        // Unset, it follows a shorter timeout_ms instead of failing on its default.
+        for (timeout, connect) in [(1000, 1000), (2999, 2999), (3000, 3000), (60000, 3000)] {
+            let o = ChannelOptions::from_json(&json!({"timeout_ms": timeout})).unwrap();
+            assert_eq!(o.connect_timeout_ms, connect, "timeout_ms {timeout}");
+            let again = ChannelOptions::from_json(&o.to_json()).unwrap();
+            assert_eq!(again.connect_timeout_ms, connect, "stored and read again");
+        }
         assert_eq!(
             err(json!({"retry": {"base_ms": 0}})).option,
             "retry.base_ms"

@@ -482,10 +482,14 @@ fn settle(
                 }
                 Decision::Exhausted(e) => {
                     v.state = State::Uncertain;
-                    note(
-                        &mut v,
-                        format!("{e}; the provider may have it: reconcile or resolve by hand"),
-                    );
+                    // Only a channel that can look a message up offers a reconcile: on the
+                    // others outbox.reconcile answers not_supported.
+                    let next = if options.can_look_up() {
+                        "reconcile, or resolve by hand"
+                    } else {
+                        "ask the provider, then resolve by hand, or retry with the same key while the provider keeps it"
+                    };
+                    note(&mut v, format!("{e}; the provider may have it: {next}"));
                 }
                 Decision::KeyWindowClosed { window_ms } => {
                     v.state = State::Uncertain;
@@ -653,6 +657,20 @@ mod tests {
         let v = after_transmission(&dropped(), &o, ctx(1), &mut half());
         assert_eq!(v.state, State::Queued);
         assert_eq!(v.class, Some(Class::Ambiguous));
+    }
+
+    #[test]
+    fn an_ambiguous_outcome_past_its_budget_offers_a_reconcile_only_where_there_is_one() {
+        let keyed = json!({"idempotency_header": "Idempotency-Key", "retry": {"max_attempts": 2}});
+        let mut asked = keyed.clone();
+        asked["reconcile"] = json!({"url": "http://127.0.0.1:1/m/{effect_key}"});
+        for (options, offers) in [(keyed, false), (asked, true)] {
+            let v = after_transmission(&dropped(), &opts(options), ctx(2), &mut half());
+            assert_eq!(v.state, State::Uncertain);
+            let text = v.error.unwrap();
+            assert_eq!(text.contains("reconcile"), offers, "{text}");
+            assert!(text.contains("resolve by hand"), "{text}");
+        }
     }
 
     #[test]
