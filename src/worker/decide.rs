@@ -392,6 +392,25 @@ pub fn after_lost_lease(
     v
 }
 
+/// Appends `text` to the verdict's account of the attempt.
+fn note(v: &mut Verdict, text: String) {
+    if let Some(e) = v.error.as_mut() {
+        e.push_str("; ");
+        e.push_str(&text);
+    }
+}
+
+/// What an operator does with an ambiguous outcome on a deduping channel once its retries
+/// ran out. Only a channel that can look a message up offers a reconcile: on the others
+/// `outbox.reconcile` answers not_supported.
+fn after_ambiguity_past_budget(options: &ChannelOptions) -> &'static str {
+    if options.can_look_up() {
+        "reconcile, or resolve by hand"
+    } else {
+        "ask the provider, then resolve by hand, or retry with the same key while the provider keeps it"
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn settle(
     class: Class,
@@ -427,12 +446,6 @@ fn settle(
             },
             rng,
         )
-    };
-    let note = |v: &mut Verdict, text: String| {
-        if let Some(e) = v.error.as_mut() {
-            e.push_str("; ");
-            e.push_str(&text);
-        }
     };
     match class {
         Class::Delivered => {
@@ -482,13 +495,7 @@ fn settle(
                 }
                 Decision::Exhausted(e) => {
                     v.state = State::Uncertain;
-                    // Only a channel that can look a message up offers a reconcile: on the
-                    // others outbox.reconcile answers not_supported.
-                    let next = if options.can_look_up() {
-                        "reconcile, or resolve by hand"
-                    } else {
-                        "ask the provider, then resolve by hand, or retry with the same key while the provider keeps it"
-                    };
+                    let next = after_ambiguity_past_budget(options);
                     note(&mut v, format!("{e}; the provider may have it: {next}"));
                 }
                 Decision::KeyWindowClosed { window_ms } => {
