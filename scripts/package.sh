@@ -13,8 +13,8 @@
 # Its files come from `cargo pgrx package`: the shared library, the control file, the install
 # script of this version and every upgrade script in sql/; to them are added the frozen
 # install scripts of the released versions (sql/outbox_delivery--X.sql) and the README and
-# RELEASES.md, the runbook and the Prometheus rules, the copyright (Apache-2.0) and a Debian
-# changelog. Installing the package needs no Rust toolchain:
+# RELEASES.md, the runbook, the Prometheus rules and the Grafana dashboard, the copyright
+# (Apache-2.0) and a Debian changelog. Installing the package needs no Rust toolchain:
 #   apt-get install ./postgresql-15-outbox-delivery_<version>_amd64.deb
 # The staged tree (OUT/tree) is what the upgrade tests install into a private PostgreSQL.
 set -euo pipefail
@@ -62,10 +62,12 @@ fi
 DATE=$(git -C "$ROOT" log -1 --format=%cD 2>/dev/null || date -R)
 
 # The documentation an operator needs on the server, the copyright, and the changelog of a
-# native package (changelog.gz).
+# native package (changelog.gz). The Prometheus rules and the Grafana dashboard stay
+# uncompressed: they are loaded by Prometheus and imported into Grafana as they are.
 doc=$TREE/usr/share/doc/$NAME
 mkdir -p "$doc"
-cp "$ROOT/README.md" "$ROOT/RELEASES.md" "$ROOT/docs/runbook.md" "$ROOT/docs/prometheus-rules.yml" "$doc/"
+cp "$ROOT/README.md" "$ROOT/RELEASES.md" "$ROOT/docs/runbook.md" "$ROOT/docs/prometheus-rules.yml" \
+  "$ROOT/docs/grafana-dashboard.json" "$doc/"
 gzip -9n "$doc/README.md" "$doc/RELEASES.md" "$doc/runbook.md"
 cat >"$doc/copyright" <<COPYRIGHT
 Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/

@@ -88,6 +88,38 @@ fn json_string(s: &str) -> String {
     out
 }
 
+/// The whole of an error, as psql would show it: for an error the server sent, its severity,
+/// message and SQLSTATE, then its DETAIL, HINT and CONTEXT where it has them; for any other
+/// error (connecting, authentication, a closed connection), the error and each of its
+/// causes. (`Display` of a server error says only "db error".)
+fn describe(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        let mut text = format!(
+            "{}: {} (SQLSTATE {})",
+            db.severity(),
+            db.message(),
+            db.code().code()
+        );
+        for (label, field) in [
+            ("DETAIL", db.detail()),
+            ("HINT", db.hint()),
+            ("CONTEXT", db.where_()),
+        ] {
+            if let Some(value) = field {
+                text.push_str(&format!("\n{label}:  {value}"));
+            }
+        }
+        return text;
+    }
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        text.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    text
+}
+
 /// One try of a turn: its transaction, committed. Returns the message id.
 async fn try_turn(
     client: &mut Client,
@@ -135,7 +167,7 @@ async fn turn(client: &mut Client, args: &Args, request: &str) -> Result<(i64, u
             Err(e) if e.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE) => {
                 tokio::time::sleep(backoff(attempt)).await;
             }
-            Err(e) => return Err(format!("request {request}: {e}")),
+            Err(e) => return Err(format!("request {request}: {}", describe(&e))),
         }
     }
     Err(format!(
@@ -156,8 +188,15 @@ fn backoff(attempt: u32) -> Duration {
 async fn client(args: std::sync::Arc<Args>, n: usize) -> Result<(Vec<(String, i64)>, u32), String> {
     let (mut c, connection) = tokio_postgres::connect(&args.dsn, NoTls)
         .await
-        .map_err(|e| format!("connect: {e}"))?;
-    tokio::spawn(connection);
+        .map_err(|e| format!("connect: {}", describe(&e)))?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            eprintln!(
+                "shop_turns: client {n}: the connection failed: {}",
+                describe(&e)
+            );
+        }
+    });
     let mut ids = Vec::new();
     let mut retries = 0;
     for t in 0..args.turns {

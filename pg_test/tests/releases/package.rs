@@ -124,6 +124,7 @@ fn check_hygiene(deb: &Path) {
         "changelog.gz",
         "runbook.md.gz",
         "prometheus-rules.yml",
+        "grafana-dashboard.json",
         "README.md.gz",
         "RELEASES.md.gz",
     ] {

@@ -12,7 +12,8 @@
 //! 4. `rate_limit`: 600 messages at 100/s over two workers; a channel-wide Retry-After.
 //! 5. `/metrics`: `outbox.metrics_address` scraped by a real Prometheus; one scrape of a
 //!    server serving four databases (two served, one without the extension, one dropped);
-//!    the alert rules checked by promtool.
+//!    the alert rules checked by promtool; every expression of the Grafana dashboard
+//!    (docs/grafana-dashboard.json) evaluated by Prometheus, with data.
 //!
 //! Run: `cargo test -p outbox_e2e --release --test webhooks -- --test-threads=1`.
 

@@ -3,9 +3,14 @@
 //! whose HTTP API then answers for `outbox_queued` and a counter rate; the alert rules of
 //! `docs/prometheus-rules.yml` pass `promtool check rules`. A server serving several
 //! databases answers one scrape with every database's figures, and says which are missing.
+//! Every PromQL expression of `docs/grafana-dashboard.json` is evaluated by a real Prometheus
+//! scraping a served cluster, and answers with data.
 
-use outbox_e2e::cluster::{unique, wait_until, Cluster, OwnCluster};
-use outbox_e2e::helpers::{cluster_and_sim, count, create_channel, enqueue};
+use outbox_e2e::cluster::{env_port, unique, wait_until, Cluster, OwnCluster};
+use outbox_e2e::helpers::{cluster_and_sim, count, create_channel, enqueue, wait_for_count};
+use outbox_e2e::sim::Simulator;
+use serde_json::Value;
+use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
@@ -37,6 +42,27 @@ fn get(port: u16, path: &str) -> std::io::Result<(u16, String)> {
         s,
         "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
     )?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// `GET http://127.0.0.1:port{path}` in HTTP/1.0: status and body. Prometheus's API answers
+/// an HTTP/1.1 request with a body over 2 kB in chunks, which this reader would not join;
+/// an HTTP/1.0 answer is never chunked.
+fn get_http10(port: u16, path: &str) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
     let mut text = String::new();
     s.read_to_string(&mut text)?;
     let status = text
@@ -109,8 +135,9 @@ impl Prometheus {
         Prometheus { child, port, dir }
     }
 
-    /// The result vector of an instant query.
-    fn query(&self, q: &str) -> Vec<serde_json::Value> {
+    /// The whole answer of the instant query `q` (`/api/v1/query`): `status` is "success"
+    /// or "error" (with `error`), `data.result` the result; null when no JSON came.
+    fn answer(&self, q: &str) -> serde_json::Value {
         let encoded: String = q
             .bytes()
             .map(|b| match b {
@@ -118,10 +145,18 @@ impl Prometheus {
                 _ => format!("%{b:02X}"),
             })
             .collect();
-        let Ok((200, body)) = get(self.port, &format!("/api/v1/query?query={encoded}")) else {
+        get_http10(self.port, &format!("/api/v1/query?query={encoded}"))
+            .ok()
+            .and_then(|(_, body)| serde_json::from_str(&body).ok())
+            .unwrap_or_default()
+    }
+
+    /// The result vector of an instant query.
+    fn query(&self, q: &str) -> Vec<serde_json::Value> {
+        let v = self.answer(q);
+        if v["status"] != "success" {
             return Vec::new();
-        };
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        }
         v["data"]["result"].as_array().cloned().unwrap_or_default()
     }
 }
@@ -394,4 +429,263 @@ fn one_scrape_holds_every_database_served() {
         })
         .unwrap_or(0);
     assert_eq!(leftovers, 0, "answer files left in pg_stat_tmp");
+}
+
+/// A dashboard's template variables as Prometheus would see them with every value chosen:
+/// `$database` and `$channel` (regular-expression matchers) match anything, and the interval
+/// variables are one minute (Prometheus scrapes every second here).
+fn substitute(expr: &str) -> String {
+    let mut text = expr.to_string();
+    for (variable, value) in [
+        ("${database}", ".*"),
+        ("${channel}", ".*"),
+        ("$database", ".*"),
+        ("$channel", ".*"),
+        ("$__rate_interval", "1m"),
+        ("$__interval", "1m"),
+        ("$__range", "1m"),
+    ] {
+        text = text.replace(variable, value);
+    }
+    text
+}
+
+/// Every panel target of a Grafana dashboard, rows' nested panels included: (panel title,
+/// refId, expr). Each reads the data source the dashboard's `datasource` variable chooses.
+fn dashboard_targets(dashboard: &Value) -> Vec<(String, String, String)> {
+    fn walk(panels: &Value, out: &mut Vec<(String, String, String)>) {
+        for panel in panels.as_array().into_iter().flatten() {
+            let title = panel["title"].as_str().unwrap_or("?").to_string();
+            for target in panel["targets"].as_array().into_iter().flatten() {
+                let expr = target["expr"]
+                    .as_str()
+                    .unwrap_or_else(|| panic!("panel {title:?}: a target without expr"));
+                let ref_id = target["refId"].as_str().unwrap_or("?").to_string();
+                assert_eq!(
+                    target["datasource"]["uid"], "${datasource}",
+                    "panel {title:?} {ref_id}: the data source is the variable's"
+                );
+                out.push((title.clone(), ref_id, expr.to_string()));
+            }
+            walk(&panel["panels"], out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dashboard["panels"], &mut out);
+    out
+}
+
+/// The metric families a scrape describes (its `# TYPE` lines).
+fn families(scrape: &str) -> BTreeSet<String> {
+    scrape
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+        .map(str::to_string)
+        .collect()
+}
+
+/// The extension's metric names an expression reads (`outbox_…`).
+fn outbox_names(expr: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    let bytes = expr.as_bytes();
+    let mut i = 0;
+    while let Some(at) = expr[i..].find("outbox_") {
+        let start = i + at;
+        let mut end = start;
+        while end < bytes.len() && (bytes[end].is_ascii_alphanumeric() || bytes[end] == b'_') {
+            end += 1;
+        }
+        let preceded =
+            start > 0 && (bytes[start - 1].is_ascii_alphanumeric() || bytes[start - 1] == b'_');
+        if !preceded {
+            names.insert(expr[start..end].to_string());
+        }
+        i = end;
+    }
+    names
+}
+
+/// docs/grafana-dashboard.json against a real Prometheus: a served cluster of the test's own
+/// (one channel delivering, one paused with a message queued, `outbox.alert_paused_s` = 1 so
+/// that the paused channel raises `channel_paused`), scraped every second by Prometheus with
+/// the rules of docs/prometheus-rules.yml loaded. Every panel's expression, its template
+/// variables substituted, answers `/api/v1/query` with status success and a non-empty
+/// result; every `outbox_…` name it reads is a family of the scrape; every template
+/// variable's `label_values` selector finds its label.
+#[test]
+fn every_expression_of_the_grafana_dashboard_answers_with_data() {
+    let base =
+        std::env::var("OUTBOX_DASHBOARD_BASE").unwrap_or_else(|_| "/tmp/outbox_dashboard".into());
+    let pg_port = env_port("OUTBOX_DASHBOARD_PGPORT", 54893);
+    let metrics_port = env_port("OUTBOX_DASHBOARD_METRICS_PORT", 54894);
+    let prometheus_port = env_port("OUTBOX_DASHBOARD_PROMETHEUS_PORT", 54895);
+    let cluster = OwnCluster::fresh(
+        PathBuf::from(base),
+        pg_port,
+        "outbox",
+        1,
+        &format!("outbox.metrics_address = '127.0.0.1:{metrics_port}'\noutbox.alert_paused_s = 1"),
+    );
+    let sim = Simulator::start();
+    let mut c = cluster.connect();
+    create_channel(&mut c, "dash_sent", &sim.send_url("dash_sent"), "{}");
+    create_channel(&mut c, "dash_paused", &sim.send_url("dash_paused"), "{}");
+    c.execute(
+        "SELECT outbox.pause_channel('dash_paused', 'dashboard test: one message left queued')",
+        &[],
+    )
+    .unwrap();
+    enqueue(&mut c, "dash_paused", "dash-paused-0");
+    for i in 0..5 {
+        enqueue(&mut c, "dash_sent", &format!("dash-sent-{i}"));
+    }
+    assert!(
+        wait_for_count(
+            &cluster,
+            Duration::from_secs(30),
+            "SELECT count(*) FROM outbox.messages WHERE channel = 'dash_sent' AND state = 'delivered'",
+            &[],
+            |n| n == 5
+        ),
+        "the 5 messages of dash_sent are delivered"
+    );
+
+    let prometheus = Prometheus::start(prometheus_port, &format!("127.0.0.1:{metrics_port}"));
+    // More deliveries while Prometheus scrapes, so that the rates have something to count.
+    for i in 5..10 {
+        enqueue(&mut c, "dash_sent", &format!("dash-sent-{i}"));
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // Scraped a few times (a rate over a minute needs two samples), and the paused channel's
+    // alert has reached Prometheus's own ALERTS through the rules.
+    let scraped = "count_over_time(outbox_metrics_database_up{database=\"outbox\"}[1m])";
+    assert!(
+        wait_until(Duration::from_secs(60), || prometheus
+            .query(scraped)
+            .first()
+            .and_then(|r| r["value"][1].as_str().and_then(|v| v.parse::<f64>().ok()))
+            .is_some_and(|n| n >= 5.0)),
+        "Prometheus scraped /metrics 5 times: {:?}",
+        prometheus.answer(scraped)
+    );
+    let firing =
+        "ALERTS{alertname=\"OutboxChannelPaused\",alertstate=\"firing\",channel=\"dash_paused\"}";
+    assert!(
+        wait_until(Duration::from_secs(30), || !prometheus
+            .query(firing)
+            .is_empty()),
+        "the rule OutboxChannelPaused fires for dash_paused: {:?}",
+        prometheus.answer(firing)
+    );
+
+    let path = repo().join("docs/grafana-dashboard.json");
+    let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap())
+        .unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()));
+    assert!(
+        dashboard["schemaVersion"].as_u64().is_some_and(|v| v >= 36),
+        "schemaVersion: {}",
+        dashboard["schemaVersion"]
+    );
+    let scrape = get(metrics_port, "/metrics")
+        .map(|r| r.1)
+        .unwrap_or_default();
+    let exposed = families(&scrape);
+    assert!(exposed.contains("outbox_queued"), "the scrape:\n{scrape}");
+
+    let mut failures = Vec::new();
+    // The template variables: `label_values(selector, label)` finds the label.
+    let variables = dashboard["templating"]["list"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let mut names: Vec<&str> = variables
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["channel", "database", "datasource"],
+        "template variables"
+    );
+    for variable in variables.iter().filter(|v| v["type"] == "query") {
+        let name = variable["name"].as_str().unwrap_or("?");
+        let definition = variable["definition"].as_str().unwrap_or_default();
+        let Some((selector, label)) = definition
+            .strip_prefix("label_values(")
+            .and_then(|d| d.strip_suffix(')'))
+            .and_then(|d| d.rsplit_once(','))
+        else {
+            failures.push(format!(
+                "variable {name}: {definition:?} is not label_values(selector, label)"
+            ));
+            continue;
+        };
+        let (selector, label) = (substitute(selector.trim()), label.trim().to_string());
+        for metric in outbox_names(&selector) {
+            if !exposed.contains(&metric) {
+                failures.push(format!(
+                    "variable {name}: {metric} is not a family of /metrics"
+                ));
+            }
+        }
+        let found = prometheus
+            .query(&selector)
+            .iter()
+            .any(|r| r["metric"][&label].is_string());
+        if !found {
+            failures.push(format!(
+                "variable {name}: {selector} has no series with label {label}: {}",
+                prometheus.answer(&selector)
+            ));
+        }
+    }
+
+    let targets = dashboard_targets(&dashboard);
+    assert!(targets.len() >= 20, "the panels' targets: {targets:?}");
+    for (title, ref_id, expr) in &targets {
+        let query = substitute(expr);
+        assert!(
+            !query.contains('$'),
+            "panel {title:?} {ref_id}: a variable left in {query}"
+        );
+        for metric in outbox_names(&query) {
+            if !exposed.contains(&metric) {
+                failures.push(format!(
+                    "panel {title:?} {ref_id}: {metric} is not a family of /metrics"
+                ));
+            }
+        }
+        // Prometheus scrapes on meanwhile: a few seconds for a series that is about to appear.
+        let mut last = Value::Null;
+        let answered = wait_until(Duration::from_secs(10), || {
+            last = prometheus.answer(&query);
+            last["status"] == "success"
+                && last["data"]["result"]
+                    .as_array()
+                    .is_some_and(|r| !r.is_empty())
+        });
+        if !answered {
+            failures.push(format!(
+                "panel {title:?} {ref_id}: {query}\n  answered {last}"
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "docs/grafana-dashboard.json: {} failures ({} expressions checked):\n{}",
+        failures.len(),
+        targets.len(),
+        failures.join("\n")
+    );
+    eprintln!(
+        "{} expressions of {} panels answered with data",
+        targets.len(),
+        targets
+            .iter()
+            .map(|t| t.0.as_str())
+            .collect::<BTreeSet<_>>()
+            .len()
+    );
 }
