@@ -438,6 +438,14 @@ pub struct Job {
     pub turn: Turn,
 }
 
+impl Job {
+    /// Drops the payload and headers of a job whose outcome is recorded.
+    pub fn release_payload(&mut self) {
+        self.payload = String::new();
+        self.headers = None;
+    }
+}
+
 /// A claimed message's place among the tenants of its channel: how many lanes the channel
 /// had in the claim, and its place in the channel's order of turns (from 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

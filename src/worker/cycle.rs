@@ -3,7 +3,8 @@
 //! `sql` effects and record every outcome that arrived (one transaction). A sweep for lost
 //! leases and due lookups (at most every 250 ms, see `sweep`; one transaction, then the
 //! lookups) runs beside the sends of a busy worker's claim, and after the record of a
-//! worker that was idle. Up to [`flight::FLIGHTS`] batches are under way at once (`flight`).
+//! worker that was idle. Up to [`flight::FLIGHTS`] batches are under way at once, and beside
+//! them batches whose last sends linger at a slow provider (`flight`).
 
 use super::claim::{self, Channels, ClaimMemory, Job, LookupJob, NextDue};
 use super::decide;
@@ -99,6 +100,15 @@ impl Flight {
             + self.known.delivered.len()
             + self.known.settled.len()
             + self.effects.len()
+    }
+
+    /// Its sends still running once it has been under way for `flight::LINGER_AFTER`.
+    fn lingering(&self, now: Instant) -> usize {
+        if now.saturating_duration_since(self.claimed_at) >= flight::LINGER_AFTER {
+            self.sends.running()
+        } else {
+            0
+        }
     }
 
     /// Nothing is left to send or to record.
@@ -254,6 +264,15 @@ impl Worker {
         self.flights.iter().map(Flight::outstanding).sum()
     }
 
+    /// What the worker has under way now, for the rule of when it may claim.
+    fn load(&self, now: Instant) -> flight::Load {
+        flight::Load {
+            outstanding: self.outstanding(),
+            lingering: self.flights.iter().map(|f| f.lingering(now)).sum(),
+            flights: self.flights.len(),
+        }
+    }
+
     /// One cycle: claim when there is room for a batch and more may be due, wait for what
     /// the batches under way come to and record it (`flight`), and sweep when a sweep is
     /// due (`sweep`): beside the sends of a busy worker's claim, after the record of an
@@ -269,7 +288,7 @@ impl Worker {
         }
         // With no batch under way the worker was idle until now: it claims.
         let idle = self.flights.is_empty();
-        if (self.claim_wanted || idle) && flight::may_claim(self.outstanding(), batch_size) {
+        if (self.claim_wanted || idle) && flight::may_claim(self.load(Instant::now()), batch_size) {
             next_due = self.claim_and_send(batch_size, fault);
             // With batches under way, the claim after one that took all it could comes
             // when an idle worker's would: at the next due time, within the poll interval.
@@ -396,7 +415,7 @@ impl Worker {
                 now.saturating_duration_since(f.claimed_at)
             });
             if self.claim_wanted
-                && flight::may_claim_beside(self.outstanding(), batch_size, woken, last_claim_age)
+                && flight::may_claim_beside(self.load(now), batch_size, woken, last_claim_age)
             {
                 return false;
             }
@@ -462,6 +481,14 @@ impl Worker {
         }
         slots::update(self.index, |s| s.phase = slots::Phase::Recording);
         self.record(&mut landings, fault);
+        // What is recorded needs its payload no more: a flight kept for its lingering sends
+        // holds the payloads of those alone.
+        for l in &landings {
+            let jobs = &mut self.flights[l.flight].jobs;
+            for &i in &l.sent {
+                jobs[i].release_payload();
+            }
+        }
         slots::wake_starved_peers(self.index);
         let unsent: Vec<i64> = landings
             .iter()

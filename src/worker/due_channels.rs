@@ -38,15 +38,17 @@ pub(crate) static DUE_CHANNELS: Statement = Statement::planned_once(
 WITH RECURSIVE cursors AS (
     -- The cursors and the counts of attempts in flight, by channel, as arrays in the order
     -- of the channels: a binary search (width_bucket) finds a channel's, however many
-    -- channels have one; a join against a set of them read the set once a channel.
-    SELECT coalesce(array_agg(f.channel_id ORDER BY f.channel_id), '{}') AS channel_ids,
+    -- channels have one; a join against a set of them read the set once a channel. The
+    -- ids are int8, the type of the walk's: an int4[] was cast whole to int8[] at every
+    -- search, a cost of every channel in flight at every step of the walk (BENCHMARKS.md).
+    SELECT coalesce(array_agg(f.channel_id::int8 ORDER BY f.channel_id), '{}') AS channel_ids,
            coalesce(array_agg(f.due_at_us ORDER BY f.channel_id), '{}') AS due_at_us,
            coalesce(array_agg(f.id ORDER BY f.channel_id), '{}') AS ids
       FROM unnest($3::int4[], $4::int8[], $5::int8[]) AS f(channel_id, due_at_us, id)
 ), flying AS MATERIALIZED (
     SELECT w.channel_id, pg_catalog.unnest(w.message_ids) AS id FROM outbox._claims w
 ), in_flight AS (
-    SELECT coalesce(array_agg(n.channel_id ORDER BY n.channel_id), '{}') AS channel_ids,
+    SELECT coalesce(array_agg(n.channel_id::int8 ORDER BY n.channel_id), '{}') AS channel_ids,
            coalesce(array_agg(n.n ORDER BY n.channel_id), '{}') AS counts
       FROM (SELECT flying.channel_id, count(*) AS n FROM flying GROUP BY flying.channel_id) n
 ), walk(channel_id) AS (

@@ -4,6 +4,13 @@
 //! arrives, not when the slowest request of the batch ends: a provider that hangs holds
 //! back its own messages only, never another channel's records or claims.
 //!
+//! Nor its claims: once a batch has been under way for [`LINGER_AFTER`], the sends it still
+//! runs linger and no longer count against the two batches. With one endpoint in ten
+//! answering after a second, the worker would otherwise hold two batches' worth of those
+//! requests and claim nothing for the endpoints that answer in milliseconds. Lingering
+//! sends have a bound of their own ([`LINGERING_BATCHES`], [`MOST_FLIGHTS`]), so a worker's
+//! sockets and the jobs it holds stay bounded whatever its providers do.
+//!
 //! This module holds the rules (when to claim, when to record) and the bookkeeping of one
 //! batch's sends; it touches no Postgres API, so it is tested without a server.
 
@@ -15,8 +22,26 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-/// Batches a worker keeps under way at most: one being sent while the next is claimed.
+/// Batches a worker keeps under way at most, besides those whose sends linger: one being
+/// sent while the next is claimed.
 pub const FLIGHTS: usize = 2;
+
+/// How long a batch has been under way before the sends it still runs linger: they no
+/// longer count against the worker's room to claim, so that a slow provider's requests
+/// (an endpoint that answers after a second, of one customer in ten) do not stop the
+/// worker from claiming for the channels whose providers answer in milliseconds. A batch
+/// that its providers answer is recorded well within this.
+pub const LINGER_AFTER: Duration = Duration::from_millis(100);
+
+/// Batches' worth of lingering sends a worker keeps at most, besides [`FLIGHTS`]: the
+/// bound on its open connections ([`most_sends`]) and on the jobs it holds.
+pub const LINGERING_BATCHES: usize = 8;
+
+/// Batches a worker keeps under way at most, lingering ones included. A batch keeps its
+/// jobs until its last send is recorded, the payloads of those still under way only. A
+/// batch whose last sends wait a second for a slow provider stays that long: a worker that
+/// claims 60 times a second beside such providers has as many batches under way.
+pub const MOST_FLIGHTS: usize = 128;
 
 /// How long an arrived outcome may wait for the rest of its batch before it is recorded
 /// on its own group: a batch whose requests all answer within this is recorded in one
@@ -35,27 +60,49 @@ pub const AHEAD_AFTER: Duration = Duration::from_millis(50);
 /// [`Bell`] and are seen at once.
 pub const LOOK_EVERY: Duration = Duration::from_millis(5);
 
-/// Connections one worker may have open to a destination at once: its batches under way.
+/// Connections one worker may have open to a destination at once: its batches under way
+/// (the ceiling of a channel's connection slots, and of the idle connections its pools keep:
+/// `pool_budget`). Lingering sends come on top, each on a connection of its own.
 pub fn connections(batch_size: usize) -> usize {
     batch_size.max(1) * FLIGHTS
 }
 
-/// Whether a worker with `outstanding` claimed messages not yet recorded may claim another
-/// batch of `batch_size`: at most [`FLIGHTS`] batches are under way at once.
-pub fn may_claim(outstanding: usize, batch_size: usize) -> bool {
-    outstanding <= (FLIGHTS - 1) * batch_size.max(1)
+/// Sends one worker may have running at once, lingering ones included: the sockets it may
+/// hold open (`descriptors`).
+pub fn most_sends(batch_size: usize) -> usize {
+    batch_size.max(1) * (FLIGHTS + LINGERING_BATCHES)
+}
+
+/// What a worker has under way: claimed messages not yet recorded, those of them whose
+/// sends linger (running in a batch claimed [`LINGER_AFTER`] ago or longer), and batches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    pub outstanding: usize,
+    pub lingering: usize,
+    pub flights: usize,
+}
+
+/// Whether a worker with `load` under way may claim another batch of `batch_size`: at most
+/// [`FLIGHTS`] batches' worth of messages that do not linger, at most
+/// [`LINGERING_BATCHES`] more that do, and fewer than [`MOST_FLIGHTS`] batches.
+pub fn may_claim(load: Load, batch_size: usize) -> bool {
+    let b = batch_size.max(1);
+    let lingering = load.lingering.min(load.outstanding);
+    load.outstanding - lingering <= (FLIGHTS - 1) * b
+        && load.outstanding <= (FLIGHTS - 1 + LINGERING_BATCHES) * b
+        && load.flights < MOST_FLIGHTS
 }
 
 /// Whether a worker with a batch under way claims another beside it now: there is room
 /// ([`may_claim`]), and it was woken (a commit, a due time) or its last batch has been
 /// under way for [`AHEAD_AFTER`].
 pub fn may_claim_beside(
-    outstanding: usize,
+    load: Load,
     batch_size: usize,
     woken: bool,
     last_claim_age: Duration,
 ) -> bool {
-    may_claim(outstanding, batch_size) && (woken || last_claim_age >= AHEAD_AFTER)
+    may_claim(load, batch_size) && (woken || last_claim_age >= AHEAD_AFTER)
 }
 
 /// Whether what has arrived is recorded now: a batch has nothing left running (all of it
@@ -226,6 +273,11 @@ impl Sends {
         arrived
     }
 
+    /// Sends still running.
+    pub fn running(&self) -> usize {
+        self.running
+    }
+
     /// Nothing is running any more.
     pub fn all_ended(&self) -> bool {
         self.running == 0
@@ -339,37 +391,92 @@ mod tests {
 
     #[test]
     fn a_worker_keeps_at_most_two_batches_under_way() {
-        assert!(may_claim(0, 200));
-        assert!(may_claim(1, 200));
+        assert!(may_claim(load(0, 0, 0), 200));
+        assert!(may_claim(load(1, 0, 1), 200));
         assert!(
-            may_claim(200, 200),
+            may_claim(load(200, 0, 1), 200),
             "one full batch under way: the next is claimed"
         );
-        assert!(!may_claim(201, 200));
-        assert!(!may_claim(400, 200));
-        assert!(may_claim(0, 0), "a batch size of 0 counts as 1");
-        assert!(may_claim(1, 0));
-        assert!(!may_claim(2, 0));
+        assert!(!may_claim(load(201, 0, 2), 200));
+        assert!(!may_claim(load(400, 0, 2), 200));
+        assert!(may_claim(load(0, 0, 0), 0), "a batch size of 0 counts as 1");
+        assert!(may_claim(load(1, 0, 1), 0));
+        assert!(!may_claim(load(2, 0, 2), 0));
         assert_eq!(connections(200), 400);
         assert_eq!(connections(0), 2);
+        assert_eq!(most_sends(200), 2_000);
+    }
+
+    fn load(outstanding: usize, lingering: usize, flights: usize) -> Load {
+        Load {
+            outstanding,
+            lingering,
+            flights,
+        }
+    }
+
+    #[test]
+    fn sends_that_linger_leave_room_to_claim_up_to_their_own_bound() {
+        // Two batches under way, a tenth of each still running past LINGER_AFTER: the
+        // worker claims beside them.
+        assert!(may_claim(load(400, 40 + 200, 2), 200));
+        assert!(!may_claim(load(400, 199, 2), 200), "201 that do not linger");
+        // Lingering sends count up to their own bound.
+        let most = (FLIGHTS - 1 + LINGERING_BATCHES) * 200;
+        assert!(may_claim(load(most, most, 20), 200));
+        assert!(!may_claim(load(most + 1, most + 1, 20), 200));
+        // And batches up to theirs, however few messages they hold.
+        assert!(may_claim(
+            load(MOST_FLIGHTS - 1, MOST_FLIGHTS - 1, MOST_FLIGHTS - 1),
+            200
+        ));
+        assert!(!may_claim(
+            load(MOST_FLIGHTS, MOST_FLIGHTS, MOST_FLIGHTS),
+            200
+        ));
+        // A count of lingering sends above the outstanding ones (read at another moment)
+        // frees nothing more.
+        assert!(!may_claim(load(201, 500, 2), 1));
+        // The bounds hold for every load: never more than most_sends running after a
+        // claim of a whole batch.
+        for outstanding in (0..=3_000).step_by(7) {
+            for lingering in (0..=outstanding).step_by(13) {
+                for flights in [0, 1, 2, 10, MOST_FLIGHTS - 1, MOST_FLIGHTS] {
+                    if may_claim(load(outstanding, lingering, flights), 200) {
+                        assert!(outstanding + 200 <= most_sends(200));
+                        assert!(outstanding - lingering + 200 <= connections(200));
+                        assert!(flights < MOST_FLIGHTS);
+                    }
+                }
+            }
+        }
     }
 
     #[test]
     fn a_second_batch_is_claimed_beside_a_slow_one_or_when_woken() {
         let soon = Duration::from_millis(1);
+        let one = load(200, 0, 1);
         assert!(
-            !may_claim_beside(200, 200, false, soon),
+            !may_claim_beside(one, 200, false, soon),
             "a fast batch is recorded first"
         );
-        assert!(!may_claim_beside(200, 200, false, AHEAD_AFTER - soon));
-        assert!(may_claim_beside(200, 200, false, AHEAD_AFTER));
+        assert!(!may_claim_beside(one, 200, false, AHEAD_AFTER - soon));
+        assert!(may_claim_beside(one, 200, false, AHEAD_AFTER));
         assert!(
-            may_claim_beside(200, 200, true, Duration::ZERO),
+            may_claim_beside(one, 200, true, Duration::ZERO),
             "a commit claims at once"
         );
-        assert!(may_claim_beside(1, 200, true, soon));
-        assert!(!may_claim_beside(201, 200, true, AHEAD_AFTER), "no room");
-        assert!(!may_claim_beside(400, 200, false, Duration::from_secs(60)));
+        assert!(may_claim_beside(load(1, 0, 1), 200, true, soon));
+        assert!(
+            !may_claim_beside(load(201, 0, 2), 200, true, AHEAD_AFTER),
+            "no room"
+        );
+        assert!(!may_claim_beside(
+            load(400, 0, 2),
+            200,
+            false,
+            Duration::from_secs(60)
+        ));
     }
 
     #[test]

@@ -421,11 +421,12 @@ fn prepare_session(
     pin_session_settings();
     pin_durable_commits();
 
-    // Sockets to providers must not take the descriptors PostgreSQL counts on: the batches
-    // under way, and as many idle connections as one batch uses kept for the next one.
+    // Sockets to providers must not take the descriptors PostgreSQL counts on: the sends
+    // under way, lingering ones included, and as many idle connections as one batch uses
+    // kept for the next one.
     descriptors::make_room_for_sockets(
         index,
-        (flight::FLIGHTS as u64 + 1) * gucs::batch_size() as u64,
+        (flight::most_sends(gucs::batch_size()) + gucs::batch_size()) as u64,
     );
     let runtime = match runtime::IoRuntime::build(gucs::http_threads()) {
         Ok(r) => r,

@@ -125,6 +125,77 @@ fn a_hanging_provider_holds_back_no_other_channels_messages() {
     assert_eq!(sim.send_count(&fast), ids.len());
 }
 
+/// More slow requests than the workers' two batches each hold: with a batch of 5, two
+/// workers keep 20 messages under way. Before, 20 requests to a provider answering after
+/// [`SLOW`] filled that room, the other 20 slow messages waited for their answers, and so
+/// did every fast message. Now the sends of a batch under way for `flight::LINGER_AFTER`
+/// linger outside that room (src/worker/flight.rs): all 40 slow requests reach the
+/// provider at once, and the fast channel's messages are delivered while every slow one is
+/// still in flight.
+#[test]
+fn slow_requests_beyond_two_batches_hold_back_no_other_channels_messages() {
+    const SLOW_MESSAGES: usize = 40;
+    let cluster = with_two_workers();
+    let (_, mut c, sim) = cluster_and_sim();
+    let slow = sim_channel(
+        &mut c,
+        &sim,
+        "fl_linger_slow",
+        r#"{"timeout_ms": 20000, "max_in_flight": 64, "max_unverifiable_in_flight": 64}"#,
+    );
+    let fast = sim_channel(&mut c, &sim, "fl_linger_fast", "{}");
+    sim.set_default(&slow, Action::AcceptAfter(SLOW));
+    let guard = SettingsGuard::new(&cluster, &["outbox.batch_size"]);
+    set_setting(&mut c, "outbox.batch_size", "5");
+    // Both workers read the new size with their next claim: one message each.
+    let mut tx = c.transaction().unwrap();
+    let warm = enqueue_fast(&mut tx, &fast, 2, "fl-lw");
+    tx.commit().unwrap();
+    assert!(all_delivered_promptly(&cluster, &warm));
+    std::thread::sleep(Duration::from_millis(700));
+
+    let mut tx = c.transaction().unwrap();
+    let slow_ids = enqueue_fast(&mut tx, &slow, SLOW_MESSAGES, "fl-ls");
+    tx.commit().unwrap();
+    assert!(
+        sim.wait_for_sends(&slow, SLOW_MESSAGES, PROMPT),
+        "{} of {SLOW_MESSAGES} slow requests reached the provider within {PROMPT:?}: \
+         the first ones' answers held back the rest",
+        sim.send_count(&slow)
+    );
+    let started = std::time::Instant::now();
+    let mut tx = c.transaction().unwrap();
+    let ids = enqueue_fast(&mut tx, &fast, 10, "fl-lf");
+    tx.commit().unwrap();
+    let all = all_delivered_promptly(&cluster, &ids);
+    let took = started.elapsed();
+    assert!(
+        all,
+        "the fast channel's messages waited for the slow provider: {} of {} delivered within {PROMPT:?}",
+        delivered(&mut c, &ids),
+        ids.len()
+    );
+    let still: i64 = count(
+        &mut c,
+        "SELECT count(*) FROM outbox.messages WHERE id = ANY($1) AND state = 'sending'",
+        &[&slow_ids],
+    );
+    assert_eq!(
+        still, SLOW_MESSAGES as i64,
+        "delivered in {took:?}, while every slow request was in flight"
+    );
+    for s in &slow_ids {
+        wait_message(&cluster, *s, "delivered");
+    }
+    assert_eq!(
+        sim.send_count(&slow),
+        SLOW_MESSAGES,
+        "each slow message was sent once"
+    );
+    assert_eq!(sim.send_count(&fast), ids.len() + warm.len());
+    drop(guard);
+}
+
 /// A batch larger than a worker's connection slots to a provider that answers slowly:
 /// the requests beyond the slots wait for one only briefly (`connection_slots`), then go
 /// side by side with the others, each on a connection of its own. Every request of the
