@@ -101,15 +101,16 @@ $fn$;
 COMMENT ON FUNCTION outbox.status(bigint) IS
     'State of a message; delivered for a message already removed by retention whose effect is in the ledger; NULL for an id that never existed or belongs to another tenant.';
 
-CREATE FUNCTION outbox.pause_channel(name text, reason text) RETURNS void
+CREATE FUNCTION outbox.pause_channel(name text, reason text DEFAULT NULL) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
     IF reason IS NULL OR pg_catalog.btrim(reason) = '' THEN
-        RAISE EXCEPTION 'reason must not be NULL or empty'
-            USING ERRCODE = '22023', HINT = 'Say why the channel is paused; it is written to outbox.operator_log.';
+        RAISE EXCEPTION 'a reason is required'
+            USING ERRCODE = '22023', DETAIL = 'The reason was missing, NULL or blank.',
+                  HINT = 'Say why the channel is paused, as the second argument; it is written to outbox.operator_log.';
     END IF;
     UPDATE outbox._channels c
        SET paused = true, paused_reason = pause_channel.reason, paused_at = pg_catalog.now(), updated_at = pg_catalog.now()
@@ -125,7 +126,7 @@ $fn$;
 COMMENT ON FUNCTION outbox.pause_channel(text, text) IS
     'Stops sending on a channel; messages keep queueing and are held until resume_channel.';
 
-CREATE FUNCTION outbox.drop_channel(name text, reason text) RETURNS void
+CREATE FUNCTION outbox.drop_channel(name text, reason text DEFAULT NULL) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -137,7 +138,8 @@ DECLARE
 BEGIN
     IF reason IS NULL OR pg_catalog.btrim(reason) = '' THEN
         RAISE EXCEPTION 'a reason is required'
-            USING ERRCODE = '22023', HINT = 'Say why the channel is dropped; it is written to outbox.operator_log.';
+            USING ERRCODE = '22023', DETAIL = 'The reason was missing, NULL or blank.',
+                  HINT = 'Say why the channel is dropped, as the second argument; it is written to outbox.operator_log.';
     END IF;
     -- No enqueue on the channel may commit between the count below and the drop: an
     -- enqueue that did would leave a message no worker can send. Enqueues (and records)

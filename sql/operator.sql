@@ -42,9 +42,10 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
 BEGIN
     IF reason IS NULL OR pg_catalog.btrim(reason) = '' THEN
-        RAISE EXCEPTION 'reason must not be NULL or empty'
+        RAISE EXCEPTION 'a reason is required'
             USING ERRCODE = '22023',
-                  HINT = 'Say why: it is kept in outbox.operator_log with your name.';
+                  DETAIL = 'The reason was missing, NULL or blank.',
+                  HINT = 'Say why, as the reason argument (for example outbox.retry(42, ''provider fixed, INC-1234'')): it is kept in outbox.operator_log with your name.';
     END IF;
     IF pg_catalog.char_length(reason) > 1000 THEN
         RAISE EXCEPTION 'reason is % characters long; at most 1000 are allowed', pg_catalog.char_length(reason)
@@ -119,7 +120,7 @@ AS $fn$
     SELECT outbox._wake_at_commit();
 $fn$;
 
-CREATE FUNCTION outbox.retry(id bigint, reason text) RETURNS outbox.state
+CREATE FUNCTION outbox.retry(id bigint, reason text DEFAULT NULL) RETURNS outbox.state
 LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -178,7 +179,7 @@ $fn$;
 COMMENT ON FUNCTION outbox.retry(bigint, text) IS
     'Operator: requeue with the same effect key (fresh budget for exhausted/failed); an uncertain message is reconciled first where the channel can; sending: 55000; delivered/cancelled: no-op.';
 
-CREATE FUNCTION outbox.resolve(id bigint, outcome text, reason text, external_id text DEFAULT NULL)
+CREATE FUNCTION outbox.resolve(id bigint, outcome text, reason text DEFAULT NULL, external_id text DEFAULT NULL)
 RETURNS outbox.state
 LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
@@ -223,7 +224,7 @@ $fn$;
 COMMENT ON FUNCTION outbox.resolve(bigint, text, text, text) IS
     'Operator: records a manual decision (delivered writes the ledger, so the effect is never sent again; failed; cancelled).';
 
-CREATE FUNCTION outbox.cancel(id bigint, reason text) RETURNS outbox.state
+CREATE FUNCTION outbox.cancel(id bigint, reason text DEFAULT NULL) RETURNS outbox.state
 LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp

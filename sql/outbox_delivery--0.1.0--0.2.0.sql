@@ -137,7 +137,7 @@ COMMENT ON FUNCTION outbox._record_delivered(bigint[], text[], integer[], text, 
     'Confirms effects: moves each message (unless it is delivered already, or is being sent and leave_sending is set) out of the queue into its ledger entry; a message whose effect is in the ledger already stays, marked delivered, and the entry keeps its first message. Returns the messages it confirmed.';
 
 -- resolve(…, 'delivered', …) records through the ledger's function.
-CREATE OR REPLACE FUNCTION outbox.resolve(id bigint, outcome text, reason text, external_id text DEFAULT NULL)
+CREATE OR REPLACE FUNCTION outbox.resolve(id bigint, outcome text, reason text DEFAULT NULL, external_id text DEFAULT NULL)
 RETURNS outbox.state
 LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
@@ -448,8 +448,10 @@ SELECT m.id,
        CASE WHEN (m.state = 'queued' AND w.message_id IS NULL)
               OR (m.state = 'uncertain' AND outbox._can_look_up(c.options))
             THEN m.next_attempt_at END AS next_attempt_at,
-       m.last_error_class,
-       m.last_error,
+       -- A delivered message has no error left: its earlier failures stay in
+       -- outbox.attempts, one row each.
+       CASE WHEN m.state <> 'delivered' THEN m.last_error_class END AS last_error_class,
+       CASE WHEN m.state <> 'delivered' THEN m.last_error END AS last_error,
        m.last_http_status,
        m.external_id,
        m.owner,
@@ -474,8 +476,8 @@ SELECT l.message_id,
        l.attempts,
        outbox._option_int(c.options, '{retry,max_attempts}'),
        NULL::timestamptz,
-       l.last_error_class,
-       l.last_error,
+       NULL::outbox.error_class,
+       NULL::text,
        l.last_http_status,
        l.external_id,
        l.owner,
@@ -523,7 +525,7 @@ SELECT m.id,
   LEFT JOIN outbox.channels c ON c.id = m.channel_id
  WHERE m.state IN ('uncertain', 'exhausted', 'failed');
 
-CREATE OR REPLACE FUNCTION outbox.retry(id bigint, reason text) RETURNS outbox.state
+CREATE OR REPLACE FUNCTION outbox.retry(id bigint, reason text DEFAULT NULL) RETURNS outbox.state
 LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -1328,7 +1330,7 @@ SELECT o.at, o.actor, o.action, o.message_id, o.reason, o.state_before, o.state_
 ALTER VIEW outbox.operator_log SET (security_invoker = true);
 
 -- outbox.drop_channel (sql/api.sql).
-CREATE FUNCTION outbox.drop_channel(name text, reason text) RETURNS void
+CREATE FUNCTION outbox.drop_channel(name text, reason text DEFAULT NULL) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -1340,7 +1342,8 @@ DECLARE
 BEGIN
     IF reason IS NULL OR pg_catalog.btrim(reason) = '' THEN
         RAISE EXCEPTION 'a reason is required'
-            USING ERRCODE = '22023', HINT = 'Say why the channel is dropped; it is written to outbox.operator_log.';
+            USING ERRCODE = '22023', DETAIL = 'The reason was missing, NULL or blank.',
+                  HINT = 'Say why the channel is dropped, as the second argument; it is written to outbox.operator_log.';
     END IF;
     -- No enqueue on the channel may commit between the count below and the drop: an
     -- enqueue that did would leave a message no worker can send. Enqueues (and records)
@@ -1535,4 +1538,75 @@ SELECT string_agg(x.line, E'\n' ORDER BY x.ord, x.sub, x.line) || E'\n'
         SELECT f.ord, 1, format('# TYPE %s %s', f.name, f.kind) FROM families f
         UNION ALL
         SELECT s.ord, 2, s.line FROM samples s) x
+$fn$;
+
+-- Operator calls without a reason: the reason takes a default, so a call that leaves it out
+-- reaches the check and hears "a reason is required" rather than "function does not exist".
+CREATE OR REPLACE FUNCTION outbox._require_reason(reason text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF reason IS NULL OR pg_catalog.btrim(reason) = '' THEN
+        RAISE EXCEPTION 'a reason is required'
+            USING ERRCODE = '22023',
+                  DETAIL = 'The reason was missing, NULL or blank.',
+                  HINT = 'Say why, as the reason argument (for example outbox.retry(42, ''provider fixed, INC-1234'')): it is kept in outbox.operator_log with your name.';
+    END IF;
+    IF pg_catalog.char_length(reason) > 1000 THEN
+        RAISE EXCEPTION 'reason is % characters long; at most 1000 are allowed', pg_catalog.char_length(reason)
+            USING ERRCODE = '22023', HINT = 'Keep the reason short; put long notes in your ticket and link it.';
+    END IF;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION outbox.cancel(id bigint, reason text DEFAULT NULL) RETURNS outbox.state
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    v_msg outbox._messages;
+BEGIN
+    PERFORM outbox._require_reason(cancel.reason);
+    v_msg := outbox._lock_message(cancel.id);
+    IF v_msg.state = 'delivered' THEN
+        RAISE EXCEPTION 'message % was delivered; it cannot be cancelled', v_msg.id USING ERRCODE = '55000';
+    END IF;
+    IF v_msg.state = 'sending' THEN
+        RAISE EXCEPTION 'message % is being sent right now; cancel refused', v_msg.id
+            USING ERRCODE = '55000', HINT = 'Wait for the attempt''s outcome, then cancel if it did not go through.';
+    END IF;
+    IF v_msg.state = 'cancelled' THEN
+        RAISE NOTICE 'message % is already cancelled', v_msg.id;
+    ELSE
+        UPDATE outbox._messages m SET state = 'cancelled', updated_at = pg_catalog.now() WHERE m.id = v_msg.id;
+    END IF;
+    INSERT INTO outbox._operator_log (action, message_id, tenant, reason, state_before, state_after)
+    VALUES ('cancel', v_msg.id, v_msg.tenant, cancel.reason, v_msg.state, 'cancelled');
+    RETURN 'cancelled'::outbox.state;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION outbox.pause_channel(name text, reason text DEFAULT NULL) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF reason IS NULL OR pg_catalog.btrim(reason) = '' THEN
+        RAISE EXCEPTION 'a reason is required'
+            USING ERRCODE = '22023', DETAIL = 'The reason was missing, NULL or blank.',
+                  HINT = 'Say why the channel is paused, as the second argument; it is written to outbox.operator_log.';
+    END IF;
+    UPDATE outbox._channels c
+       SET paused = true, paused_reason = pause_channel.reason, paused_at = pg_catalog.now(), updated_at = pg_catalog.now()
+     WHERE c.name = pause_channel.name;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'channel "%" does not exist', pause_channel.name
+            USING ERRCODE = '42704', HINT = 'List channels in outbox.channels.';
+    END IF;
+    INSERT INTO outbox._operator_log (action, channel, reason)
+    VALUES ('pause_channel', pause_channel.name, pause_channel.reason);
+END
 $fn$;

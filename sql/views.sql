@@ -62,8 +62,10 @@ SELECT m.id,
        CASE WHEN (m.state = 'queued' AND w.message_id IS NULL)
               OR (m.state = 'uncertain' AND outbox._can_look_up(c.options))
             THEN m.next_attempt_at END AS next_attempt_at,
-       m.last_error_class,
-       m.last_error,
+       -- A delivered message has no error left: its earlier failures stay in
+       -- outbox.attempts, one row each.
+       CASE WHEN m.state <> 'delivered' THEN m.last_error_class END AS last_error_class,
+       CASE WHEN m.state <> 'delivered' THEN m.last_error END AS last_error,
        m.last_http_status,
        m.external_id,
        m.owner,
@@ -88,8 +90,8 @@ SELECT l.message_id,
        l.attempts,
        outbox._option_int(c.options, '{retry,max_attempts}'),
        NULL::timestamptz,
-       l.last_error_class,
-       l.last_error,
+       NULL::outbox.error_class,
+       NULL::text,
        l.last_http_status,
        l.external_id,
        l.owner,

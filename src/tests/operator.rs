@@ -53,6 +53,53 @@ fn operator_refusals_have_their_sqlstate_and_log_nothing() {
     assert_eq!(log_rows(id), 0, "a refused action is not logged as done");
 }
 
+/// Runs `sql` in a subtransaction: its SQLSTATE and message, or `00000`.
+fn refusal(sql: &str) -> String {
+    Spi::run(
+        r#"CREATE OR REPLACE FUNCTION pg_temp.refusal_of(stmt text) RETURNS text LANGUAGE plpgsql AS $$
+           BEGIN
+               EXECUTE stmt;
+               RETURN '00000';
+           EXCEPTION WHEN OTHERS THEN
+               RETURN SQLSTATE || ': ' || SQLERRM;
+           END $$"#,
+    )
+    .expect("helper");
+    Spi::get_one_with_args::<String>("SELECT pg_temp.refusal_of($1)", &[sql.into()])
+        .expect("spi")
+        .expect("refusal")
+}
+
+/// Every operator action that takes a reason, called without one, names what is missing
+/// (not "function does not exist"), and nothing is done or logged.
+#[pg_test]
+fn an_operator_call_without_a_reason_says_a_reason_is_required() {
+    let id = op_setup("opreason");
+    set_state(id, "failed");
+    for call in [
+        format!("SELECT outbox.retry({id})"),
+        format!("SELECT outbox.cancel({id})"),
+        format!("SELECT outbox.resolve({id}, 'failed')"),
+        format!("SELECT outbox.retry({id}, NULL)"),
+        format!("SELECT outbox.cancel({id}, ' ')"),
+        "SELECT outbox.pause_channel('opreason')".to_string(),
+        "SELECT outbox.drop_channel('opreason')".to_string(),
+        "SELECT outbox.pause_channel('opreason', '')".to_string(),
+    ] {
+        assert_eq!(refusal(&call), "22023: a reason is required", "{call}");
+    }
+    assert_eq!(state(id), "failed");
+    assert_eq!(log_rows(id), 0);
+    assert_eq!(
+        count("SELECT count(*) FROM outbox.operator_log WHERE channel = 'opreason' AND action IN ('pause_channel', 'drop_channel')"),
+        0
+    );
+    assert_eq!(count("SELECT count(*) FROM outbox.channels WHERE name = 'opreason' AND NOT paused"), 1);
+    // With a reason, the same calls go through.
+    assert_eq!(refusal(&format!("SELECT outbox.cancel({id}, 'customer asked')")), "00000");
+    assert_eq!(state(id), "cancelled");
+}
+
 #[pg_test]
 fn retry_requeues_with_the_same_key_and_a_fresh_budget() {
     let id = op_setup("opretry");
@@ -124,10 +171,14 @@ fn cancel_and_assign_and_the_work_queue() {
 #[pg_test]
 fn a_delivered_message_lives_in_its_ledger_entry_and_every_action_still_finds_it() {
     let id = op_setup("ophist");
-    Spi::run(&format!("UPDATE outbox._messages SET owner = 'bob', attempts = 2 WHERE id = {id}")).unwrap();
     Spi::run(&format!(
-        "INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, finished_at, outcome, error_class)
-         VALUES ({id}, 'default', 1, 'send', now(), 'timeout', 'ambiguous')"
+        "UPDATE outbox._messages SET owner = 'bob', attempts = 2, last_error_class = 'ambiguous',
+                last_error = 'timed out after 3000 ms' WHERE id = {id}"
+    ))
+    .unwrap();
+    Spi::run(&format!(
+        "INSERT INTO outbox._attempts (message_id, tenant, attempt, kind, finished_at, outcome, error_class, error)
+         VALUES ({id}, 'default', 1, 'send', now(), 'timeout', 'ambiguous', 'timed out after 3000 ms')"
     ))
     .unwrap();
     set_state(id, "uncertain");
@@ -144,6 +195,16 @@ fn a_delivered_message_lives_in_its_ledger_entry_and_every_action_still_finds_it
     .unwrap();
     assert_eq!((payload.as_deref(), channel.as_deref()), (Some(r#"{"t": 1}"#), Some("ophist")));
     assert_eq!(Spi::get_one::<i64>(&format!("SELECT count(*) FROM outbox.attempts WHERE message_id = {id}")).unwrap(), Some(1), "its attempt rows stay");
+    // A delivered message shows no error; the failure before stays on its attempt.
+    assert_eq!(
+        count(&format!("SELECT count(*) FROM outbox.messages WHERE id = {id} AND last_error IS NULL AND last_error_class IS NULL")),
+        1,
+        "a delivered message keeps no last_error"
+    );
+    assert_eq!(
+        count(&format!("SELECT count(*) FROM outbox.attempts WHERE message_id = {id} AND error = 'timed out after 3000 ms'")),
+        1
+    );
     assert_eq!(Spi::get_one::<String>(&format!("SELECT outbox.status({id})::text")).unwrap().as_deref(), Some("delivered"));
 
     // The operator's actions find it, delivered.
