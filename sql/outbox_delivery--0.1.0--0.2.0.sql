@@ -1610,3 +1610,202 @@ BEGIN
     VALUES ('pause_channel', pause_channel.name, pause_channel.reason);
 END
 $fn$;
+
+-- The review of ambiguous outcomes (outbox.ambiguity_review), and the alerts of too much
+-- ambiguity on a channel and of work nobody has taken.
+ALTER TABLE outbox._channel_minutes ADD COLUMN ambiguous bigint NOT NULL DEFAULT 0;
+CREATE FUNCTION outbox.ambiguity_review(since interval DEFAULT '7 days')
+RETURNS TABLE (channel text, sends bigint, ambiguous bigint, ambiguous_pct numeric,
+               timed_out bigint, lost_after_write bigint, worker_interrupted bigint,
+               gateway bigint, lookups_found bigint, lookups_not_found bigint,
+               delivered_without_external_id bigint, permanent_then_delivered bigint,
+               answer_p99_ms numeric, timeout_ms integer, suggestion text)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+WITH a AS (
+    -- The attempts of the window with their channel: from the queue, or from the ledger
+    -- entry of a delivered message.
+    SELECT a.message_id, a.kind, a.outcome, a.error_class, a.http_status, a.error,
+           a.started_at, a.finished_at,
+           coalesce((SELECT m.channel_id FROM outbox._messages m WHERE m.id = a.message_id),
+                    (SELECT l.channel_id FROM outbox._ledger l WHERE l.message_id = a.message_id LIMIT 1))
+             AS channel_id
+      FROM outbox._attempts a
+     WHERE a.started_at >= pg_catalog.now() - ambiguity_review.since
+), per_channel AS (
+    SELECT a.channel_id,
+           count(*) FILTER (WHERE a.kind = 'send' AND a.outcome IS DISTINCT FROM 'not sent') AS sends,
+           count(*) FILTER (WHERE a.kind IN ('send', 'recovery') AND a.error_class = 'ambiguous') AS ambiguous,
+           count(*) FILTER (WHERE a.kind = 'send' AND a.error_class = 'ambiguous'
+                              AND a.http_status IS NULL AND a.error LIKE '%timed out%') AS timed_out,
+           count(*) FILTER (WHERE a.kind = 'send' AND a.error_class = 'ambiguous'
+                              AND a.http_status IS NULL AND a.error NOT LIKE '%timed out%') AS lost_after_write,
+           count(*) FILTER (WHERE a.kind = 'recovery') AS worker_interrupted,
+           count(*) FILTER (WHERE a.kind = 'send' AND a.error_class = 'ambiguous'
+                              AND a.http_status IN (502, 504)) AS gateway,
+           count(*) FILTER (WHERE a.kind = 'reconcile' AND a.outcome = 'delivered') AS lookups_found,
+           count(*) FILTER (WHERE a.kind = 'reconcile' AND a.outcome = 'not_found') AS lookups_not_found,
+           (percentile_cont(0.99) WITHIN GROUP (
+                ORDER BY extract(epoch FROM a.finished_at - a.started_at) * 1000)
+              FILTER (WHERE a.kind = 'send' AND a.http_status IS NOT NULL))::numeric(12, 1) AS answer_p99_ms
+      FROM a
+     WHERE a.channel_id IS NOT NULL
+     GROUP BY a.channel_id
+), entries AS (
+    SELECT l.channel_id, count(*) AS without_external_id
+      FROM outbox._ledger l
+     WHERE l.recorded_at >= pg_catalog.now() - ambiguity_review.since
+       AND l.recorded_by = 'worker' AND l.external_id IS NULL
+     GROUP BY l.channel_id
+), rescued AS (
+    -- Failed as permanent, then delivered after an operator's retry: a status the channel
+    -- classifies as permanent that was not.
+    SELECT l.channel_id, count(DISTINCT l.message_id) AS permanent_then_delivered
+      FROM outbox._ledger l
+     WHERE l.recorded_at >= pg_catalog.now() - ambiguity_review.since
+       AND EXISTS (SELECT 1 FROM outbox._attempts p
+                    WHERE p.message_id = l.message_id AND p.kind = 'send' AND p.error_class = 'permanent')
+       AND EXISTS (SELECT 1 FROM outbox._operator_log o
+                    WHERE o.message_id = l.message_id AND o.action = 'retry')
+     GROUP BY l.channel_id
+)
+SELECT c.name,
+       p.sends,
+       p.ambiguous,
+       round(100.0 * p.ambiguous / nullif(p.sends, 0), 2),
+       p.timed_out, p.lost_after_write, p.worker_interrupted, p.gateway,
+       p.lookups_found, p.lookups_not_found,
+       coalesce(e.without_external_id, 0),
+       coalesce(r.permanent_then_delivered, 0),
+       p.answer_p99_ms,
+       t.timeout_ms,
+       CASE
+           WHEN p.timed_out > 0 AND p.timed_out * 100 >= p.sends
+               THEN pg_catalog.format('%s of %s sends timed out: raise timeout_ms above the provider''s slowest answers (now %s ms; try %s), or ask the provider why it is slow',
+                                      p.timed_out, p.sends, t.timeout_ms, t.timeout_ms * 2)
+           WHEN p.answer_p99_ms >= 0.8 * t.timeout_ms
+               THEN pg_catalog.format('answers take up to %s ms (p99), close to timeout_ms %s: raise it to about %s',
+                                      p.answer_p99_ms, t.timeout_ms, ceil(p.answer_p99_ms * 2))
+           WHEN p.gateway > 0
+               THEN pg_catalog.format('%s answers of 502/504 from a gateway: set idempotency_header where the provider dedupes by a key, so that they are resent safely', p.gateway)
+           WHEN p.lookups_not_found > 0 AND outbox._can_look_up(c.options)
+               THEN pg_catalog.format('%s lookups found nothing: check the reconcile lookup and where the provider''s answers keep their id (external_id)', p.lookups_not_found)
+           WHEN coalesce(r.permanent_then_delivered, 0) > 0
+               THEN pg_catalog.format('%s messages failed as permanent and were delivered by a retry: classify that status as transient (the classify option)', r.permanent_then_delivered)
+           WHEN p.worker_interrupted > 0
+               THEN pg_catalog.format('%s attempts were interrupted by a worker crash or stall: see the server log', p.worker_interrupted)
+           WHEN coalesce(e.without_external_id, 0) > 0 AND outbox._can_look_up(c.options)
+               THEN pg_catalog.format('%s deliveries kept no external id: a lookup by id cannot find them; check the channel''s external id setting', e.without_external_id)
+           ELSE 'nothing to change'
+       END
+  FROM per_channel p
+  JOIN outbox.channels c ON c.id = p.channel_id
+  LEFT JOIN entries e ON e.channel_id = p.channel_id
+  LEFT JOIN rescued r ON r.channel_id = p.channel_id
+ CROSS JOIN LATERAL (SELECT coalesce(outbox._option_int(c.options, '{timeout_ms}'), 10000) AS timeout_ms) t
+ ORDER BY p.ambiguous DESC, c.name
+$fn$;
+COMMENT ON FUNCTION outbox.ambiguity_review(interval) IS
+    'The review of ambiguous outcomes per channel since an interval ago: their causes (timeout, connection lost after writing, worker crash or stall, gateway 502/504), lookups found and not found, deliveries without an external id, permanent errors a retry delivered, the answer time p99 beside timeout_ms, and a suggested change.';
+REVOKE ALL ON FUNCTION outbox.ambiguity_review(interval) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.ambiguity_review(interval) TO outbox_operator;
+
+CREATE OR REPLACE VIEW outbox.alerts AS
+SELECT 'queue_age'::text AS alert,
+       m.channel,
+       CASE WHEN m.oldest_queued_age_s > 4 * outbox._setting('outbox.alert_queue_age_s', 300)
+            THEN 'critical' ELSE 'warning' END AS severity,
+       m.oldest_queued_age_s AS value,
+       outbox._setting('outbox.alert_queue_age_s', 300)::numeric AS threshold,
+       pg_catalog.now() - make_interval(secs => m.oldest_queued_age_s::double precision) AS since
+  FROM outbox.metrics m
+ WHERE m.scope = 'channel' AND NOT m.paused
+   AND m.oldest_queued_age_s > outbox._setting('outbox.alert_queue_age_s', 300)
+UNION ALL
+SELECT 'error_streak', c.name, 'warning', s.error_streak::numeric,
+       outbox._setting('outbox.alert_error_streak', 10)::numeric, s.error_streak_since
+  FROM outbox._channel_stats s
+  JOIN outbox._channels c ON c.id = s.channel_id
+ WHERE s.error_streak >= outbox._setting('outbox.alert_error_streak', 10)
+UNION ALL
+SELECT 'terminal_failures', c.name, 'critical', count(*)::numeric, 0::numeric, min(m.updated_at)
+  FROM outbox._messages m
+  JOIN outbox._channels c ON c.id = m.channel_id
+ WHERE m.state IN ('failed', 'exhausted') AND m.updated_at > pg_catalog.now() - interval '1 hour'
+ GROUP BY c.name
+UNION ALL
+SELECT 'uncertain', c.name, 'critical', count(*)::numeric,
+       outbox._setting('outbox.alert_uncertain_age_s', 300)::numeric, min(u.since)
+  FROM outbox._messages m
+  JOIN outbox._channels c ON c.id = m.channel_id
+  -- Uncertain since the send (or the recovery of a lost lease) that left it so: the
+  -- inconclusive lookups that follow change the row, not how long nobody has known.
+  CROSS JOIN LATERAL (
+      SELECT coalesce((SELECT coalesce(a.finished_at, a.started_at)
+                         FROM outbox._attempts a
+                        WHERE a.message_id = m.id AND a.kind IN ('send', 'recovery')
+                        ORDER BY a.id DESC LIMIT 1),
+                      m.updated_at) AS since) u
+ WHERE m.state = 'uncertain'
+   AND (NOT outbox._can_look_up(c.options)
+        OR u.since < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_uncertain_age_s', 300)))
+ GROUP BY c.name
+UNION ALL
+-- A channel whose circuit is open (or half open, probing): value = seconds in that state.
+SELECT 'circuit_open', c.name, 'critical',
+       round(extract(epoch FROM pg_catalog.now() - f.circuit_since), 3)::numeric, 0::numeric,
+       f.circuit_since
+  FROM outbox._channel_flow f
+  JOIN outbox._channels c ON c.id = f.channel_id
+ WHERE f.circuit_state IN ('open', 'half_open')
+   AND jsonb_typeof(c.options -> 'circuit') = 'object'
+UNION ALL
+-- A channel paused for longer than outbox.alert_paused_s: its queue raises no queue_age alert
+-- while it is paused. value = seconds since it was paused.
+SELECT 'channel_paused', c.name, 'warning',
+       round(extract(epoch FROM pg_catalog.now() - c.paused_at), 3)::numeric,
+       outbox._setting('outbox.alert_paused_s', 3600)::numeric, c.paused_at
+  FROM outbox._channels c
+ WHERE c.paused
+   AND c.paused_at < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_paused_s', 3600))
+UNION ALL
+-- No delivery worker serves this database (it is not in outbox.database, or the library is
+-- not preloaded): whatever is enqueued here stays queued. value = 0.
+SELECT 'database_not_served', NULL, 'critical', 0::numeric, 0::numeric, NULL::timestamptz
+ WHERE NOT outbox._database_served()
+UNION ALL
+-- The ledger's retention has put off emptying a due generation for five minutes: a session
+-- holds its table (docs/runbook.md). value = seconds since the first time it was put off.
+SELECT 'ledger_retention_deferred', NULL, 'warning',
+       round(extract(epoch FROM pg_catalog.now() - g.emptying_deferred_since), 3)::numeric,
+       300::numeric, g.emptying_deferred_since
+  FROM outbox._ledger_generations g
+ WHERE g.emptying_deferred_since < pg_catalog.now() - interval '5 minutes'
+UNION ALL
+-- A channel whose sends of the last hour came out ambiguous more often than
+-- outbox.alert_ambiguous_pct percent, with at least 20 sends: a timeout shorter than the
+-- provider's answers, a gateway that gives up first, or a classification to look at
+-- (outbox.ambiguity_review). value = the percentage.
+SELECT 'ambiguity_high', c.name, 'warning', round(100.0 * b.ambiguous / b.sends, 2),
+       outbox._setting('outbox.alert_ambiguous_pct', 5)::numeric, b.since
+  FROM (SELECT b.channel_id, sum(b.ambiguous) AS ambiguous, sum(b.delivered + b.failed) AS sends,
+               min(b.minute) FILTER (WHERE b.ambiguous > 0) AS since
+          FROM outbox._channel_minutes b
+         WHERE b.minute >= date_trunc('minute', pg_catalog.now()) - interval '59 minutes'
+         GROUP BY b.channel_id) b
+  JOIN outbox._channels c ON c.id = b.channel_id
+ WHERE b.sends >= 20
+   AND 100 * b.ambiguous > outbox._setting('outbox.alert_ambiguous_pct', 5) * b.sends
+UNION ALL
+-- Messages waiting for an operator that nobody has taken for outbox.alert_unowned_s (a
+-- day): the daily review of the work queue is not happening. value = how many.
+SELECT 'work_queue_unowned', c.name, 'warning', count(*)::numeric,
+       outbox._setting('outbox.alert_unowned_s', 86400)::numeric, min(m.updated_at)
+  FROM outbox._messages m
+  JOIN outbox._channels c ON c.id = m.channel_id
+ WHERE m.state IN ('uncertain', 'exhausted', 'failed') AND m.owner IS NULL
+   AND m.updated_at < pg_catalog.now() - make_interval(secs => outbox._setting('outbox.alert_unowned_s', 86400))
+ GROUP BY c.name;
+COMMENT ON VIEW outbox.alerts IS
+    'What needs a human, not every transient error: queue age over outbox.alert_queue_age_s, an error streak of outbox.alert_error_streak failed attempts on one channel, terminal failures in the last hour, uncertain messages (at once where the channel cannot reconcile, after outbox.alert_uncertain_age_s since the send that left them uncertain where it can), a channel whose circuit is open, a channel paused longer than outbox.alert_paused_s, a database no delivery worker serves, a generation of the ledger whose emptying has been put off for five minutes, a channel whose sends of the last hour came out ambiguous more often than outbox.alert_ambiguous_pct percent, messages in the work queue without an owner for outbox.alert_unowned_s. since = when it began.';

@@ -41,7 +41,8 @@ GRANT EXECUTE ON FUNCTION
     outbox.resolve(bigint, text, text, text),
     outbox.cancel(bigint, text),
     outbox.assign(bigint, text),
-    outbox.worker_status()
+    outbox.worker_status(),
+    outbox.ambiguity_review(interval)
     TO outbox_operator;
 GRANT SELECT ON outbox.messages, outbox.attempts, outbox.ledger, outbox.channels,
                 outbox.work_queue, outbox.operator_log

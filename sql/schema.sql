@@ -410,6 +410,9 @@ CREATE TABLE outbox._channel_minutes (
     minute     timestamptz NOT NULL,
     delivered  bigint      NOT NULL DEFAULT 0,
     failed     bigint      NOT NULL DEFAULT 0,
+    -- Of the failed attempts, those whose outcome was ambiguous (outbox.alerts'
+    -- ambiguity_high).
+    ambiguous  bigint      NOT NULL DEFAULT 0,
     PRIMARY KEY (channel_id, minute)
 ) WITH (fillfactor = 50);
 COMMENT ON TABLE outbox._channel_minutes IS 'Per-minute delivery figures kept by the worker (private).';

@@ -88,6 +88,8 @@ static ALERT_QUEUE_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 static ALERT_ERROR_STREAK: GucSetting<i32> = GucSetting::<i32>::new(10);
 static ALERT_UNCERTAIN_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 static ALERT_PAUSED_S: GucSetting<i32> = GucSetting::<i32>::new(3600);
+static ALERT_AMBIGUOUS_PCT: GucSetting<i32> = GucSetting::<i32>::new(5);
+static ALERT_UNOWNED_S: GucSetting<i32> = GucSetting::<i32>::new(86_400);
 static METRICS_CHANNEL_SERIES: GucSetting<i32> = GucSetting::<i32>::new(1000);
 static FAULT_INJECTION: GucSetting<FaultPoint> = GucSetting::<FaultPoint>::new(FaultPoint::None);
 static WORKER_ROLE: GucSetting<Option<CString>> =
@@ -240,6 +242,26 @@ fn define_runtime_settings() {
         c"Alert when a channel has been paused longer than this many seconds.",
         c"A paused channel raises no queue_age alert: its messages wait by design, until someone forgets to resume it.",
         &ALERT_PAUSED_S,
+        1,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.alert_ambiguous_pct",
+        c"Alert when more than this percentage of a channel's sends in the last hour came out ambiguous.",
+        c"Counted over at least 20 sends. Frequent ambiguity points to a timeout shorter than the provider's answers, a gateway in between, or a classification to look at: outbox.ambiguity_review() says which.",
+        &ALERT_AMBIGUOUS_PCT,
+        0,
+        100,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.alert_unowned_s",
+        c"Alert when a message has waited in the work queue without an owner for longer than this many seconds.",
+        c"Measures the daily review of the work queue: every uncertain, exhausted or failed message should have an owner (outbox.assign) within a day.",
+        &ALERT_UNOWNED_S,
         1,
         i32::MAX,
         GucContext::Sighup,

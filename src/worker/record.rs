@@ -227,10 +227,11 @@ impl Outcomes {
         attempt: AttemptMade,
         verdict: Verdict,
     ) {
-        self.tallies
-            .entry(channel_id)
-            .or_default()
-            .count(verdict.state, sent);
+        let tally = self.tallies.entry(channel_id).or_default();
+        tally.count(verdict.state, sent);
+        if sent && verdict.class == Some(crate::classify::Class::Ambiguous) {
+            tally.ambiguous += 1;
+        }
         self.push(message_id, attempt, verdict);
     }
 
@@ -595,13 +596,14 @@ pub fn record_recovery_rows(
 /// Per-channel counters of one batch, folded into `_channel_stats` and `_channel_minutes`.
 static RECORD_STATS: Statement = Statement::planned_once("
 WITH s AS (
-    SELECT * FROM unnest($1::int4[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $6::int8[])
-        AS s(channel_id, delivered, attempts_failed, exhausted, failed, uncertain)
+    SELECT * FROM unnest($1::int4[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $6::int8[], $7::int8[])
+        AS s(channel_id, delivered, attempts_failed, exhausted, failed, uncertain, ambiguous)
 ), minutes AS (
-    INSERT INTO outbox._channel_minutes AS b (channel_id, minute, delivered, failed)
-    SELECT s.channel_id, date_trunc('minute', now()), s.delivered, s.attempts_failed FROM s
+    INSERT INTO outbox._channel_minutes AS b (channel_id, minute, delivered, failed, ambiguous)
+    SELECT s.channel_id, date_trunc('minute', now()), s.delivered, s.attempts_failed, s.ambiguous FROM s
         ON CONFLICT (channel_id, minute) DO UPDATE
-       SET delivered = b.delivered + excluded.delivered, failed = b.failed + excluded.failed
+       SET delivered = b.delivered + excluded.delivered, failed = b.failed + excluded.failed,
+           ambiguous = b.ambiguous + excluded.ambiguous
 )
 INSERT INTO outbox._channel_stats AS cs
        (channel_id, delivered_total, attempts_failed_total, exhausted_total, failed_total, uncertain_total,
@@ -634,6 +636,9 @@ pub struct Tally {
     pub exhausted: i64,
     pub failed: i64,
     pub uncertain: i64,
+    /// Attempts whose outcome was ambiguous, whatever came next (a retry with the key, a
+    /// lookup, an operator): counted apart for `outbox.alerts`' ambiguity_high.
+    pub ambiguous: i64,
 }
 
 impl Tally {
@@ -676,6 +681,7 @@ pub fn record_stats(
             col(|t| t.exhausted).into(),
             col(|t| t.failed).into(),
             col(|t| t.uncertain).into(),
+            col(|t| t.ambiguous).into(),
         ],
     )?;
     Ok(())

@@ -432,3 +432,86 @@ fn create_extension_in_a_database_no_worker_serves_warns_and_raises_an_alert() {
     assert_eq!(raised, vec!["database_not_served/critical".to_string()]);
     drop(other);
 }
+
+/// A provider slower than the channel's timeout: every send times out, ambiguous. More than
+/// `outbox.alert_ambiguous_pct` of the channel's sends of the last hour raises
+/// `ambiguity_high`; `outbox.ambiguity_review()` counts them as timeouts, beside the
+/// timeout, and says to raise it. The messages left for an operator raise
+/// `work_queue_unowned` after `outbox.alert_unowned_s`, until someone takes them.
+#[test]
+fn a_timeout_shorter_than_the_provider_raises_ambiguity_high_and_the_review_says_why() {
+    const MESSAGES: usize = 12;
+    let _serial = serial();
+    let cluster = Cluster::from_env();
+    wait_for_workers(&cluster, &[]);
+    let _settings = SettingsGuard::new(&cluster, &["outbox.alert_unowned_s"]);
+    let mut c = cluster.connect();
+    set_setting_seen(&mut c, "outbox.alert_unowned_s", "1");
+
+    let sim = Simulator::start();
+    let ch = unique("obs_ambig");
+    sim.set_dedupe(&ch, "Idempotency-Key");
+    sim.set_default(&ch, Action::AcceptAfter(Duration::from_millis(900)));
+    create_channel(
+        &mut c,
+        &ch,
+        &sim.send_url(&ch),
+        r#"{"idempotency_header": "Idempotency-Key", "timeout_ms": 300, "connect_timeout_ms": 200,
+            "retry": {"base_ms": 50, "max_ms": 100, "jitter": "none", "max_attempts": 2}}"#,
+    );
+    let ids: Vec<i64> = (0..MESSAGES)
+        .map(|_| enqueue(&mut c, &ch, &unique("obs_ambig_k")))
+        .collect();
+    // Every attempt times out: each message ends waiting for an operator.
+    let settled = wait_until(Duration::from_secs(30), || {
+        one::<i64>(
+            &mut c,
+            "SELECT count(*) FROM outbox.work_queue WHERE id = ANY($1)",
+            &[&ids],
+        ) == MESSAGES as i64
+    });
+    assert!(settled, "the messages did not reach the work queue");
+
+    wait_for_alert(&mut c, &ch, "ambiguity_high", Duration::from_secs(10));
+    let row = alerts_of(&mut c, &ch)
+        .into_iter()
+        .find(|a| a.alert == "ambiguity_high")
+        .unwrap();
+    assert_eq!(row.value, 100.0, "every send was ambiguous: {row:?}");
+    assert_eq!(row.threshold, 5.0);
+
+    let r = c
+        .query_one(
+            "SELECT sends, ambiguous, timed_out, gateway, worker_interrupted, timeout_ms, suggestion
+               FROM outbox.ambiguity_review('1 hour') WHERE channel = $1",
+            &[&ch],
+        )
+        .unwrap();
+    let (sends, ambiguous, timed_out): (i64, i64, i64) = (r.get(0), r.get(1), r.get(2));
+    let (gateway, interrupted, timeout_ms): (i64, i64, i32) = (r.get(3), r.get(4), r.get(5));
+    let suggestion: String = r.get(6);
+    assert!(sends >= 2 * MESSAGES as i64, "{sends} sends");
+    assert_eq!(
+        (ambiguous, timed_out),
+        (sends, sends),
+        "all of them timed out"
+    );
+    assert_eq!((gateway, interrupted, timeout_ms), (0, 0, 300));
+    assert!(
+        suggestion.contains("timed out") && suggestion.contains("raise timeout_ms"),
+        "{suggestion}"
+    );
+
+    // Nobody took them: the daily review's alert, until an owner is named.
+    wait_for_alert(&mut c, &ch, "work_queue_unowned", Duration::from_secs(10));
+    for id in &ids {
+        c.execute("SELECT outbox.assign($1, 'on-call')", &[id])
+            .unwrap();
+    }
+    assert!(
+        !alerts_of(&mut c, &ch)
+            .iter()
+            .any(|a| a.alert == "work_queue_unowned"),
+        "cleared once every message has an owner"
+    );
+}
