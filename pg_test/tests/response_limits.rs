@@ -232,3 +232,51 @@ fn a_channel_may_read_a_longer_body() {
         );
     }
 }
+
+/// What a provider said when it refused: a 404's body is kept with the attempt (its
+/// `error`) and shows in the work queue's `last_error`, up to the channel's
+/// `response_excerpt_bytes`; 0 keeps nothing. A delivery keeps no excerpt.
+#[test]
+fn a_refusals_answer_is_kept_with_its_attempt_up_to_response_excerpt_bytes() {
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let refused = |c: &mut Client, options: &str| -> (String, String) {
+        let ch = sim_channel(c, &sim, "rl_excerpt", options);
+        sim.set_default(&ch, Action::Status(404));
+        enqueue_many(c, &ch, 1);
+        let id = outcomes(c, &ch).remove(0).id;
+        wait_for_state(&cluster, id, "failed", T);
+        let r = c
+            .query_one(
+                "SELECT w.last_error, a.error FROM outbox.work_queue w
+                   JOIN outbox.attempts a ON a.message_id = w.id AND a.kind = 'send'
+                  WHERE w.id = $1",
+                &[&id],
+            )
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    let said = r#"answer: {"error":"simulated status 404"}"#;
+    let (last_error, attempt_error) = refused(&mut c, "{}");
+    assert!(last_error.starts_with("HTTP 404 after "), "{last_error}");
+    assert!(last_error.contains(said), "{last_error}");
+    assert!(attempt_error.contains(said), "{attempt_error}");
+
+    let (last_error, _) = refused(&mut c, r#"{"response_excerpt_bytes": 10}"#);
+    assert!(
+        last_error.contains(r#"answer: {"error":" …"#),
+        "cut at 10 bytes: {last_error}"
+    );
+    let (last_error, _) = refused(&mut c, r#"{"response_excerpt_bytes": 0}"#);
+    assert!(
+        !last_error.contains("answer:"),
+        "nothing kept: {last_error}"
+    );
+
+    let refused = c
+        .execute(
+            "SELECT outbox.create_channel('rl_excerpt_bad', 'http://127.0.0.1:9/x', '{\"response_excerpt_bytes\": 70000}')",
+            &[],
+        )
+        .unwrap_err();
+    assert_eq!(code_of(&refused), "22023", "{refused}");
+}

@@ -82,6 +82,8 @@ pub struct Outgoing {
     pub external_id: Option<ExternalIdSource>,
     /// Most bytes of the answer's body to read (the channel's `max_response_bytes`).
     pub max_response_bytes: usize,
+    /// Bytes of a refusing answer's body kept (`answer_excerpt`).
+    pub excerpt_bytes: usize,
     /// When the request may no longer start (`fence`).
     pub fence: super::fence::Fence,
 }
@@ -96,6 +98,8 @@ pub enum Transmission {
         external_id: Option<String>,
         body_complete: bool,
         body_error: Option<String>,
+        /// What a refusing answer's body said (`answer_excerpt`).
+        excerpt: Option<String>,
         elapsed_ms: u64,
     },
     /// No answer: the phase says how far the request got.
@@ -485,12 +489,15 @@ pub async fn transmit(
         )),
         (None, false) => None,
     };
+    let excerpt =
+        super::answer_excerpt::excerpt(status, &body, out.excerpt_bytes, &out.url, &out.headers);
     Transmission::Answered {
         status,
         retry_after,
         external_id,
         body_complete: read_error.is_none(),
         body_error,
+        excerpt,
         elapsed_ms: elapsed(started),
     }
 }
@@ -558,6 +565,7 @@ mod tests {
             timeout: Duration::from_secs(2),
             external_id: None,
             max_response_bytes: 65536,
+            excerpt_bytes: 1024,
             fence: crate::channels::fence::Fence::open(),
         }
     }

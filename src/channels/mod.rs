@@ -7,6 +7,7 @@
 //! the requests it sends to one channel at once.
 
 pub mod admin;
+pub mod answer_excerpt;
 pub mod circuit;
 pub mod connection_slots;
 pub mod effect_bound;

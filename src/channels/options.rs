@@ -57,6 +57,8 @@ pub struct ChannelOptions {
     /// Most bytes of a response body the worker reads (for the external id); the rest of a
     /// longer body is not read.
     pub max_response_bytes: u64,
+    /// Bytes of a refusing answer's body kept with its attempt (`answer_excerpt`); 0: none.
+    pub response_excerpt_bytes: u64,
     /// Standard Webhooks signatures on every request (`signing`).
     pub signing: Option<super::signing::Signing>,
     /// Extra roots and a client certificate (`tls`).
@@ -139,6 +141,7 @@ pub enum Kind {
 const HTTP_ONLY: &[&str] = &[
     "method",
     "max_response_bytes",
+    "response_excerpt_bytes",
     "max_unverifiable_in_flight",
     "headers",
     "idempotency_header",
@@ -175,6 +178,7 @@ const KNOWN_KEYS: &[&str] = &[
     "run_as",
     "tenants",
     "max_response_bytes",
+    "response_excerpt_bytes",
     "subject",
     "stream",
     "auth",
@@ -206,6 +210,7 @@ impl Default for ChannelOptions {
             max_unverifiable_in_flight: DEFAULT_MAX_UNVERIFIABLE_IN_FLIGHT,
             tenants: vec!["*".into()],
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            response_excerpt_bytes: super::answer_excerpt::DEFAULT_BYTES,
             signing: None,
             tls: None,
             rate_limit: None,
@@ -482,6 +487,12 @@ impl ChannelOptions {
             "max_response_bytes" => {
                 o.max_response_bytes = positive_int(key, value, MAX_RESPONSE_BYTES)?
             }
+            "response_excerpt_bytes" => {
+                o.response_excerpt_bytes = match value.as_u64() {
+                    Some(0) => 0,
+                    _ => positive_int(key, value, super::answer_excerpt::MOST_BYTES)?,
+                }
+            }
             "signing" => o.signing = Some(super::signing::Signing::from_json(value)?),
             "tls" => o.tls = Some(super::tls::TlsOptions::from_json(value)?),
             "rate_limit" => o.rate_limit = Some(super::rate_limit::RateLimit::from_json(value)?),
@@ -543,6 +554,7 @@ impl ChannelOptions {
             "max_unverifiable_in_flight": self.max_unverifiable_in_flight,
             "tenants": self.tenants,
             "max_response_bytes": self.max_response_bytes,
+            "response_excerpt_bytes": self.response_excerpt_bytes,
             "signing": self.signing.as_ref().map(|s| s.to_json()),
             "tls": self.tls.as_ref().map(|t| t.to_json()),
             "rate_limit": self.rate_limit.as_ref().map(|r| r.to_json()),
@@ -894,6 +906,23 @@ mod tests {
         assert_eq!(o.max_response_bytes, 65536);
         let o = ChannelOptions::from_json(&json!({"max_response_bytes": 1})).unwrap();
         assert_eq!(o.max_response_bytes, 1);
+        // The excerpt of a refusing answer: 1 KiB by default, 0 keeps none, at most 64 KiB.
+        assert_eq!(
+            ChannelOptions::from_json(&json!({}))
+                .unwrap()
+                .response_excerpt_bytes,
+            1024
+        );
+        for n in [0u64, 1, 65536] {
+            let o = ChannelOptions::from_json(&json!({"response_excerpt_bytes": n})).unwrap();
+            assert_eq!(o.response_excerpt_bytes, n);
+        }
+        for bad in [json!(65537), json!(-1), json!("1k"), json!(1.5)] {
+            assert_eq!(
+                err(json!({ "response_excerpt_bytes": bad })).option,
+                "response_excerpt_bytes"
+            );
+        }
         assert_eq!(ChannelOptions::from_json(&o.to_json()).unwrap(), o);
         for bad in [json!(0), json!(16 * 1024 * 1024 + 1), json!("1"), json!(-1)] {
             assert_eq!(

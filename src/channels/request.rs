@@ -56,6 +56,7 @@ pub fn outgoing(
         timeout: Duration::from_millis(options.timeout_ms),
         external_id: options.external_id.clone(),
         max_response_bytes: options.max_response_bytes as usize,
+        excerpt_bytes: options.response_excerpt_bytes as usize,
         fence: message.fence,
     })
 }

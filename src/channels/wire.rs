@@ -823,12 +823,20 @@ pub async fn transmit(wire: Arc<Wire>, out: Outgoing, allowed: Arc<AllowList>) -
         )),
         (None, false) => None,
     };
+    let excerpt = super::answer_excerpt::excerpt(
+        head.status,
+        &body,
+        out.excerpt_bytes,
+        &out.url,
+        &out.headers,
+    );
     Transmission::Answered {
         status: head.status,
         retry_after: head.retry_after,
         external_id,
         body_complete: read_error.is_none(),
         body_error,
+        excerpt,
         elapsed_ms: elapsed(),
     }
 }
@@ -857,6 +865,7 @@ mod tests {
             timeout: Duration::from_secs(2),
             external_id: None,
             max_response_bytes: 65536,
+            excerpt_bytes: 1024,
             fence: crate::channels::fence::Fence::open(),
         }
     }

@@ -281,6 +281,7 @@ pub fn after_transmission(
             external_id,
             body_complete,
             body_error,
+            excerpt,
             elapsed_ms,
         } => {
             let facts = SendFacts::Response {
@@ -291,6 +292,10 @@ pub fn after_transmission(
             let mut what = format!("HTTP {status} after {elapsed_ms} ms");
             if let Some(e) = body_error {
                 what.push_str(&format!("; read: {e}"));
+            }
+            // What the provider said: kept with the attempt (`answer_excerpt`).
+            if let Some(said) = excerpt {
+                what.push_str(&format!("; answer: {said}"));
             }
             let mut retry_after_ms = None;
             if let Some(raw) = retry_after {
@@ -571,6 +576,7 @@ mod tests {
             external_id: Some("ext-1".into()),
             body_complete: true,
             body_error: None,
+            excerpt: None,
             elapsed_ms: 3,
         }
     }

@@ -317,6 +317,7 @@ mod tests {
             external_id: None,
             body_complete: true,
             body_error: None,
+            excerpt: None,
             elapsed_ms: 0,
         })
     }

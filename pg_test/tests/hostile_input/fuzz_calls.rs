@@ -111,7 +111,7 @@ pub(super) struct Pools {
     pub(super) unknown_base: i64,
 }
 
-const KNOWN_OPTION_KEYS: [&str; 23] = [
+const KNOWN_OPTION_KEYS: [&str; 24] = [
     "kind",
     "method",
     "headers",
@@ -131,6 +131,7 @@ const KNOWN_OPTION_KEYS: [&str; 23] = [
     "endpoint",
     "tenants",
     "max_response_bytes",
+    "response_excerpt_bytes",
     "signing",
     "tls",
     "rate_limit",
