@@ -217,6 +217,22 @@ fn define_runtime_settings() {
         GucContext::Sighup,
         GucFlags::UNIT_S,
     );
+    // Read by outbox.prometheus() (sql/observability.sql).
+    GucRegistry::define_int_guc(
+        c"outbox.metrics_channel_series",
+        c"outbox.prometheus() labels its series by channel while there are at most this many channels.",
+        c"Above it, each family is one series summed over every channel (channel=\"*\"): per-channel series are what a Prometheus stores and bills.",
+        &METRICS_CHANNEL_SERIES,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    define_alert_settings();
+}
+
+/// The thresholds of `outbox.alerts`.
+fn define_alert_settings() {
     GucRegistry::define_int_guc(
         c"outbox.alert_queue_age_s",
         c"Alert when the oldest due queued message of a channel has waited longer than this many seconds.",
@@ -273,17 +289,6 @@ fn define_runtime_settings() {
         c"",
         &ALERT_ERROR_STREAK,
         1,
-        i32::MAX,
-        GucContext::Sighup,
-        GucFlags::default(),
-    );
-    // Read by outbox.prometheus() (sql/observability.sql).
-    GucRegistry::define_int_guc(
-        c"outbox.metrics_channel_series",
-        c"outbox.prometheus() labels its series by channel while there are at most this many channels.",
-        c"Above it, each family is one series summed over every channel (channel=\"*\"): per-channel series are what a Prometheus stores and bills.",
-        &METRICS_CHANNEL_SERIES,
-        0,
         i32::MAX,
         GucContext::Sighup,
         GucFlags::default(),
