@@ -12,9 +12,10 @@
 
 use std::path::{Path, PathBuf};
 
-/// Where an absolute path of a machine starts: a build machine's working tree, the home
-/// directories.
-const MACHINE_ROOTS: &[&str] = &["/work/", "/root/", "/home/"];
+/// The top directories where an absolute path of a machine starts (`/<name>/`): a build
+/// machine's working tree, the home directories. Named without their slashes, so that this
+/// file holds no such path itself.
+const MACHINE_ROOTS: &[&str] = &["work", "root", "home"];
 
 /// The directory of cargo's build scripts' output, under a target directory of a machine.
 const BUILD_OUTPUT: &str = "target/release/build";
@@ -40,7 +41,7 @@ fn documents() -> Vec<PathBuf> {
 }
 
 /// Does a path that starts at byte `at` of `line` start there, rather than continue a
-/// relative path (`scripts/work/`), a variable (`$HOME/…`) or a home-relative one (`~/…`)?
+/// relative path (`scripts/…`), a variable (`$HOME/…`) or a home-relative one (`~/…`)?
 fn starts_a_path(line: &str, at: usize) -> bool {
     line[..at]
         .chars()
@@ -61,8 +62,9 @@ fn path_at(line: &str, at: usize) -> &str {
 /// The absolute paths of a machine in `text`: (line number, path).
 fn machine_paths(text: &str) -> Vec<(usize, String)> {
     let mut found = Vec::new();
+    let roots: Vec<String> = MACHINE_ROOTS.iter().map(|r| format!("/{r}/")).collect();
     for (number, line) in text.lines().enumerate() {
-        for root in MACHINE_ROOTS {
+        for root in &roots {
             let mut from = 0;
             while let Some(offset) = line[from..].find(root) {
                 let at = from + offset;
@@ -119,30 +121,38 @@ fn no_document_holds_an_absolute_path_of_a_machine() {
     );
 }
 
+/// `text` with `@w`, `@r` and `@h` written as the machine roots `/work`, `/root` and
+/// `/home`: the examples below name no machine path in this file.
+fn rooted(text: &str) -> String {
+    text.replace("@w", "/work")
+        .replace("@r", "/root")
+        .replace("@h", "/home")
+}
+
 #[test]
 fn machine_paths_are_found_and_relative_ones_are_not() {
     let found = |text: &str| -> Vec<String> {
-        machine_paths(text)
+        machine_paths(&rooted(text))
             .into_iter()
             .map(|(_, path)| path)
             .collect()
     };
     assert_eq!(
-        found("data in `/work/main/target/x` today"),
-        ["/work/main/target/x"]
+        found("data in `@w/main/target/x` today"),
+        [rooted("@w/main/target/x")]
     );
     assert_eq!(
-        found("(/root/.cargo/registry/src)"),
-        ["/root/.cargo/registry/src"]
+        found("(@r/.cargo/registry/src)"),
+        [rooted("@r/.cargo/registry/src")]
     );
-    assert_eq!(found("/home/ci/outbox, and more"), ["/home/ci/outbox"]);
+    assert_eq!(found("@h/ci/outbox, and more"), [rooted("@h/ci/outbox")]);
     assert_eq!(
         found("see target/release/build/outbox-1a2b/out"),
         ["target/release/build/outbox-1a2b/out"]
     );
-    assert_eq!(found("a\n/work/a and /work/b"), ["/work/a", "/work/b"]);
-    assert!(found("scripts/work/x, ~/work/y, $HOME/work/z").is_empty());
+    assert_eq!(found("a\n@w/a and @w/b"), [rooted("@w/a"), rooted("@w/b")]);
+    assert!(found("scripts@w/x, ~@w/y, $HOME@w/z").is_empty());
     assert!(found("OUTBOX_BASE=/tmp/outbox_pref P/lib/postgresql/15/bin/pg_config").is_empty());
     assert!(found("/usr/lib/postgresql/15/bin and target/release/bench").is_empty());
-    assert_eq!(machine_paths("x\ny /home/u")[0].0, 2);
+    assert_eq!(machine_paths(&rooted("x\ny @h/u"))[0].0, 2);
 }

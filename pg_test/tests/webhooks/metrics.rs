@@ -36,33 +36,27 @@ fn port(var: &str) -> u16 {
 
 /// `GET http://127.0.0.1:port{path}`: status and body.
 fn get(port: u16, path: &str) -> std::io::Result<(u16, String)> {
-    let mut s = TcpStream::connect(("127.0.0.1", port))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut text = String::new();
-    s.read_to_string(&mut text)?;
-    let status = text
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((status, body))
+    exchange(
+        port,
+        &format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"),
+    )
 }
 
 /// `GET http://127.0.0.1:port{path}` in HTTP/1.0: status and body. Prometheus's API answers
 /// an HTTP/1.1 request with a body over 2 kB in chunks, which this reader would not join;
 /// an HTTP/1.0 answer is never chunked.
 fn get_http10(port: u16, path: &str) -> std::io::Result<(u16, String)> {
+    exchange(
+        port,
+        &format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n"),
+    )
+}
+
+/// Writes `request` to `127.0.0.1:port` and reads the answer to its end: status and body.
+fn exchange(port: u16, request: &str) -> std::io::Result<(u16, String)> {
     let mut s = TcpStream::connect(("127.0.0.1", port))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+    s.write_all(request.as_bytes())?;
     let mut text = String::new();
     s.read_to_string(&mut text)?;
     let status = text
