@@ -206,12 +206,15 @@ fn a_message_the_stream_already_holds_is_delivered_with_the_sequence_stored_firs
     }
 }
 
+/// `create_channel` refuses a subject outside its stream; a stream whose subjects change
+/// afterwards leaves the channel's publishes with no stream: retried as transient, said.
 #[test]
-fn a_subject_no_stream_listens_on_is_retried_and_says_so() {
+fn a_subject_the_stream_stopped_taking_is_retried_and_says_so() {
     let cluster = Cluster::from_env();
     let mut c = cluster.connect();
     let nats = NatsServer::start(None);
-    let (channel, _, _) = stream_and_channel(&mut c, &nats, "elsewhere.{effect_key}", "");
+    let (channel, stream, prefix) = stream_and_channel(&mut c, &nats, "{p}.{effect_key}", "");
+    nats.create_stream(&stream, &[&format!("moved_{prefix}.>")], Duration::from_secs(120));
     let id = enqueue(&mut c, &channel, &format!("{channel}-0"));
     let seen = poll(&cluster, SETTLE, |c| {
         Ok((attempts(c, id).len() >= 2).then_some(()))
@@ -242,14 +245,15 @@ fn a_subject_of_another_stream_fails_naming_the_stream() {
     let cluster = Cluster::from_env();
     let mut c = cluster.connect();
     let nats = NatsServer::start(None);
+    let (channel, stream, prefix) = stream_and_channel(&mut c, &nats, "{p}.{effect_key}", "");
+    // The channel's subjects move to another stream after create_channel.
     let other = unique("other").replace(['-', '.'], "_");
+    nats.create_stream(&stream, &[&format!("moved_{prefix}.>")], Duration::from_secs(120));
     nats.create_stream(
         &other.to_uppercase(),
-        &[&format!("{other}.>")],
+        &[&format!("{prefix}.>")],
         Duration::from_secs(60),
     );
-    let (channel, stream, _) =
-        stream_and_channel(&mut c, &nats, &format!("{other}.{{effect_key}}"), "");
     let id = enqueue(&mut c, &channel, &format!("{channel}-0"));
     wait_all(&cluster, &channel, "failed", 1, SETTLE);
     let a = attempts(&mut c, id);
@@ -304,6 +308,20 @@ fn create_channel_reads_the_window_and_refuses_what_it_cannot_keep() {
             url.clone(),
             "subject",
         ),
+        // Outside the stream's subjects: the server would store none of its messages.
+        (
+            format!(r#"{{"kind": "nats", "subject": "elsewhere.{{effect_key}}", "stream": "{stream}"}}"#),
+            url.clone(),
+            "lies outside the subjects of stream",
+        ),
+        (
+            format!(
+                r#"{{"kind": "nats", "subject": "{}", "stream": "{stream}"}}"#,
+                stream.to_lowercase()
+            ),
+            url.clone(),
+            "subject",
+        ),
         (ok(""), url.replace("nats://", "nats://u:p@"), "endpoint"),
         (ok(""), url.replace("nats://", "http://"), "endpoint"),
         (
@@ -352,6 +370,21 @@ fn create_channel_reads_the_window_and_refuses_what_it_cannot_keep() {
         bound, "max_in_flight",
         "a nats channel dedupes by Nats-Msg-Id"
     );
+    // alter_channel holds a new subject to the stream as well, and changes nothing.
+    let e = c
+        .execute(
+            "SELECT outbox.alter_channel($1, '{\"subject\": \"elsewhere.x\"}')",
+            &[&name],
+        )
+        .expect_err("a subject outside the stream");
+    assert_eq!(code_of(&e), "22023", "{}", describe(&e));
+    assert!(describe(&e).contains("lies outside"), "{}", describe(&e));
+    let subject: String = one(
+        &mut c,
+        "SELECT options ->> 'subject' FROM outbox.channels WHERE name = $1",
+        &[&name],
+    );
+    assert_eq!(subject, format!("{}.x", stream.to_lowercase()));
 }
 
 #[test]

@@ -5,7 +5,7 @@ use super::lookup_url;
 use super::options::{unverifiable_notice, validate_endpoint, ChannelOptions, Kind, OptionError};
 use super::secrets::{mask_url, shape};
 use super::sql_effect;
-use super::{nats_options, nats_window};
+use super::{nats_options, nats_subject, nats_window};
 use crate::error::{spi_failure, OrRaise, OutboxError};
 use crate::gucs;
 use pgrx::pg_sys::panic::ErrorReport;
@@ -171,17 +171,18 @@ fn check_nats_endpoint(endpoint: &str) -> Result<(), pgrx::spi::Error> {
     Ok(())
 }
 
-/// Reads a `nats` channel's duplicate window from its stream and applies it to `options`
-/// (`nats_window::apply_window`); a stream whose window cannot be read refuses the channel
-/// (22023 naming the stream), since without it no republish is known to be safe.
-fn read_nats_window(endpoint: &str, options: &mut ChannelOptions, explicit_max_age: bool) {
+/// Reads a `nats` channel's stream: its duplicate window, applied to `options`
+/// (`nats_window::apply_window`), and its subjects, which must take the channel's subject
+/// (`nats_subject::within_stream`). A stream that cannot be read refuses the channel (22023
+/// naming the stream), since without its window no republish is known to be safe.
+fn read_nats_stream(endpoint: &str, options: &mut ChannelOptions, explicit_max_age: bool) {
     if !matches!(options.kind, Kind::Nats(_)) {
         return;
     }
     let list = AllowList::parse(&gucs::allowed_hosts())
         .map_err(OutboxError::InvalidAllowedHosts)
         .or_raise();
-    let window = nats_window::read_from_backend(endpoint, options, list)
+    let stream = nats_window::read_from_backend(endpoint, options, list)
         .map_err(|e| {
             option_error(OptionError::new(
                 "stream",
@@ -192,7 +193,18 @@ fn read_nats_window(endpoint: &str, options: &mut ChannelOptions, explicit_max_a
             ))
         })
         .or_raise();
-    let note = nats_window::apply_window(options, window, explicit_max_age)
+    if let Kind::Nats(target) = &options.kind {
+        nats_subject::within_stream(&target.subject, &target.stream, &stream.subjects)
+            .map_err(|e| {
+                option_error(
+                    OptionError::new("subject", e).with_hint(
+                        "Use a subject the stream takes, or add the subject to the stream's subjects.",
+                    ),
+                )
+            })
+            .or_raise();
+    }
+    let note = nats_window::apply_window(options, stream.window_ms, explicit_max_age)
         .map_err(option_error)
         .or_raise();
     if let Some(note) = note {
@@ -268,7 +280,7 @@ fn create_channel(name: Option<&str>, endpoint: Option<&str>, options: Option<&s
 
     Spi::connect_mut(|client| -> Result<(), pgrx::spi::Error> {
         check_target(client, endpoint, &parsed)?;
-        read_nats_window(endpoint, &mut parsed, sets_max_age(&options));
+        read_nats_stream(endpoint, &mut parsed, sets_max_age(&options));
         let normalized = parsed.to_json();
         let inserted = client.update(
             INSERT_CHANNEL,
@@ -346,7 +358,7 @@ fn alter_channel(name: Option<&str>, options: Option<&str>) {
             .map_err(option_error)
             .or_raise();
         check_target(client, &endpoint, &parsed)?;
-        read_nats_window(&endpoint, &mut parsed, sets_max_age(&changes));
+        read_nats_stream(&endpoint, &mut parsed, sets_max_age(&changes));
         let normalized = parsed.to_json();
 
         client.update(

@@ -52,11 +52,11 @@ pub enum Publication {
     },
 }
 
-/// An open connection with the stream's duplicate window as read when it was made.
+/// An open connection with the stream as read when it was made.
 #[derive(Clone)]
 pub struct Connected {
     jetstream: jetstream::Context,
-    pub window_ms: u64,
+    pub stream: StreamFacts,
 }
 
 /// The endpoint's host and port (4222 unless given).
@@ -116,7 +116,8 @@ pub async fn connect(
         .map_err(|e| format!("connect: {e}"))?;
     let mut context = jetstream::new(client);
     context.set_timeout(Duration::from_millis(options.timeout_ms));
-    let window_ms = read_window(&context, &target.stream).await?;
+    let stream = read_stream(&context, &target.stream).await?;
+    let window_ms = stream.window_ms;
     if let Some(stored) = target.duplicate_window_ms {
         if window_ms < stored {
             return Err(format!(
@@ -127,12 +128,21 @@ pub async fn connect(
     }
     Ok(Connected {
         jetstream: context,
-        window_ms,
+        stream,
     })
 }
 
-/// The duplicate window of `stream`, in ms; an error naming the stream if it cannot be read.
-pub async fn read_window(context: &jetstream::Context, stream: &str) -> Result<u64, String> {
+/// What `create_channel` and `alter_channel` read of a channel's stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamFacts {
+    /// The duplicate window, in ms.
+    pub window_ms: u64,
+    /// The subject filters the stream stores (none: the stream's own name).
+    pub subjects: Vec<String>,
+}
+
+/// The facts of `stream`; an error naming the stream if it cannot be read.
+pub async fn read_stream(context: &jetstream::Context, stream: &str) -> Result<StreamFacts, String> {
     let mut s = context
         .get_stream(stream)
         .await
@@ -141,21 +151,24 @@ pub async fn read_window(context: &jetstream::Context, stream: &str) -> Result<u
         .info()
         .await
         .map_err(|e| format!("stream \"{stream}\" cannot be read: {e}"))?;
-    Ok(info.config.duplicate_window.as_millis() as u64)
+    Ok(StreamFacts {
+        window_ms: info.config.duplicate_window.as_millis() as u64,
+        subjects: info.config.subjects.clone(),
+    })
 }
 
-/// Connects and reads the window once, for `create_channel` and `alter_channel`.
-pub async fn probe_window(
+/// Connects and reads the stream once, for `create_channel` and `alter_channel`.
+pub async fn probe_stream(
     endpoint: &str,
     options: &ChannelOptions,
     target: &NatsTarget,
     allowed: &AllowList,
-) -> Result<u64, String> {
+) -> Result<StreamFacts, String> {
     let probe = NatsTarget {
         duplicate_window_ms: None,
         ..target.clone()
     };
-    Ok(connect(endpoint, options, &probe, allowed).await?.window_ms)
+    Ok(connect(endpoint, options, &probe, allowed).await?.stream)
 }
 
 /// How a publish is sent.

@@ -90,6 +90,73 @@ pub fn names_effect_key(template: &str) -> bool {
     parts(template).is_ok_and(|p| p.contains(&Part::EffectKey))
 }
 
+/// One token of a template, as far as a stream's subjects can tell: fixed text, or a token
+/// holding a placeholder, which a message may fill with one token or more (a value with a
+/// dot adds tokens).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Shape<'a> {
+    Fixed(&'a str),
+    Filled,
+}
+
+/// Can some message's subject from `template` match the subject filter `filter` (tokens,
+/// `*` for one token, a last `>` for one or more)? A template that cannot is outside it.
+fn may_match(filter: &[&str], template: &[Shape<'_>]) -> bool {
+    match (filter.split_first(), template.split_first()) {
+        (None, None) => true,
+        (Some((&">", _)), Some(_)) => true,
+        (None, Some(_)) | (Some(_), None) => false,
+        (Some((f, fs)), Some((Shape::Fixed(t), ts))) => (*f == "*" || f == t) && may_match(fs, ts),
+        // A filled token takes one filter token, or more: its value may hold dots.
+        (Some((_, _)), Some((Shape::Filled, ts))) => (1..=filter.len())
+            .take_while(|&n| filter[n - 1] != ">")
+            .any(|n| may_match(&filter[n..], ts))
+            || filter.contains(&">"),
+    }
+}
+
+/// The tokens of `template`: a token with a placeholder anywhere in it is filled.
+fn shapes(template: &str) -> Result<Vec<Shape<'_>>, String> {
+    let mut out = vec![Shape::Fixed("")];
+    for part in parts(template)? {
+        match part {
+            Part::Text(text) => {
+                let mut tokens = text.split('.');
+                let first = tokens.next().unwrap_or_default();
+                // Text continues the token before it: the empty first token, or a filled
+                // one (a placeholder precedes every text part but the first), which stays
+                // filled.
+                if let Some(Shape::Fixed(start)) = out.last_mut() {
+                    *start = first;
+                }
+                out.extend(tokens.map(Shape::Fixed));
+            }
+            Part::EffectKey | Part::Payload(_) => *out.last_mut().expect("never empty") = Shape::Filled,
+        }
+    }
+    Ok(out)
+}
+
+/// Does the stream take the subjects of `template`? `subjects` are the stream's subject
+/// filters; a stream with none takes the subject named like the stream. `Err` says, for
+/// `create_channel`, why no message of the channel could be stored: the server would
+/// answer every publish with "no responders", retried as transient for ever.
+pub fn within_stream(template: &str, stream: &str, subjects: &[String]) -> Result<(), String> {
+    let shapes = shapes(template)?;
+    let own = [stream.to_string()];
+    let filters = if subjects.is_empty() { &own[..] } else { subjects };
+    if filters
+        .iter()
+        .any(|f| may_match(&f.split('.').collect::<Vec<_>>(), &shapes))
+    {
+        return Ok(());
+    }
+    Err(format!(
+        "\"{template}\" lies outside the subjects of stream \"{stream}\" ({}): the server would store none of its messages",
+        filters.join(", ")
+    ))
+}
+
 /// The subject of one message, or why it has none (the message is not sent).
 pub fn fill(template: &str, effect_key: &str, payload: &str) -> Result<String, String> {
     let mut subject = String::with_capacity(template.len() + effect_key.len());
@@ -174,5 +241,46 @@ mod tests {
             assert!(check_template(bad).is_err(), "{bad}");
         }
         assert!(check_template(&"a".repeat(MAX_SUBJECT_BYTES + 1)).is_err());
+    }
+
+    #[test]
+    fn a_subject_outside_its_stream_is_found() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let inside = [
+            ("orders.created", s(&["orders.>"])),
+            ("orders.created", s(&["orders.*"])),
+            ("orders.created", s(&["orders.created"])),
+            ("orders.{effect_key}", s(&["orders.*"])),
+            ("orders.{effect_key}", s(&["orders.>"])),
+            // A key with a dot fills two tokens.
+            ("orders.{effect_key}", s(&["orders.*.*"])),
+            ("orders.{effect_key}", s(&["orders.a.b.c"])),
+            ("{payload:/r}.x", s(&["eu.x"])),
+            ("{payload:/r}.x", s(&["*.*.x"])),
+            ("a.{effect_key}.z", s(&["a.>"])),
+            ("a.b", s(&["x.>", "a.b"])),
+            ("ORDERS", s(&[])),
+            ("o-{effect_key}", s(&["*"])),
+            ("o.{payload:/a.b}", s(&["o.*"])),
+            ("o.x{payload:/a}y.z", s(&["o.q.z"])),
+        ];
+        for (template, subjects) in inside {
+            assert!(within_stream(template, "ORDERS", &subjects).is_ok(), "{template} {subjects:?}");
+        }
+        let outside = [
+            ("elsewhere.x", s(&["orders.>"])),
+            ("orders", s(&["orders.>"])),
+            ("orders.a.b", s(&["orders.*"])),
+            ("orders.created", s(&["orders.updated"])),
+            ("a.{effect_key}.z", s(&["a.*.y"])),
+            ("a.{effect_key}", s(&["a"])),
+            ("orders", s(&[])),
+            ("x.{effect_key}", s(&["y.*", "y.>"])),
+            ("o.{payload:/a.b}.c", s(&["o.*"])),
+        ];
+        for (template, subjects) in outside {
+            let e = within_stream(template, "ORDERS", &subjects).unwrap_err();
+            assert!(e.contains("lies outside") && e.contains(template), "{e}");
+        }
     }
 }

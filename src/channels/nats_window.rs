@@ -38,19 +38,19 @@ pub fn apply_window(
     )))
 }
 
-/// Reads the duplicate window of the channel's stream from a backend (connects, asks, and
-/// closes), held to `allowed`; an error naming what could not be read.
+/// Reads the channel's stream from a backend (connects, asks, and closes), held to
+/// `allowed`: its duplicate window and subjects, or an error naming what could not be read.
 pub fn read_from_backend(
     endpoint: &str,
     options: &ChannelOptions,
     allowed: AllowList,
-) -> Result<u64, String> {
+) -> Result<nats::StreamFacts, String> {
     let Kind::Nats(target) = &options.kind else {
         return Err("not a nats channel".into());
     };
     let (endpoint, options, target) = (endpoint.to_string(), options.clone(), target.clone());
     crate::runtime::wait_in_backend(async move {
-        nats::probe_window(&endpoint, &options, &target, &allowed).await
+        nats::probe_stream(&endpoint, &options, &target, &allowed).await
     })?
 }
 
