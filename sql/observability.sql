@@ -61,11 +61,45 @@ AS $fn$
      GROUP BY s.channel_id) k
 $fn$;
 
+-- The bounds of the latency histograms' buckets in ms, each inclusive (Prometheus' le),
+-- with one more bucket past the last for +Inf (src/metrics/latency.rs, BOUNDS_MS; a test
+-- holds the two equal).
+CREATE FUNCTION outbox._latency_bounds_ms() RETURNS bigint[]
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT '{5,10,25,50,100,250,500,1000,2500,5000,10000,30000,60000,300000,900000,3600000}'::bigint[]
+$fn$;
+
+-- The q quantile (0 to 1) of a histogram's per-bucket counts, in ms, estimated as
+-- Prometheus' histogram_quantile does: linearly inside the bucket that holds the rank, from
+-- 0 below the first bound; the highest finite bound when the rank falls in +Inf. NULL for
+-- an empty histogram (latency::quantile_ms; a test holds the two equal).
+CREATE FUNCTION outbox._quantile_ms(counts bigint[], q double precision) RETURNS numeric
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    WITH k AS (SELECT outbox._latency_bounds_ms() AS bs, greatest(0, least(1, q)) AS q),
+    b AS (
+        SELECT u.i::int AS i, u.c, sum(u.c) OVER (ORDER BY u.i) AS upto, sum(u.c) OVER () AS total
+          FROM unnest(counts) WITH ORDINALITY AS u(c, i)
+    )
+    SELECT (CASE WHEN b.i > cardinality(k.bs) THEN k.bs[cardinality(k.bs)]
+                 ELSE coalesce(k.bs[b.i - 1], 0)
+                      + (k.bs[b.i] - coalesce(k.bs[b.i - 1], 0))
+                        * (k.q * b.total::float8 - (b.upto - b.c)::float8) / b.c::float8 END)::numeric
+      FROM b, k
+     WHERE b.c > 0 AND b.upto::float8 >= k.q * b.total::float8
+     ORDER BY b.i LIMIT 1
+$fn$;
+
 CREATE VIEW outbox.metrics AS
 WITH counts AS MATERIALIZED (
     SELECT * FROM outbox._state_counts()
 ), minutes AS MATERIALIZED (
-    SELECT b.channel_id, sum(b.delivered) AS delivered, sum(b.failed) AS failed
+    SELECT b.channel_id, sum(b.delivered) AS delivered, sum(b.failed) AS failed,
+           outbox._counts_sum(b.send_ms_counts) AS send_ms_counts,
+           outbox._counts_sum(b.delivery_ms_counts) AS delivery_ms_counts
       FROM outbox._channel_minutes b
      WHERE b.minute >= date_trunc('minute', pg_catalog.now()) - interval '4 minutes'
      GROUP BY b.channel_id
@@ -84,7 +118,7 @@ WITH counts AS MATERIALIZED (
            coalesce(s.delivered_total, 0) AS delivered_total,
            coalesce(s.attempts_failed_total, 0) AS attempts_failed_total,
            coalesce(s.failed_total, 0) AS failed_total,
-           c.paused
+           c.paused, b.send_ms_counts, b.delivery_ms_counts
       FROM outbox._channels c
       LEFT JOIN counts n ON n.channel_id = c.id
       LEFT JOIN minutes b ON b.channel_id = c.id
@@ -92,7 +126,8 @@ WITH counts AS MATERIALIZED (
 ), rows AS (
     SELECT 'channel'::text AS scope, channel, queued, sending, uncertain, exhausted, failed,
            oldest_queued_age_s, delivered_5m, failed_5m, error_streak, error_streak_since,
-           exhausted_total, delivered_total, attempts_failed_total, failed_total, paused
+           exhausted_total, delivered_total, attempts_failed_total, failed_total, paused,
+           send_ms_counts, delivery_ms_counts
       FROM per_channel
     UNION ALL
     SELECT 'total', NULL, coalesce(sum(queued), 0)::bigint, coalesce(sum(sending), 0)::bigint,
@@ -102,7 +137,7 @@ WITH counts AS MATERIALIZED (
            coalesce(max(error_streak), 0), min(error_streak_since),
            coalesce(sum(exhausted_total), 0)::bigint, coalesce(sum(delivered_total), 0)::bigint,
            coalesce(sum(attempts_failed_total), 0)::bigint, coalesce(sum(failed_total), 0)::bigint,
-           NULL
+           NULL, outbox._counts_sum(send_ms_counts), outbox._counts_sum(delivery_ms_counts)
       FROM per_channel
 )
 SELECT scope, channel, queued, sending, uncertain, exhausted, failed, oldest_queued_age_s,
@@ -110,10 +145,16 @@ SELECT scope, channel, queued, sending, uncertain, exhausted, failed, oldest_que
        CASE WHEN delivered_5m + failed_5m > 0
             THEN round(delivered_5m::numeric / (delivered_5m + failed_5m), 4) END AS success_rate_5m,
        error_streak, exhausted_total, delivered_total, attempts_failed_total, failed_total,
-       error_streak_since, paused
+       error_streak_since, paused,
+       outbox._quantile_ms(send_ms_counts, 0.5)::numeric(12, 1) AS send_p50_ms,
+       outbox._quantile_ms(send_ms_counts, 0.95)::numeric(12, 1) AS send_p95_ms,
+       outbox._quantile_ms(send_ms_counts, 0.99)::numeric(12, 1) AS send_p99_ms,
+       outbox._quantile_ms(delivery_ms_counts, 0.5)::numeric(12, 1) AS delivery_p50_ms,
+       outbox._quantile_ms(delivery_ms_counts, 0.95)::numeric(12, 1) AS delivery_p95_ms,
+       outbox._quantile_ms(delivery_ms_counts, 0.99)::numeric(12, 1) AS delivery_p99_ms
   FROM rows;
 COMMENT ON VIEW outbox.metrics IS
-    'One row per channel and one total: messages by state, oldest due queued age, deliveries and failed attempts in the last 5 minutes, success rate, error streak, totals.';
+    'One row per channel and one total: messages by state, oldest due queued age, deliveries and failed attempts in the last 5 minutes, success rate, error streak, totals, and the p50/p95/p99 of send duration and of enqueue-to-delivered latency over the last 5 minutes.';
 
 CREATE VIEW outbox.alerts AS
 SELECT 'queue_age'::text AS alert,
@@ -324,6 +365,36 @@ AS $fn$
     SELECT replace(replace(replace(coalesce(v, ''), E'\\', E'\\\\'), '"', E'\\"'), E'\n', E'\\n')
 $fn$;
 
+-- The latency histograms of every channel since the start, for prometheus() (read by its
+-- caller, pg_monitor or outbox_admin, who may not read the tables).
+CREATE VIEW outbox._latency AS
+SELECT c.name AS channel, s.send_ms_counts, s.send_ms_sum, s.delivery_ms_counts, s.delivery_ms_sum
+  FROM outbox._channels c
+  JOIN outbox._channel_stats s ON s.channel_id = c.id;
+
+-- One histogram of one channel in the text exposition: its cumulative buckets with le in
+-- seconds, its sum in seconds and its count.
+CREATE FUNCTION outbox._prom_histogram(name text, channel text, counts bigint[], sum_ms bigint)
+RETURNS text
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    WITH k AS (SELECT outbox._latency_bounds_ms() AS bs),
+    b AS (
+        SELECT g.i,
+               CASE WHEN g.i <= cardinality(k.bs) THEN trim_scale(k.bs[g.i] / 1000.0)::text
+                    ELSE '+Inf' END AS le,
+               sum(coalesce(counts[g.i], 0)) OVER (ORDER BY g.i) AS upto
+          FROM k, generate_series(1, cardinality(k.bs) + 1) AS g(i)
+    )
+    SELECT string_agg(format('%s_bucket{channel="%s",le="%s"} %s', name, outbox._prom_label(channel),
+                             b.le, b.upto), E'\n' ORDER BY b.i)
+           || format(E'\n%s_sum{channel="%s"} %s', name, outbox._prom_label(channel),
+                     trim_scale(coalesce(sum_ms, 0) / 1000.0))
+           || format(E'\n%s_count{channel="%s"} %s', name, outbox._prom_label(channel), max(b.upto))
+      FROM b
+$fn$;
+
 CREATE FUNCTION outbox.prometheus() RETURNS text
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
@@ -344,6 +415,17 @@ m AS (
                                <= outbox._setting('outbox.metrics_channel_series', 1000)
                           THEN 'channel' ELSE 'total' END
 ),
+latency AS (
+    SELECT m.channel, l.send_ms_counts, l.send_ms_sum, l.delivery_ms_counts, l.delivery_ms_sum
+      FROM m JOIN outbox._latency l ON l.channel = m.channel
+     WHERE m.scope = 'channel'
+    UNION ALL
+    SELECT '*', outbox._counts_sum(l.send_ms_counts), sum(l.send_ms_sum)::bigint,
+           outbox._counts_sum(l.delivery_ms_counts), sum(l.delivery_ms_sum)::bigint
+      FROM outbox._latency l
+     WHERE EXISTS (SELECT 1 FROM m WHERE m.scope = 'total')
+    HAVING count(*) > 0
+),
 families(ord, name, kind, help) AS (VALUES
     (1, 'outbox_messages', 'gauge', 'Messages by channel and state.'),
     (2, 'outbox_oldest_queued_age_seconds', 'gauge', 'How long the oldest due queued message of a channel has waited.'),
@@ -356,7 +438,9 @@ families(ord, name, kind, help) AS (VALUES
     (9, 'outbox_alert', 'gauge', 'Active alerts (1 per alert).'),
     (10, 'outbox_worker_up', 'gauge', 'Delivery workers running.'),
     (11, 'outbox_queued', 'gauge', 'Queued messages of a channel (outbox_messages with state queued).'),
-    (12, 'outbox_channel_paused', 'gauge', 'Whether a channel is paused (1) or not (0); for channel "*", how many are.')
+    (12, 'outbox_channel_paused', 'gauge', 'Whether a channel is paused (1) or not (0); for channel "*", how many are.'),
+    (13, 'outbox_send_duration_seconds', 'histogram', 'How long each send took, from its start to its answer or failure.'),
+    (14, 'outbox_delivery_latency_seconds', 'histogram', 'How long each delivered message waited from enqueue to delivered.')
 ),
 samples(ord, line) AS (
     SELECT 1, format('outbox_messages{channel="%s",state="%s"} %s', outbox._prom_label(m.channel), s.state, s.n)
@@ -386,6 +470,13 @@ samples(ord, line) AS (
     SELECT 11, format('outbox_queued{channel="%s"} %s', outbox._prom_label(m.channel), m.queued) FROM m
     UNION ALL
     SELECT 12, format('outbox_channel_paused{channel="%s"} %s', outbox._prom_label(m.channel), m.paused) FROM m
+    UNION ALL
+    SELECT 13, outbox._prom_histogram('outbox_send_duration_seconds', l.channel, l.send_ms_counts, l.send_ms_sum)
+      FROM latency l
+    UNION ALL
+    SELECT 14, outbox._prom_histogram('outbox_delivery_latency_seconds', l.channel, l.delivery_ms_counts,
+                                      l.delivery_ms_sum)
+      FROM latency l
 )
 SELECT string_agg(x.line, E'\n' ORDER BY x.ord, x.sub, x.line) || E'\n'
   FROM (SELECT f.ord, 0 AS sub, format('# HELP %s %s', f.name, f.help) AS line FROM families f

@@ -72,9 +72,16 @@ GRANT EXECUTE ON FUNCTION
     outbox._setting(text, integer),
     outbox._state_counts(),
     outbox._prom_label(text),
-    outbox._database_served()
+    outbox._database_served(),
+    outbox._add_counts(bigint[], bigint[]),
+    outbox._counts_sum(bigint[]),
+    outbox._latency_bounds_ms(),
+    outbox._quantile_ms(bigint[], double precision),
+    outbox._prom_histogram(text, text, bigint[], bigint)
     TO outbox_admin, pg_monitor;
 GRANT SELECT ON outbox.metrics, outbox.alerts TO pg_monitor;
+-- The latency histograms prometheus() exposes.
+GRANT SELECT ON outbox._latency TO outbox_admin, pg_monitor;
 -- outbox.alerts asks whether a channel can look an uncertain message up.
 GRANT EXECUTE ON FUNCTION outbox._can_look_up(jsonb) TO pg_monitor;
 GRANT EXECUTE ON FUNCTION outbox.prometheus(), outbox.worker_status() TO pg_monitor;
@@ -93,6 +100,8 @@ GRANT TRUNCATE ON outbox._ledger_0, outbox._ledger_1, outbox._ledger_2 TO outbox
 GRANT EXECUTE ON FUNCTION outbox._ledger_current_generation() TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox._provider_key(text, text), outbox._epoch_ms(timestamptz), outbox._epoch_us(timestamptz)
     TO outbox_worker;
+-- The record adds each batch's latency histograms to its channels' rows.
+GRANT EXECUTE ON FUNCTION outbox._add_counts(bigint[], bigint[]) TO outbox_worker;
 -- What is left of a claim once its recorded messages are taken out (src/worker/claim_release.rs).
 GRANT EXECUTE ON FUNCTION outbox._claim_ids_left(bigint[], bigint[]) TO outbox_worker;
 -- Whether a claim's worker is alive (src/worker/liveness.rs), asked by recovery.

@@ -399,7 +399,15 @@ CREATE TABLE outbox._channel_stats (
     error_streak          integer     NOT NULL DEFAULT 0,
     error_streak_since    timestamptz,
     last_success_at       timestamptz,
-    last_failure_at       timestamptz
+    last_failure_at       timestamptz,
+    -- Latency histograms since the start (src/metrics/latency.rs): per bucket of
+    -- outbox._latency_bounds_ms() and +Inf, not cumulative, and the sum of the values in ms.
+    -- How long each send took, from its start to its answer or failure:
+    send_ms_counts        bigint[]    NOT NULL DEFAULT '{}',
+    send_ms_sum           bigint      NOT NULL DEFAULT 0,
+    -- How long each delivered message waited from enqueue:
+    delivery_ms_counts    bigint[]    NOT NULL DEFAULT '{}',
+    delivery_ms_sum       bigint      NOT NULL DEFAULT 0
 ) WITH (fillfactor = 50);
 COMMENT ON TABLE outbox._channel_stats IS 'Per-channel counters kept by the worker (private; read outbox.metrics).';
 
@@ -413,9 +421,30 @@ CREATE TABLE outbox._channel_minutes (
     -- Of the failed attempts, those whose outcome was ambiguous (outbox.alerts'
     -- ambiguity_high).
     ambiguous  bigint      NOT NULL DEFAULT 0,
-    PRIMARY KEY (channel_id, minute)
+    PRIMARY KEY (channel_id, minute),
+    -- The minute's latency histograms, as in outbox._channel_stats (outbox.metrics' p50,
+    -- p95 and p99 over 5 minutes).
+    send_ms_counts     bigint[] NOT NULL DEFAULT '{}',
+    delivery_ms_counts bigint[] NOT NULL DEFAULT '{}'
 ) WITH (fillfactor = 50);
 COMMENT ON TABLE outbox._channel_minutes IS 'Per-minute delivery figures kept by the worker (private).';
+
+-- Two histograms' counts added bucket by bucket (the shorter one padded with zeros): how
+-- the worker adds a batch's counts to a channel's row, and outbox._counts_sum's step.
+-- A single scalar subquery, so that the planner inlines it.
+CREATE FUNCTION outbox._add_counts(a bigint[], b bigint[]) RETURNS bigint[]
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $fn$
+    SELECT ARRAY(SELECT pg_catalog.int8pl(coalesce(u.x, 0), coalesce(u.y, 0))
+                   FROM ROWS FROM (pg_catalog.unnest(a), pg_catalog.unnest(b)) WITH ORDINALITY AS u(x, y, i)
+                  ORDER BY u.i)
+$fn$;
+-- The histograms of several rows added up.
+CREATE AGGREGATE outbox._counts_sum(bigint[]) (
+    SFUNC = outbox._add_counts,
+    STYPE = bigint[],
+    INITCOND = '{}'
+);
 
 SELECT pg_catalog.pg_extension_config_dump('outbox._channel_stats', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox._channel_minutes', '');

@@ -214,7 +214,11 @@ fn a_subject_the_stream_stopped_taking_is_retried_and_says_so() {
     let mut c = cluster.connect();
     let nats = NatsServer::start(None);
     let (channel, stream, prefix) = stream_and_channel(&mut c, &nats, "{p}.{effect_key}", "");
-    nats.create_stream(&stream, &[&format!("moved_{prefix}.>")], Duration::from_secs(120));
+    nats.create_stream(
+        &stream,
+        &[&format!("moved_{prefix}.>")],
+        Duration::from_secs(120),
+    );
     let id = enqueue(&mut c, &channel, &format!("{channel}-0"));
     let seen = poll(&cluster, SETTLE, |c| {
         Ok((attempts(c, id).len() >= 2).then_some(()))
@@ -248,7 +252,11 @@ fn a_subject_of_another_stream_fails_naming_the_stream() {
     let (channel, stream, prefix) = stream_and_channel(&mut c, &nats, "{p}.{effect_key}", "");
     // The channel's subjects move to another stream after create_channel.
     let other = unique("other").replace(['-', '.'], "_");
-    nats.create_stream(&stream, &[&format!("moved_{prefix}.>")], Duration::from_secs(120));
+    nats.create_stream(
+        &stream,
+        &[&format!("moved_{prefix}.>")],
+        Duration::from_secs(120),
+    );
     nats.create_stream(
         &other.to_uppercase(),
         &[&format!("{prefix}.>")],
@@ -310,7 +318,9 @@ fn create_channel_reads_the_window_and_refuses_what_it_cannot_keep() {
         ),
         // Outside the stream's subjects: the server would store none of its messages.
         (
-            format!(r#"{{"kind": "nats", "subject": "elsewhere.{{effect_key}}", "stream": "{stream}"}}"#),
+            format!(
+                r#"{{"kind": "nats", "subject": "elsewhere.{{effect_key}}", "stream": "{stream}"}}"#
+            ),
             url.clone(),
             "lies outside the subjects of stream",
         ),

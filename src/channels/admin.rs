@@ -196,11 +196,9 @@ fn read_nats_stream(endpoint: &str, options: &mut ChannelOptions, explicit_max_a
     if let Kind::Nats(target) = &options.kind {
         nats_subject::within_stream(&target.subject, &target.stream, &stream.subjects)
             .map_err(|e| {
-                option_error(
-                    OptionError::new("subject", e).with_hint(
-                        "Use a subject the stream takes, or add the subject to the stream's subjects.",
-                    ),
-                )
+                option_error(OptionError::new("subject", e).with_hint(
+                    "Use a subject the stream takes, or add the subject to the stream's subjects.",
+                ))
             })
             .or_raise();
     }

@@ -142,7 +142,10 @@ pub struct StreamFacts {
 }
 
 /// The facts of `stream`; an error naming the stream if it cannot be read.
-pub async fn read_stream(context: &jetstream::Context, stream: &str) -> Result<StreamFacts, String> {
+pub async fn read_stream(
+    context: &jetstream::Context,
+    stream: &str,
+) -> Result<StreamFacts, String> {
     let mut s = context
         .get_stream(stream)
         .await

@@ -108,10 +108,12 @@ fn may_match(filter: &[&str], template: &[Shape<'_>]) -> bool {
         (None, Some(_)) | (Some(_), None) => false,
         (Some((f, fs)), Some((Shape::Fixed(t), ts))) => (*f == "*" || f == t) && may_match(fs, ts),
         // A filled token takes one filter token, or more: its value may hold dots.
-        (Some((_, _)), Some((Shape::Filled, ts))) => (1..=filter.len())
-            .take_while(|&n| filter[n - 1] != ">")
-            .any(|n| may_match(&filter[n..], ts))
-            || filter.contains(&">"),
+        (Some((_, _)), Some((Shape::Filled, ts))) => {
+            (1..=filter.len())
+                .take_while(|&n| filter[n - 1] != ">")
+                .any(|n| may_match(&filter[n..], ts))
+                || filter.contains(&">")
+        }
     }
 }
 
@@ -131,7 +133,9 @@ fn shapes(template: &str) -> Result<Vec<Shape<'_>>, String> {
                 }
                 out.extend(tokens.map(Shape::Fixed));
             }
-            Part::EffectKey | Part::Payload(_) => *out.last_mut().expect("never empty") = Shape::Filled,
+            Part::EffectKey | Part::Payload(_) => {
+                *out.last_mut().expect("never empty") = Shape::Filled
+            }
         }
     }
     Ok(out)
@@ -144,7 +148,11 @@ fn shapes(template: &str) -> Result<Vec<Shape<'_>>, String> {
 pub fn within_stream(template: &str, stream: &str, subjects: &[String]) -> Result<(), String> {
     let shapes = shapes(template)?;
     let own = [stream.to_string()];
-    let filters = if subjects.is_empty() { &own[..] } else { subjects };
+    let filters = if subjects.is_empty() {
+        &own[..]
+    } else {
+        subjects
+    };
     if filters
         .iter()
         .any(|f| may_match(&f.split('.').collect::<Vec<_>>(), &shapes))
@@ -265,7 +273,10 @@ mod tests {
             ("o.x{payload:/a}y.z", s(&["o.q.z"])),
         ];
         for (template, subjects) in inside {
-            assert!(within_stream(template, "ORDERS", &subjects).is_ok(), "{template} {subjects:?}");
+            assert!(
+                within_stream(template, "ORDERS", &subjects).is_ok(),
+                "{template} {subjects:?}"
+            );
         }
         let outside = [
             ("elsewhere.x", s(&["orders.>"])),

@@ -45,6 +45,25 @@ impl Sent {
             _ => None,
         }
     }
+
+    /// How long the send took, from its start to its answer or failure; None when nothing
+    /// was sent (fenced, or the request could not be built).
+    pub fn elapsed_ms(&self) -> Option<u64> {
+        match self {
+            Sent::Http(
+                Transmission::Answered { elapsed_ms, .. }
+                | Transmission::Failed { elapsed_ms, .. }
+                | Transmission::Refused { elapsed_ms, .. },
+            )
+            | Sent::Nats(
+                Publication::Acked { elapsed_ms, .. }
+                | Publication::Rejected { elapsed_ms, .. }
+                | Publication::NoAck { elapsed_ms, .. },
+            ) => Some(*elapsed_ms),
+            Sent::Http(Transmission::NotSent { .. } | Transmission::Fenced { .. })
+            | Sent::Nats(Publication::NotWritten { .. } | Publication::Fenced { .. }) => None,
+        }
+    }
 }
 
 /// A channel the worker sends to outside the database.

@@ -12,6 +12,7 @@
 
 mod connections;
 pub mod exposition;
+pub mod latency;
 mod listener;
 mod request;
 mod scrape;

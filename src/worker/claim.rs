@@ -161,7 +161,7 @@ WITH flying AS MATERIALIZED (
                           -- every claim.
                           least(m.attempts, 2147483646) + 1 AS attempt,
                           coalesce(m.budget_started_at, m.created_at) AS budget_started_at,
-                          m.first_attempt_at, m.budget_base, m.next_attempt_at
+                          m.first_attempt_at, m.budget_base, m.next_attempt_at, m.created_at
                      FROM outbox._messages m
                     WHERE m.channel_id = t.channel_id
                       AND m.tenant = t.tenant
@@ -201,7 +201,9 @@ SELECT d.id, outbox._epoch_us(c.started_at), d.attempt, d.tenant, d.channel_id,
        -- NULL for a due time outside the range of positions (one set by hand).
        CASE WHEN d.next_attempt_at BETWEEN timestamptz '1900-01-01' AND timestamptz '2200-01-01'
             THEN outbox._epoch_us(d.next_attempt_at) END,
-       d.share, d.room, d.lanes_n::int4, d.pick
+       d.share, d.room, d.lanes_n::int4, d.pick,
+       -- For the latency from enqueue to delivered (crate::metrics::latency).
+       outbox._epoch_ms(d.created_at)
   FROM due d
   JOIN claimed c ON c.channel_id = d.channel_id
   -- The barrier: one ledger probe per claimed message (crate::ledger).
@@ -426,6 +428,8 @@ pub struct Job {
     /// Start of the current retry budget (enqueue, or an operator's retry).
     pub budget_started_at_ms: i64,
     pub first_attempt_at_ms: i64,
+    /// When the message was enqueued (unix ms).
+    pub enqueued_at_ms: i64,
     /// Attempts counted against the current budget, this one included.
     pub budget_attempt: i64,
     /// Set when the effect is already in the ledger: (message that recorded it, external id).
@@ -687,6 +691,7 @@ fn claim_from(
             headers: row.get::<String>(8)?,
             budget_started_at_ms: row.get::<i64>(9)?.unwrap_or_default(),
             first_attempt_at_ms: row.get::<i64>(10)?.unwrap_or_default(),
+            enqueued_at_ms: row.get::<i64>(19)?.unwrap_or_default(),
             budget_attempt: row.get::<i64>(13)?.unwrap_or(1),
             ledger,
             // A channel read in several lanes keeps no cursor: a position in one tenant's

@@ -910,10 +910,9 @@ impl Worker {
                             pid,
                         )?;
                         if state.as_deref() == Some("delivered") {
-                            tallies
-                                .entry(job.channel_id)
-                                .or_default()
-                                .count(State::Delivered, true);
+                            let tally = tallies.entry(job.channel_id).or_default();
+                            tally.count(State::Delivered, true);
+                            tally.observe_delivery(job.subject.created_at_s.saturating_mul(1000));
                         }
                         log!(
                             "outbox_delivery: reconcile of message {}: {} (now {})",

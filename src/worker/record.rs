@@ -8,6 +8,7 @@
 
 use crate::classify::Class;
 use crate::ledger;
+use crate::metrics::latency::{self, Histogram};
 use crate::outbox::state::State;
 use crate::spi::{self, Statement};
 use crate::worker::decide::Verdict;
@@ -238,6 +239,9 @@ impl Outcomes {
     /// Adds the outcome of a claimed job (see [`Outcomes::push_for`]). A delivery of a job
     /// that was sent went through the claim's barrier ([`Delivery::key_unrecorded_at_claim`]).
     pub fn push_job(&mut self, job: &crate::worker::claim::Job, sent: bool, verdict: Verdict) {
+        if verdict.state == State::Delivered {
+            self.observe_delivery(job.channel_id, job.enqueued_at_ms);
+        }
         let delivered_before = self.delivered.len();
         self.push_for(
             job.channel_id,
@@ -253,6 +257,21 @@ impl Outcomes {
         if let Some(d) = self.delivered.get_mut(delivered_before) {
             d.key_unrecorded_at_claim = sent && job.ledger.is_none();
         }
+    }
+
+    /// Counts how long one send on `channel_id` took (`crate::metrics::latency`).
+    pub fn observe_send(&mut self, channel_id: i32, elapsed_ms: u64) {
+        let tally = self.tallies.entry(channel_id).or_default();
+        tally.send.observe(elapsed_ms.min(i64::MAX as u64) as i64);
+    }
+
+    /// Counts a delivery on `channel_id` of a message enqueued at `enqueued_at_ms`: its wait
+    /// from enqueue to now.
+    pub fn observe_delivery(&mut self, channel_id: i32, enqueued_at_ms: i64) {
+        self.tallies
+            .entry(channel_id)
+            .or_default()
+            .observe_delivery(enqueued_at_ms);
     }
 
     pub fn push(&mut self, message_id: i64, made: AttemptMade, verdict: Verdict) {
@@ -595,24 +614,38 @@ pub fn record_recovery_rows(
 
 /// Per-channel counters of one batch, folded into `_channel_stats` and `_channel_minutes`.
 static RECORD_STATS: Statement = Statement::planned_once("
-WITH s AS (
-    SELECT * FROM unnest($1::int4[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $6::int8[], $7::int8[])
-        AS s(channel_id, delivered, attempts_failed, exhausted, failed, uncertain, ambiguous)
+WITH u AS (
+    SELECT * FROM unnest($1::int4[], $2::int8[], $3::int8[], $4::int8[], $5::int8[], $6::int8[], $7::int8[],
+                         $9::int8[], $11::int8[]) WITH ORDINALITY
+        AS u(channel_id, delivered, attempts_failed, exhausted, failed, uncertain, ambiguous,
+             send_ms_sum, delivery_ms_sum, ord)
+), s AS (
+    -- The histograms' buckets come flattened, $12 per channel (crate::metrics::latency).
+    SELECT u.*, ($8::int8[])[(u.ord - 1) * $12 + 1 : u.ord * $12] AS send_ms_counts,
+           ($10::int8[])[(u.ord - 1) * $12 + 1 : u.ord * $12] AS delivery_ms_counts
+      FROM u
 ), minutes AS (
-    INSERT INTO outbox._channel_minutes AS b (channel_id, minute, delivered, failed, ambiguous)
-    SELECT s.channel_id, date_trunc('minute', now()), s.delivered, s.attempts_failed, s.ambiguous FROM s
+    INSERT INTO outbox._channel_minutes AS b
+           (channel_id, minute, delivered, failed, ambiguous, send_ms_counts, delivery_ms_counts)
+    SELECT s.channel_id, date_trunc('minute', now()), s.delivered, s.attempts_failed, s.ambiguous,
+           s.send_ms_counts, s.delivery_ms_counts
+      FROM s
         ON CONFLICT (channel_id, minute) DO UPDATE
        SET delivered = b.delivered + excluded.delivered, failed = b.failed + excluded.failed,
-           ambiguous = b.ambiguous + excluded.ambiguous
+           ambiguous = b.ambiguous + excluded.ambiguous,
+           send_ms_counts = outbox._add_counts(b.send_ms_counts, excluded.send_ms_counts),
+           delivery_ms_counts = outbox._add_counts(b.delivery_ms_counts, excluded.delivery_ms_counts)
 )
 INSERT INTO outbox._channel_stats AS cs
        (channel_id, delivered_total, attempts_failed_total, exhausted_total, failed_total, uncertain_total,
-        error_streak, error_streak_since, last_success_at, last_failure_at)
+        error_streak, error_streak_since, last_success_at, last_failure_at,
+        send_ms_counts, send_ms_sum, delivery_ms_counts, delivery_ms_sum)
 SELECT s.channel_id, s.delivered, s.attempts_failed, s.exhausted, s.failed, s.uncertain,
        CASE WHEN s.delivered > 0 THEN 0 ELSE s.attempts_failed END,
        CASE WHEN s.delivered = 0 AND s.attempts_failed > 0 THEN now() END,
        CASE WHEN s.delivered > 0 THEN now() END,
-       CASE WHEN s.attempts_failed > 0 THEN now() END
+       CASE WHEN s.attempts_failed > 0 THEN now() END,
+       s.send_ms_counts, s.send_ms_sum, s.delivery_ms_counts, s.delivery_ms_sum
   FROM s
     ON CONFLICT (channel_id) DO UPDATE
    SET delivered_total = cs.delivered_total + excluded.delivered_total,
@@ -626,7 +659,11 @@ SELECT s.channel_id, s.delivered, s.attempts_failed, s.exhausted, s.failed, s.un
                                  WHEN cs.error_streak = 0 AND excluded.attempts_failed_total > 0 THEN now()
                                  ELSE cs.error_streak_since END,
        last_success_at = coalesce(excluded.last_success_at, cs.last_success_at),
-       last_failure_at = coalesce(excluded.last_failure_at, cs.last_failure_at)");
+       last_failure_at = coalesce(excluded.last_failure_at, cs.last_failure_at),
+       send_ms_counts = outbox._add_counts(cs.send_ms_counts, excluded.send_ms_counts),
+       send_ms_sum = cs.send_ms_sum + excluded.send_ms_sum,
+       delivery_ms_counts = outbox._add_counts(cs.delivery_ms_counts, excluded.delivery_ms_counts),
+       delivery_ms_sum = cs.delivery_ms_sum + excluded.delivery_ms_sum");
 
 /// What one batch did on one channel.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -639,9 +676,19 @@ pub struct Tally {
     /// Attempts whose outcome was ambiguous, whatever came next (a retry with the key, a
     /// lookup, an operator): counted apart for `outbox.alerts`' ambiguity_high.
     pub ambiguous: i64,
+    /// How long each send took.
+    pub send: Histogram,
+    /// How long each message delivered waited from enqueue.
+    pub delivery: Histogram,
 }
 
 impl Tally {
+    /// Counts a delivery of a message enqueued at `enqueued_at_ms`.
+    pub fn observe_delivery(&mut self, enqueued_at_ms: i64) {
+        self.delivery
+            .observe(crate::clock::now_ms().saturating_sub(enqueued_at_ms));
+    }
+
     /// Counts one outcome; `was_attempt` is false for a barrier hit (nothing was sent).
     pub fn count(&mut self, state: State, was_attempt: bool) {
         match state {
@@ -670,6 +717,11 @@ pub fn record_stats(
     let mut ids: Vec<i32> = tallies.keys().copied().collect();
     ids.sort_unstable(); // a fixed order: concurrent workers lock the rows the same way
     let col = |f: fn(&Tally) -> i64| ids.iter().map(|id| f(&tallies[id])).collect::<Vec<i64>>();
+    let buckets = |f: fn(&Tally) -> &Histogram| {
+        ids.iter()
+            .flat_map(|id| f(&tallies[id]).counts)
+            .collect::<Vec<i64>>()
+    };
     spi::run(
         client,
         &RECORD_STATS,
@@ -682,6 +734,11 @@ pub fn record_stats(
             col(|t| t.failed).into(),
             col(|t| t.uncertain).into(),
             col(|t| t.ambiguous).into(),
+            buckets(|t| &t.send).into(),
+            col(|t| t.send.sum_ms).into(),
+            buckets(|t| &t.delivery).into(),
+            col(|t| t.delivery.sum_ms).into(),
+            (latency::BUCKETS as i32).into(),
         ],
     )?;
     Ok(())
@@ -704,6 +761,7 @@ mod tests {
             headers: None,
             budget_started_at_ms: 0,
             first_attempt_at_ms: 0,
+            enqueued_at_ms: 0,
             budget_attempt: 1,
             ledger,
             position: None,

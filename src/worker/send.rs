@@ -128,6 +128,9 @@ pub fn decide_all(
         let Ok(options) = &channel.options else {
             continue;
         };
+        if let Some(ms) = t.elapsed_ms() {
+            outcomes.observe_send(job.channel_id, ms);
+        }
         let verdict = decide::after_send(t, options, job.context(now), &mut || jitter.unit());
         if verdict.state != State::Delivered && verdict.state != State::Queued {
             log!(

@@ -121,12 +121,15 @@ struct MetricsRow {
     failed_total: i64,
     error_streak_since_age_s: Option<f64>,
     paused: bool,
+    send_p99_ms: Option<f64>,
+    delivery_p50_ms: Option<f64>,
 }
 
 const METRICS_COLUMNS: &str = "channel, queued, sending, uncertain, exhausted, failed,
     oldest_queued_age_s::float8, success_rate_5m::float8, error_streak::int8,
     exhausted_total, delivered_total, attempts_failed_total, failed_total,
-    extract(epoch FROM now() - error_streak_since)::float8, paused";
+    extract(epoch FROM now() - error_streak_since)::float8, paused, send_p99_ms::float8,
+    delivery_p50_ms::float8";
 
 fn metrics_row(r: &postgres::Row) -> MetricsRow {
     MetricsRow {
@@ -145,6 +148,8 @@ fn metrics_row(r: &postgres::Row) -> MetricsRow {
         failed_total: r.get(12),
         error_streak_since_age_s: r.get(13),
         paused: r.get(14),
+        send_p99_ms: r.get(15),
+        delivery_p50_ms: r.get(16),
     }
 }
 
@@ -231,6 +236,29 @@ fn sample_value(e: &Exposition, family: &str, channel: &str, more: &[(&str, &str
         "{family}{{channel={channel:?}, {more:?}}}: expected one sample, got {hits:?}"
     );
     hits[0]
+}
+
+/// The histogram of `family` whose `channel` label is `channel`; panics unless exactly one.
+fn histogram(e: &Exposition, family: &str, channel: &str) -> openmetrics_parser::HistogramValue {
+    let f = e
+        .families
+        .get(family)
+        .unwrap_or_else(|| panic!("family {family} missing from the exposition"));
+    let hits: Vec<_> = f
+        .iter_samples()
+        .filter(|s| {
+            s.get_labelset()
+                .ok()
+                .and_then(|l| l.get_label_value("channel").map(|v| v == channel))
+                .unwrap_or(false)
+        })
+        .map(|s| match &s.value {
+            PrometheusValue::Histogram(h) => h.clone(),
+            other => panic!("{family}: not a histogram: {other:?}"),
+        })
+        .collect();
+    assert_eq!(hits.len(), 1, "{family}{{channel={channel:?}}}: {hits:?}");
+    hits.into_iter().next().unwrap()
 }
 
 fn close(a: f64, b: f64, eps: f64) -> bool {

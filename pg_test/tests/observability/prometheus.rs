@@ -7,7 +7,7 @@ use super::*;
 // 2. The Prometheus exposition, parsed
 // ---------------------------------------------------------------------------------------
 
-const FAMILIES: [(&str, PrometheusType); 12] = [
+const FAMILIES: [(&str, PrometheusType); 14] = [
     ("outbox_messages", PrometheusType::Gauge),
     ("outbox_oldest_queued_age_seconds", PrometheusType::Gauge),
     ("outbox_delivered_total", PrometheusType::Counter),
@@ -20,6 +20,8 @@ const FAMILIES: [(&str, PrometheusType); 12] = [
     ("outbox_worker_up", PrometheusType::Gauge),
     ("outbox_queued", PrometheusType::Gauge),
     ("outbox_channel_paused", PrometheusType::Gauge),
+    ("outbox_send_duration_seconds", PrometheusType::Histogram),
+    ("outbox_delivery_latency_seconds", PrometheusType::Histogram),
 ];
 
 /// Real traffic on a channel whose name holds a `"`, a `\` and a newline, then
@@ -118,6 +120,14 @@ fn prometheus_exposition_parses_and_matches_metrics_and_alerts() {
             announced.insert(rest.split(' ').next().unwrap().to_string());
         } else if !line.starts_with('#') && !line.is_empty() {
             let name = line.split(['{', ' ']).next().unwrap();
+            // A histogram's samples are its name with _bucket, _sum or _count.
+            let name = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| {
+                    name.strip_suffix(suffix)
+                        .filter(|family| announced.contains(*family))
+                })
+                .unwrap_or(name);
             assert!(
                 announced.contains(name),
                 "sample before/without its TYPE: {line:?}"
@@ -170,6 +180,36 @@ fn prometheus_exposition_parses_and_matches_metrics_and_alerts() {
             &[("alert", "terminal_failures"), ("severity", "critical")]
         ),
         1.0
+    );
+
+    // Latency: three sends (two delivered, one refused), two deliveries; the buckets
+    // cumulative and ending in +Inf at the count.
+    for (family, count) in [
+        ("outbox_send_duration_seconds", 3),
+        ("outbox_delivery_latency_seconds", 2),
+    ] {
+        let h = histogram(&e, family, &ch);
+        assert_eq!(h.count, Some(count), "{family}: {h:?}");
+        let counts: Vec<f64> = h.buckets.iter().map(|b| b.count.as_f64()).collect();
+        assert!(
+            counts.windows(2).all(|w| w[0] <= w[1]),
+            "{family}: {counts:?}"
+        );
+        let last = h.buckets.last().expect("buckets");
+        assert!(last.upper_bound.is_infinite(), "{family}: {h:?}");
+        assert_eq!(last.count.as_f64(), count as f64, "{family}: {h:?}");
+        assert!(
+            h.sum.as_ref().is_some_and(|s| s.as_f64() >= 0.0),
+            "{family}: {h:?}"
+        );
+    }
+    let mine = metrics
+        .iter()
+        .find(|m| m.channel == ch)
+        .expect("metrics row");
+    assert!(
+        mine.send_p99_ms.is_some() && mine.delivery_p50_ms.is_some(),
+        "5-minute quantiles of a channel with sends: {mine:?}"
     );
 
     // Every channel's figures equal outbox.metrics, one sample per channel and state.

@@ -471,12 +471,21 @@ fn dashboard_targets(dashboard: &Value) -> Vec<(String, String, String)> {
 
 /// The metric families a scrape describes (its `# TYPE` lines).
 fn families(scrape: &str) -> BTreeSet<String> {
-    scrape
-        .lines()
-        .filter_map(|l| l.strip_prefix("# TYPE "))
-        .filter_map(|l| l.split(' ').next())
-        .map(str::to_string)
-        .collect()
+    let mut names = BTreeSet::new();
+    for l in scrape.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+        let mut words = l.split(' ');
+        let (Some(name), kind) = (words.next(), words.next()) else {
+            continue;
+        };
+        names.insert(name.to_string());
+        // A histogram's series: its buckets, its sum and its count.
+        if kind == Some("histogram") {
+            for suffix in ["_bucket", "_sum", "_count"] {
+                names.insert(format!("{name}{suffix}"));
+            }
+        }
+    }
+    names
 }
 
 /// The extension's metric names an expression reads (`outbox_…`).
