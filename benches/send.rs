@@ -65,7 +65,7 @@ fn channel(port: u16, wire: bool) -> Arc<dyn Channel> {
 fn one_batch(
     runtime: &IoRuntime,
     channel: &Arc<dyn Channel>,
-    allowed: &Arc<outbox_delivery::channels::guard::AllowList>,
+    allowed: &Arc<outbox_delivery::allow_list::AllowList>,
     first_key: usize,
 ) {
     let (done, answers) = mpsc::channel();

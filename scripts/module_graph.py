@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The module graph of src/, read from its `use` lines and `crate::`/`super::` paths (test
-modules and comments left out): prints the import cycles (none expected), then each module,
-whether it runs SQL (uses SPI), and what it imports.
+modules and comments left out): prints the import cycles, the imports that run from a lower
+layer to a higher one (LAYERS), then each module, whether it runs SQL (uses SPI), and what
+it imports. Exits 1 when there is a cycle, an upward import, or a top-level module placed in
+no layer; scripts/test.sh runs it.
 
 Usage: python3 scripts/module_graph.py        (from the repository root)
 """
@@ -10,6 +12,31 @@ import re
 import sys
 
 root = 'src'
+
+# The layers of the top-level modules, lowest first: a module imports from its own layer or
+# lower ones, never from a higher one (and modules of one layer import each other one way).
+LAYERS = [
+    # Pure rules and small foundations, with no import of the crate.
+    ['allow_list', 'classify', 'clock', 'random', 'retry_policy', 'identity', 'config_cache',
+     'pg_timeout', 'runtime'],
+    # Errors and settings.
+    ['error', 'gucs'],
+    # How SQL runs, the workers' locks and shared memory, effect keys.
+    ['spi', 'worker_locks', 'worker_slots', 'served_database', 'effect_key'],
+    # Who acts: tenants and roles.
+    ['tenancy'],
+    # The queue and the ledger.
+    ['outbox', 'ledger'],
+    # The channels a message leaves by.
+    ['channels'],
+    # Lookups of uncertain messages.
+    ['reconcile'],
+    # The processes: the delivery workers and the metrics listener.
+    ['worker', 'metrics'],
+    # The extension's entry point.
+    ['lib'],
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 mods={}
 for dp,dn,fn in os.walk(root):
     for f in fn:
@@ -80,5 +107,19 @@ def sc(v):
 for v in deps:
     if v not in idx: sc(v)
 print("cycles:", sccs if sccs else "none")
+top = lambda m: m.split('::')[0]
+unplaced = sorted({top(m) for m in mods if top(m) not in RANK})
+upward = sorted(
+    f"{m} -> {d} (layer {RANK[top(m)]} imports layer {RANK[top(d)]})"
+    for m in deps for d in deps[m]
+    if top(m) in RANK and top(d) in RANK and RANK[top(d)] > RANK[top(m)]
+)
+# Top-level modules that import each other (a cycle between two rooms of one layer).
+pairs = {(top(m), top(d)) for m in deps for d in deps[m] if top(m) != top(d)}
+mutual = sorted(f"{a} <-> {b}" for a, b in pairs if (b, a) in pairs and a < b)
+print("not in a layer:", unplaced if unplaced else "none")
+print("upward imports:", upward if upward else "none")
+print("top-level modules importing each other:", mutual if mutual else "none")
 for m in sorted(deps):
     print(f"{m:28} spi={int(spi[m])} -> {' '.join(sorted(deps[m]))}")
+sys.exit(1 if sccs or unplaced or upward or mutual else 0)

@@ -18,6 +18,12 @@ fi
 # Only this shell holds the lock: the commands below get no copy of its descriptor (9>&-), so
 # that no server they start keeps the lock after the suite.
 
+echo "== the module graph: no import cycle, no import from a lower layer to a higher one"
+if ! python3 scripts/module_graph.py > /tmp/outbox_module_graph.txt; then
+  head -n 4 /tmp/outbox_module_graph.txt
+  exit 1
+fi
+
 echo "== unit tests and #[pg_test]s (cargo pgrx test)"
 mkdir -p /tmp/pgrx-test && chown postgres /tmp/pgrx-test && rm -rf /tmp/pgrx-test/15
 cargo pgrx test pg15 --runas postgres --pgdata /tmp/pgrx-test 9>&-

@@ -1,6 +1,6 @@
 //! One error type for the SQL API, mapped to SQLSTATE + message + detail + hint in one place.
 
-use crate::channels::guard::{InvalidEntry, Refusal};
+use crate::allow_list::{InvalidEntry, Refusal};
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
 
@@ -146,7 +146,7 @@ impl OutboxError {
             OutboxError::DestinationRefused { .. } => {
                 "An administrator can add the host (or, for a link-local or metadata address, its IP or CIDR) to outbox.allowed_hosts: ALTER SYSTEM SET outbox.allowed_hosts = '...'; SELECT pg_reload_conf();"
             }
-            OutboxError::InvalidAllowedHosts(_) => crate::channels::guard::LIST_FORMS,
+            OutboxError::InvalidAllowedHosts(_) => crate::allow_list::LIST_FORMS,
         }
     }
 

@@ -463,11 +463,11 @@ extern "C-unwind" fn check_allowed_hosts(
             _ => std::borrow::Cow::Borrowed(""),
         }
     };
-    match crate::channels::guard::AllowList::parse(&text) {
+    match crate::allow_list::AllowList::parse(&text) {
         Ok(_) => true,
         Err(e) => {
             let detail = CString::new(format!("outbox.allowed_hosts: {e}.")).unwrap_or_default();
-            let hint = CString::new(crate::channels::guard::LIST_FORMS).unwrap_or_default();
+            let hint = CString::new(crate::allow_list::LIST_FORMS).unwrap_or_default();
             // SAFETY: the strings are copied into the current memory context, as the GUC
             // machinery expects of a check hook.
             unsafe {
@@ -482,7 +482,7 @@ extern "C-unwind" fn check_allowed_hosts(
     }
 }
 
-/// The text of `outbox.allowed_hosts` (parse it with `channels::guard::AllowList::parse`).
+/// The text of `outbox.allowed_hosts` (parse it with `allow_list::AllowList::parse`).
 pub fn allowed_hosts() -> String {
     ALLOWED_HOSTS
         .get()

@@ -27,6 +27,27 @@ use crate::spi::{self, Statement};
 use generations::{Generation, Rotation};
 use pgrx::spi::{SpiClient, SpiResult};
 
+/// One confirmed delivery.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub message_id: i64,
+    pub attempt: i32,
+    /// When the attempt started (µs since the epoch), where the worker knows it.
+    pub started_at_us: Option<i64>,
+    /// The worker that made the attempt, when it is not the one recording it (recovery).
+    pub pid: Option<i32>,
+    pub external_id: Option<String>,
+    pub http_status: Option<i32>,
+    pub outcome: String,
+    /// The attempt's row is written already (a send open at the update from 0.1.0).
+    pub row_written: bool,
+    /// The claim that took the message for this attempt found no ledger entry of its key
+    /// (the barrier let it through). While the message stays in that attempt, its queue row
+    /// is the key's only one, and an entry is only ever written with the move of that row:
+    /// the ledger still holds none, and the record need not look again.
+    pub key_unrecorded_at_claim: bool,
+}
+
 /// Who confirmed an effect (`outbox._ledger.recorded_by`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Recorder {
@@ -206,7 +227,7 @@ SELECT m.id FROM m",
 /// meanwhile) is left to [`record_delivered`].
 pub fn record_sent(
     client: &mut SpiClient<'_>,
-    delivered: &[crate::worker::record::Delivery],
+    delivered: &[Delivery],
 ) -> SpiResult<std::collections::HashSet<i64>> {
     let rows = spi::run(
         client,

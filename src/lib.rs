@@ -3,6 +3,7 @@
 
 use pgrx::prelude::*;
 
+pub mod allow_list;
 pub mod channels;
 pub mod classify;
 pub mod clock;
@@ -19,10 +20,12 @@ pub mod random;
 pub mod reconcile;
 pub mod retry_policy;
 pub mod runtime;
+pub mod served_database;
 pub mod spi;
 pub mod tenancy;
 pub mod worker;
 pub mod worker_locks;
+pub mod worker_slots;
 
 ::pgrx::pg_module_magic!();
 

@@ -280,3 +280,43 @@ fn a_refusals_answer_is_kept_with_its_attempt_up_to_response_excerpt_bytes() {
         .unwrap_err();
     assert_eq!(code_of(&refused), "22023", "{refused}");
 }
+
+/// `classify_answers`: a 400 whose answer says "simulated status 400" is transient by the
+/// channel's rule (the status alone would fail it), retried, and delivered by the next
+/// attempt; the attempt says which rule decided.
+#[test]
+fn classify_answers_retries_a_refusal_its_text_calls_transient() {
+    let (cluster, mut c, sim) = cluster_and_sim();
+    let ch = sim_channel(
+        &mut c,
+        &sim,
+        "rl_rules",
+        r#"{"retry": {"base_ms": 100, "jitter": "none"},
+            "classify_answers": [{"status": "4xx", "contains": "simulated status 400", "class": "transient"}]}"#,
+    );
+    sim.set_plan(&ch, vec![Action::Status(400), Action::Accept]);
+    enqueue_many(&mut c, &ch, 1);
+    let id = outcomes(&mut c, &ch).remove(0).id;
+    wait_for_state(&cluster, id, "delivered", T);
+    let first: (String, String) = c
+        .query_one(
+            "SELECT error_class::text, error FROM outbox.attempts WHERE message_id = $1 AND attempt = 1",
+            &[&id],
+        )
+        .map(|r| (r.get(0), r.get(1)))
+        .unwrap();
+    assert_eq!(first.0, "transient", "{first:?}");
+    assert!(
+        first.1.contains("transient by classify_answers[0]"),
+        "{first:?}"
+    );
+    // A rule whose text the excerpt cannot hold is refused.
+    let refused = c
+        .execute(
+            "SELECT outbox.create_channel($1, 'http://127.0.0.1:9/x',
+                    '{\"response_excerpt_bytes\": 8, \"classify_answers\": [{\"contains\": \"quota exceeded\", \"class\": \"transient\"}]}')",
+            &[&unique("rl_rules_bad")],
+        )
+        .unwrap_err();
+    assert_eq!(code_of(&refused), "22023", "{refused}");
+}

@@ -1,11 +1,11 @@
 //! `create_channel` / `alter_channel`: every option validated before anything is written.
 
-use super::guard::{self, AllowList};
 use super::lookup_url;
 use super::options::{unverifiable_notice, validate_endpoint, ChannelOptions, Kind, OptionError};
 use super::secrets::{mask_url, shape};
 use super::sql_effect;
 use super::{nats_options, nats_subject, nats_window};
+use crate::allow_list::{self, AllowList};
 use crate::error::{spi_failure, OrRaise, OutboxError};
 use crate::gucs;
 use pgrx::pg_sys::panic::ErrorReport;
@@ -38,7 +38,7 @@ fn option_error(e: OptionError) -> OutboxError {
 }
 
 /// The destinations of an http channel, its endpoint and (when it can reconcile) the host of
-/// its lookup URL, must be allowed by `outbox.allowed_hosts` (see `guard`): 42501 naming the
+/// its lookup URL, must be allowed by `outbox.allowed_hosts` (see `crate::allow_list`): 42501 naming the
 /// option and the host otherwise. The worker checks every request again when it sends.
 fn check_destinations(
     list: &AllowList,
@@ -56,10 +56,12 @@ fn check_destinations(
                 format!("\"{}\" is not a valid URL ({e})", mask_url(&url)),
             ))
         })?;
-        guard::check_url(list, &parsed).map_err(|refusal| OutboxError::DestinationRefused {
-            option,
-            refusal,
-            allowed_hosts: list.source().to_string(),
+        allow_list::check_url(list, &parsed).map_err(|refusal| {
+            OutboxError::DestinationRefused {
+                option,
+                refusal,
+                allowed_hosts: list.source().to_string(),
+            }
         })?;
     }
     Ok(())
@@ -161,7 +163,7 @@ fn check_nats_endpoint(endpoint: &str) -> Result<(), pgrx::spi::Error> {
     let list = AllowList::parse(&gucs::allowed_hosts())
         .map_err(OutboxError::InvalidAllowedHosts)
         .or_raise();
-    guard::check_url(&list, &url)
+    allow_list::check_url(&list, &url)
         .map_err(|refusal| OutboxError::DestinationRefused {
             option: "endpoint",
             refusal,

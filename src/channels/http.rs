@@ -4,15 +4,15 @@
 //! Through reqwest: `https://` endpoints and lookups; an `http://` endpoint's sends go on
 //! the channel's own connections (`wire`), which answer with the same [`Transmission`].
 //!
-//! Every request is held to `outbox.allowed_hosts` (see `guard`) twice: its URL's host is
+//! Every request is held to `outbox.allowed_hosts` (see `crate::allow_list`) twice: its URL's host is
 //! checked before it is sent (an IP literal is never resolved, so its address is checked
 //! there too), and every client resolves names with [`GuardedResolver`], which drops the
 //! addresses the list refuses. A refused request sends nothing.
 
-use super::guard::{self, AllowList, Refusal};
 use super::json_pointer::body_pointer;
 use super::options::{ChannelOptions, ExternalIdSource};
 use super::secrets::mask_url_in;
+use crate::allow_list::{self, AllowList, Refusal};
 use crate::classify::Phase;
 use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, USER_AGENT};
@@ -145,14 +145,14 @@ impl Resolve for GuardedResolver {
         let allowed = self.allowed.clone();
         let host = name.as_str().to_string();
         Box::pin(async move {
-            if !guard::host_allowed(&allowed, &host) {
+            if !allow_list::host_allowed(&allowed, &host) {
                 return Err(Box::new(Refusal {
                     host,
-                    reason: guard::Reason::NotListed,
+                    reason: allow_list::Reason::NotListed,
                 }) as ResolveError);
             }
             let resolved = tokio::net::lookup_host((host.as_str(), 0)).await?;
-            let kept = guard::filter_resolved(&allowed, &host, resolved)?;
+            let kept = allow_list::filter_resolved(&allowed, &host, resolved)?;
             Ok(Box::new(kept.into_iter()) as Addrs)
         })
     }
@@ -187,14 +187,16 @@ pub fn refusal_in(e: &(dyn std::error::Error + 'static)) -> Option<Refusal> {
 /// would start; a name before or after it is resolved.
 pub(crate) fn refusal_phase(r: &Refusal) -> Phase {
     match r.reason {
-        guard::Reason::Sensitive { .. } => Phase::Connect,
-        guard::Reason::NotListed | guard::Reason::OnlySensitiveAddresses { .. } => Phase::Dns,
+        allow_list::Reason::Sensitive { .. } => Phase::Connect,
+        allow_list::Reason::NotListed | allow_list::Reason::OnlySensitiveAddresses { .. } => {
+            Phase::Dns
+        }
     }
 }
 
 /// Checks a request's URL before it is sent: `Err` is the refusal as a transmission.
 pub fn check_request(allowed: &AllowList, request: &reqwest::Request) -> Result<(), Refusal> {
-    guard::check_url(allowed, request.url())
+    allow_list::check_url(allowed, request.url())
 }
 
 /// Connection pools, one per channel, rebuilt when the channel's options change or when
@@ -235,7 +237,10 @@ impl Transport {
     /// thread, each cycle). When it changed, every pool is dropped so that no connection
     /// made under the old list is reused. `None` when nothing changed; `Some(Err)` when the
     /// new text is invalid, which allows nothing until it is fixed.
-    pub fn set_allowed_hosts(&mut self, text: &str) -> Option<Result<(), guard::InvalidEntry>> {
+    pub fn set_allowed_hosts(
+        &mut self,
+        text: &str,
+    ) -> Option<Result<(), allow_list::InvalidEntry>> {
         if self.allowed_text.as_deref() == Some(text) {
             return None;
         }
@@ -664,7 +669,7 @@ mod tests {
         let e = resolve("api.example.com", "other.example.com").unwrap_err();
         assert_eq!(
             refusal_in(e.as_ref()).map(|r| r.reason),
-            Some(guard::Reason::NotListed)
+            Some(allow_list::Reason::NotListed)
         );
         // localhost resolves from /etc/hosts, without DNS.
         let addrs = resolve("localhost", "localhost").unwrap();
@@ -675,7 +680,7 @@ mod tests {
         let e = resolve("*", "0.0.0.0").unwrap_err();
         let r = refusal_in(e.as_ref()).unwrap();
         assert!(
-            matches!(r.reason, guard::Reason::OnlySensitiveAddresses { .. }),
+            matches!(r.reason, allow_list::Reason::OnlySensitiveAddresses { .. }),
             "{r}"
         );
         assert_eq!(resolve("*, 0.0.0.0", "0.0.0.0").unwrap().len(), 1);
@@ -691,7 +696,7 @@ mod tests {
             Box::pin(async move {
                 Err(Box::new(Refusal {
                     host,
-                    reason: guard::Reason::OnlySensitiveAddresses {
+                    reason: allow_list::Reason::OnlySensitiveAddresses {
                         addresses: vec!["169.254.169.254".parse().unwrap()],
                     },
                 }) as ResolveError)

@@ -1,12 +1,12 @@
 //! The read-only lookup at the provider: the request (its URL is filled by `lookup_url`)
 //! and what the answer means. Pure Rust plus the async request; no Postgres.
 
-use super::guard::AllowList;
 use super::http::{check_request, describe, read_body, refusal_in};
 use super::json_pointer::body_pointer;
 use super::lookup_url::content_sha256;
 pub use super::lookup_url::Subject;
 use super::options::{ChannelOptions, ReconcileConfig};
+use crate::allow_list::AllowList;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

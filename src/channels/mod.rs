@@ -1,6 +1,6 @@
 //! Channels: where messages go and how. `options` (and `nats_options`) parse and validate a
-//! channel's options; `admin` is the SQL to manage channels; `guard` holds every destination
-//! to `outbox.allowed_hosts`; `remote` is the `Channel` trait that the HTTP (`http`,
+//! channel's options; `admin` is the SQL to manage channels; `crate::allow_list` holds every
+//! destination to `outbox.allowed_hosts`; `remote` is the `Channel` trait that the HTTP (`http`,
 //! `request`, `lookup`) and NATS JetStream (`nats`, `nats_subject`) transports implement;
 //! `sql_effect` runs a `sql` channel's function in the record transaction; `pool_budget`
 //! bounds the idle HTTP connections a worker keeps across its channels, `connection_slots`
@@ -8,11 +8,11 @@
 
 pub mod admin;
 pub mod answer_excerpt;
+pub mod answer_rules;
 pub mod circuit;
 pub mod connection_slots;
 pub mod effect_bound;
 pub mod fence;
-pub mod guard;
 pub mod http;
 pub mod json_pointer;
 pub mod lookup;

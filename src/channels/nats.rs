@@ -8,11 +8,11 @@
 //! subject), acknowledged, or written with no acknowledgement — the one outcome after which
 //! the stream may or may not hold the message.
 
-use super::guard::{self, AllowList};
 use super::lookup::Lookup;
 use super::nats_options::{NatsAuth, NatsTarget};
 use super::nats_subject;
 use super::options::ChannelOptions;
+use crate::allow_list::{self, AllowList};
 use async_nats::jetstream::{self, context::PublishErrorKind};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -73,7 +73,7 @@ fn host_port(endpoint: &str) -> Result<(String, u16), String> {
 /// The addresses of the endpoint that `allowed` lets a connection reach.
 async fn allowed_addresses(endpoint: &str, allowed: &AllowList) -> Result<Vec<String>, String> {
     let (host, port) = host_port(endpoint)?;
-    if !guard::host_allowed(allowed, &host) {
+    if !allow_list::host_allowed(allowed, &host) {
         return Err(format!(
             "host \"{host}\" is not allowed by outbox.allowed_hosts"
         ));
@@ -82,7 +82,7 @@ async fn allowed_addresses(endpoint: &str, allowed: &AllowList) -> Result<Vec<St
         .await
         .map_err(|e| format!("dns: {host}: {e}"))?
         .collect();
-    let kept = guard::filter_resolved(allowed, &host, resolved).map_err(|r| r.to_string())?;
+    let kept = allow_list::filter_resolved(allowed, &host, resolved).map_err(|r| r.to_string())?;
     if kept.is_empty() {
         return Err(format!("dns: {host} has no address"));
     }

@@ -47,6 +47,8 @@ pub struct ChannelOptions {
     pub reconcile: Option<ReconcileConfig>,
     pub retry: RetryPolicy,
     pub classify: Overrides,
+    /// Rules that classify a refusing answer by what its body says (`answer_rules`).
+    pub classify_answers: super::answer_rules::AnswerRules,
     pub max_in_flight: u32,
     /// Attempts open at once on a channel that can neither dedupe nor be asked
     /// ([`ChannelOptions::can_verify`]): each one a crash interrupts stops in `uncertain`
@@ -150,6 +152,7 @@ const HTTP_ONLY: &[&str] = &[
     "external_id",
     "reconcile",
     "classify",
+    "classify_answers",
     "signing",
     "tls",
     "rate_limit",
@@ -172,6 +175,7 @@ const KNOWN_KEYS: &[&str] = &[
     "reconcile",
     "retry",
     "classify",
+    "classify_answers",
     "max_in_flight",
     "max_unverifiable_in_flight",
     "function",
@@ -206,6 +210,7 @@ impl Default for ChannelOptions {
             reconcile: None,
             retry: RetryPolicy::default(),
             classify: Overrides::default(),
+            classify_answers: Default::default(),
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             max_unverifiable_in_flight: DEFAULT_MAX_UNVERIFIABLE_IN_FLIGHT,
             tenants: vec!["*".into()],
@@ -400,6 +405,18 @@ impl ChannelOptions {
                 "is set but idempotency_header is not; a key window needs a key",
             ));
         }
+        // The rules read the excerpt: a text longer than the excerpt is never found.
+        if o.classify_answers.longest_text() as u64 > o.response_excerpt_bytes {
+            return Err(OptionError::new(
+                "classify_answers",
+                format!(
+                    "reads the answer's excerpt, which keeps {} bytes (response_excerpt_bytes): a rule's text of {} bytes is never found there",
+                    o.response_excerpt_bytes,
+                    o.classify_answers.longest_text()
+                ),
+            )
+            .with_hint("Raise response_excerpt_bytes, or shorten the rule's contains."));
+        }
         Ok(o)
     }
 
@@ -479,6 +496,9 @@ impl ChannelOptions {
                 o.classify =
                     Overrides::from_json(value).map_err(|e| OptionError::new(e.field, e.message))?
             }
+            "classify_answers" => {
+                o.classify_answers = super::answer_rules::AnswerRules::from_json(value)?
+            }
             "max_in_flight" => o.max_in_flight = positive_int(key, value, 10_000)? as u32,
             "max_unverifiable_in_flight" => {
                 o.max_unverifiable_in_flight = positive_int(key, value, 10_000)? as u32
@@ -550,6 +570,7 @@ impl ChannelOptions {
             })),
             "retry": self.retry.to_json(),
             "classify": self.classify.to_json(),
+            "classify_answers": self.classify_answers.to_json(),
             "max_in_flight": self.max_in_flight,
             "max_unverifiable_in_flight": self.max_unverifiable_in_flight,
             "tenants": self.tenants,

@@ -11,7 +11,6 @@
 //! connections (`pool_budget`).
 
 use super::connection_slots::ConnectionSlots;
-use super::guard::{self, AllowList};
 use super::http::{self, Transmission, Transport};
 use super::lookup::{self, Lookup, Subject};
 use super::lookup_url;
@@ -20,6 +19,7 @@ use super::options::{ChannelOptions, Kind};
 use super::pool_budget::{self, Demand, PoolUse};
 use super::request;
 use super::wire::{self, Wire};
+use crate::allow_list::{self, AllowList};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -271,7 +271,10 @@ struct Open {
 
 impl Remotes {
     /// See [`Transport::set_allowed_hosts`]; every channel object is made again after a change.
-    pub fn set_allowed_hosts(&mut self, text: &str) -> Option<Result<(), guard::InvalidEntry>> {
+    pub fn set_allowed_hosts(
+        &mut self,
+        text: &str,
+    ) -> Option<Result<(), allow_list::InvalidEntry>> {
         let changed = self.transport.set_allowed_hosts(text);
         if changed.is_some() {
             self.open.clear();

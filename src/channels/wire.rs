@@ -16,7 +16,6 @@
 //! `transfer-encoding`, `te`, `trailer`, `upgrade`, `keep-alive`): a channel's own value of
 //! one of them is not sent. A channel's `Host` header replaces the URL's.
 
-use super::guard::{self, AllowList};
 #[cfg(test)]
 use super::http::AGENT;
 use super::http::{
@@ -25,6 +24,7 @@ use super::http::{
 use super::json_pointer::body_pointer;
 use super::options::ExternalIdSource;
 use super::pool_budget::IDLE_LIFE;
+use crate::allow_list::{self, AllowList};
 use crate::classify::Phase;
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
@@ -416,7 +416,7 @@ impl Failure {
 
 /// A connection could not be had: refused by the list, or failed.
 enum NoConnection {
-    Refused(guard::Refusal),
+    Refused(allow_list::Refusal),
     Failed(Failure),
 }
 
@@ -543,7 +543,7 @@ impl Origin {
                             format!("dns error: failed to lookup address for {host}: {e}"),
                         ))
                     })?;
-                guard::filter_resolved(allowed, host, found).map_err(NoConnection::Refused)?
+                allow_list::filter_resolved(allowed, host, found).map_err(NoConnection::Refused)?
             }
         };
         let mut last = Failure::new(
@@ -717,7 +717,7 @@ pub async fn transmit(wire: Arc<Wire>, out: Outgoing, allowed: Arc<AllowList>) -
         Ok(r) => r,
         Err(error) => return Transmission::NotSent { error },
     };
-    if let Err(refusal) = guard::check_url(&allowed, &wire.endpoint.url) {
+    if let Err(refusal) = allow_list::check_url(&allowed, &wire.endpoint.url) {
         return Transmission::Refused {
             phase: refusal_phase(&refusal),
             error: refusal.to_string(),

@@ -13,7 +13,7 @@ use super::exposition::{self, Part, Route};
 use super::request::{verdict, Access};
 use super::scrape;
 use crate::gucs;
-use crate::worker::served_database;
+use crate::served_database;
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
 use pgrx::pg_sys;
 use pgrx::prelude::*;

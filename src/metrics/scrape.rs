@@ -14,7 +14,7 @@
 use super::exposition::Part;
 use crate::error::sqlstate_and_message;
 use crate::gucs;
-use crate::worker::served_database;
+use crate::served_database;
 use pgrx::bgworkers::{
     BackgroundWorker, BackgroundWorkerBuilder, BackgroundWorkerStatus, BgWorkerStartTime,
     DynamicBackgroundWorker,

@@ -64,12 +64,6 @@ impl Refusal {
     }
 }
 
-/// A control character as the database's `[[:cntrl:]]` class knows it in a UTF-8 locale:
-/// C0, DEL, C1, and the line and paragraph separators.
-pub(crate) fn is_control(c: char) -> bool {
-    c.is_control() || c == '\u{2028}' || c == '\u{2029}'
-}
-
 /// An HTTP header name (RFC 9110 token).
 fn is_token(name: &str) -> bool {
     !name.is_empty()
@@ -129,7 +123,7 @@ pub fn check_effect_key(key: Option<&str>) -> Result<(), Refusal> {
             ))
         }
     };
-    if key.chars().any(is_control) {
+    if key.chars().any(crate::tenancy::acting::is_control) {
         return Err(Refusal::invalid(
             "effect_key must not contain control characters",
             Some("The key travels in an HTTP header, where a control character cannot.".into()),

@@ -1,7 +1,7 @@
 //! Wake at COMMIT: `enqueue` marks the transaction; when it commits, the workers' latches
 //! are set. A rollback wakes nobody. The workers' poll interval is only a fallback.
 
-use crate::worker::slots;
+use crate::worker_slots as slots;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use std::cell::Cell;
@@ -66,7 +66,7 @@ fn _check_preloaded() -> bool {
         warn_not_preloaded_once();
         return false;
     }
-    let served = crate::worker::served_database::served_here();
+    let served = crate::served_database::served_here();
     if !served {
         pg_sys::panic::ErrorReport::new(
             PgSqlErrorCode::ERRCODE_WARNING,

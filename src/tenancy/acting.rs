@@ -41,9 +41,7 @@ pub fn check_tenant_name(
     match name {
         None => Err(bad(None)),
         Some(n) if n.is_empty() || n.len() > MAX_TENANT_BYTES => Err(bad(Some(n.len()))),
-        Some(n) if n.chars().any(crate::outbox::enqueue_check::is_control) => {
-            Err(bad(Some(n.len())))
-        }
+        Some(n) if n.chars().any(is_control) => Err(bad(Some(n.len()))),
         Some("*") if !star_allowed => Err(TenantRefusal::StarIsNotATenant {
             argument: argument.to_string(),
         }),
@@ -150,6 +148,12 @@ impl TenantRefusal {
             ),
         }
     }
+}
+
+/// A control character as the database's `[[:cntrl:]]` class knows it in a UTF-8 locale:
+/// C0, DEL, C1, and the line and paragraph separators.
+pub(crate) fn is_control(c: char) -> bool {
+    c.is_control() || c == '\u{2028}' || c == '\u{2029}'
 }
 
 #[cfg(test)]

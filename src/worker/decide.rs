@@ -288,7 +288,15 @@ pub fn after_transmission(
                 status: *status,
                 body_complete: *body_complete,
             };
-            let class = classify(&facts, &options.classify, resend_guard(options));
+            let ruled = options
+                .classify_answers
+                .class_for(*status, excerpt.as_deref());
+            let class = match ruled {
+                // A body not read to the end confirms nothing (`classify`).
+                Some((Class::Delivered, _)) if !*body_complete => Class::Ambiguous,
+                Some((class, _)) => class,
+                None => classify(&facts, &options.classify, resend_guard(options)),
+            };
             let mut what = format!("HTTP {status} after {elapsed_ms} ms");
             if let Some(e) = body_error {
                 what.push_str(&format!("; read: {e}"));
@@ -296,6 +304,9 @@ pub fn after_transmission(
             // What the provider said: kept with the attempt (`answer_excerpt`).
             if let Some(said) = excerpt {
                 what.push_str(&format!("; answer: {said}"));
+            }
+            if let Some((_, rule)) = ruled {
+                what.push_str(&format!("; {class} by classify_answers[{rule}]"));
             }
             let mut retry_after_ms = None;
             if let Some(raw) = retry_after {
@@ -596,6 +607,70 @@ mod tests {
 
     fn half() -> impl FnMut() -> f64 {
         || 0.5
+    }
+
+    #[test]
+    fn classify_answers_decides_by_what_the_answer_said_before_the_status() {
+        let o = opts(json!({"classify_answers": [
+            {"status": "4xx", "contains": "quota exceeded", "class": "transient"},
+            {"status": "409", "contains": "already processed", "class": "delivered"},
+        ]}));
+        let said = |status, text: &str, complete| Transmission::Answered {
+            status,
+            retry_after: None,
+            external_id: None,
+            body_complete: complete,
+            body_error: None,
+            excerpt: Some(text.into()),
+            elapsed_ms: 3,
+        };
+        let v = after_transmission(
+            &said(400, "{\"error\": \"quota exceeded\"}", true),
+            &o,
+            ctx(1),
+            &mut half(),
+        );
+        assert_eq!((v.state, v.class), (State::Queued, Some(Class::Transient)));
+        let error = v.error.unwrap();
+        assert!(
+            error.contains("answer: {\"error\": \"quota exceeded\"}"),
+            "{error}"
+        );
+        assert!(
+            error.contains("transient by classify_answers[0]"),
+            "{error}"
+        );
+        // Another 400: the status decides, as without rules.
+        let v = after_transmission(
+            &said(400, "unknown recipient", true),
+            &o,
+            ctx(1),
+            &mut half(),
+        );
+        assert_eq!((v.state, v.class), (State::Failed, Some(Class::Permanent)));
+        assert!(!v.error.unwrap().contains("classify_answers"));
+        let v = after_transmission(
+            &said(409, "already processed", true),
+            &o,
+            ctx(1),
+            &mut half(),
+        );
+        assert_eq!(v.state, State::Delivered);
+        // Delivered by a rule, but the body was cut short: nothing is confirmed.
+        let v = after_transmission(
+            &said(409, "already processed", false),
+            &o,
+            ctx(1),
+            &mut half(),
+        );
+        assert_eq!(v.class, Some(Class::Ambiguous));
+        // Rules must be readable in the excerpt the channel keeps.
+        let e = ChannelOptions::from_json(&json!({
+            "response_excerpt_bytes": 4,
+            "classify_answers": [{"contains": "quota exceeded", "class": "transient"}],
+        }))
+        .unwrap_err();
+        assert_eq!(e.option, "classify_answers");
     }
 
     #[test]

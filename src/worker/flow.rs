@@ -6,7 +6,7 @@
 //! Times are the database's clock, so that every worker counts alike. The arithmetic is in
 //! `channels::rate_limit` and `channels::circuit`.
 
-use super::claim::{Channels, Job};
+use super::claimed::{Channels, Job};
 use super::record::Outcomes;
 use crate::channels::circuit::{self, Circuit, CircuitOptions};
 use crate::channels::options::ChannelOptions;

@@ -61,13 +61,13 @@ pub fn init_shmem() {
 
 /// Writes the beat of slot `index` now.
 pub fn beat(index: usize) {
-    if index < MAX_SLOTS && super::slots::preloaded() {
+    if index < MAX_SLOTS && crate::worker_slots::preloaded() {
         BEATS.get().at_ms[index].store(boot_ms(), Ordering::Release);
     }
 }
 
 fn last_beat_ms(index: usize) -> i64 {
-    if index < MAX_SLOTS && super::slots::preloaded() {
+    if index < MAX_SLOTS && crate::worker_slots::preloaded() {
         BEATS.get().at_ms[index].load(Ordering::Acquire)
     } else {
         0
@@ -155,9 +155,9 @@ fn _claim_holder(owner: i32, pid: i32, lease_ms: f64) -> &'static str {
     let database = u32::from(unsafe { pgrx::pg_sys::MyDatabaseId });
     let seen = usize::try_from(owner)
         .ok()
-        .filter(|i| *i < MAX_SLOTS && super::slots::preloaded())
+        .filter(|i| *i < MAX_SLOTS && crate::worker_slots::preloaded())
         .map(|i| {
-            let slot = super::slots::read(i);
+            let slot = crate::worker_slots::read(i);
             SlotSeen {
                 pid: slot.pid,
                 database_oid: slot.database_oid,

@@ -7,6 +7,7 @@
 pub mod claim;
 pub mod claim_cursor;
 pub mod claim_release;
+pub mod claimed;
 pub mod claims_upkeep;
 pub mod cycle;
 pub mod decide;
@@ -23,14 +24,13 @@ pub mod recovery;
 pub mod retention;
 pub mod schema_version;
 pub mod send;
-pub mod served_database;
-pub mod slots;
 pub mod standby;
 pub mod sweep;
 
 use crate::clock::now_ms;
 use crate::gucs;
-use crate::{identity, runtime};
+use crate::worker_slots as slots;
+use crate::{identity, runtime, served_database};
 use pgrx::bgworkers::{
     BackgroundWorker, BackgroundWorkerBuilder, BgWorkerStartTime, SignalWakeFlags,
 };

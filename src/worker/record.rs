@@ -159,26 +159,8 @@ SELECT o.message_id, m.tenant, o.attempt, 'recovery', now(), o.outcome, 'ambiguo
   FROM unnest($1::int8[], $2::int4[], $3::text[], $4::text[]) AS o(message_id, attempt, outcome, error)
   JOIN outbox._messages m ON m.id = o.message_id");
 
-/// One confirmed delivery.
-#[derive(Debug, Clone)]
-pub struct Delivery {
-    pub message_id: i64,
-    pub attempt: i32,
-    /// When the attempt started (µs since the epoch), where the worker knows it.
-    pub started_at_us: Option<i64>,
-    /// The worker that made the attempt, when it is not the one recording it (recovery).
-    pub pid: Option<i32>,
-    pub external_id: Option<String>,
-    pub http_status: Option<i32>,
-    pub outcome: String,
-    /// The attempt's row is written already (a send open at the update from 0.1.0).
-    pub row_written: bool,
-    /// The claim that took the message for this attempt found no ledger entry of its key
-    /// (the barrier let it through). While the message stays in that attempt, its queue row
-    /// is the key's only one, and an entry is only ever written with the move of that row:
-    /// the ledger still holds none, and the record need not look again.
-    pub key_unrecorded_at_claim: bool,
-}
+/// One confirmed delivery: the ledger's (`crate::ledger`), which records it.
+pub use crate::ledger::Delivery;
 
 /// One outcome other than a delivery.
 #[derive(Debug, Clone)]
@@ -238,7 +220,7 @@ impl Outcomes {
 
     /// Adds the outcome of a claimed job (see [`Outcomes::push_for`]). A delivery of a job
     /// that was sent went through the claim's barrier ([`Delivery::key_unrecorded_at_claim`]).
-    pub fn push_job(&mut self, job: &crate::worker::claim::Job, sent: bool, verdict: Verdict) {
+    pub fn push_job(&mut self, job: &crate::worker::claimed::Job, sent: bool, verdict: Verdict) {
         if verdict.state == State::Delivered {
             self.observe_delivery(job.channel_id, job.enqueued_at_ms);
         }
@@ -747,7 +729,7 @@ pub fn record_stats(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::claim::Job;
+    use crate::worker::claimed::Job;
 
     fn job(id: i64, ledger: Option<(i64, Option<String>)>) -> Job {
         Job {
@@ -766,7 +748,7 @@ mod tests {
             ledger,
             position: None,
             fence: crate::channels::fence::Fence::open(),
-            turn: crate::worker::claim::Turn { lanes: 1, pick: 1 },
+            turn: crate::worker::claimed::Turn { lanes: 1, pick: 1 },
         }
     }
 

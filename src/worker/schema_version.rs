@@ -8,7 +8,7 @@
 //! than the library (a library that was rolled back): it never runs statements written for
 //! another schema.
 
-use crate::worker::slots;
+use crate::worker_slots as slots;
 use pgrx::bgworkers::BackgroundWorker;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;

@@ -3,7 +3,7 @@
 //! transaction, or a send on a remote channel: HTTP or NATS), and each send's outcome is
 //! decided once it arrives (`flight`).
 
-use super::claim::{Channels, Job};
+use super::claimed::{Channels, Job};
 use super::decide::{self, Verdict};
 use super::record::Outcomes;
 use crate::channels::options::{ChannelOptions, Kind};

@@ -10,8 +10,8 @@
 //! resend. A claim made on this server is never older than that time: every worker claims
 //! only after it saw the promotion, and the recorded time is the earliest sighting.
 
-use super::slots;
 use crate::clock::now_ms;
+use crate::worker_slots as slots;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 use std::time::Duration;

@@ -111,32 +111,46 @@ pub(super) struct Pools {
     pub(super) unknown_base: i64,
 }
 
-const KNOWN_OPTION_KEYS: [&str; 24] = [
-    "kind",
-    "method",
-    "headers",
-    "timeout_ms",
-    "connect_timeout_ms",
-    "idempotency_header",
-    "idempotency_window_ms",
-    "reference_header",
-    "external_id",
-    "reconcile",
-    "retry",
-    "classify",
-    "max_in_flight",
-    "max_unverifiable_in_flight",
-    "function",
-    "run_as",
-    "endpoint",
-    "tenants",
-    "max_response_bytes",
-    "response_excerpt_bytes",
-    "signing",
-    "tls",
-    "rate_limit",
-    "circuit",
-];
+/// The string literals of the constant `name` in `file` (under the repository's root): the
+/// lists the extension checks options against, read from its source rather than copied;
+/// read once per list.
+fn source_list(file: &'static str, name: &'static str) -> Vec<&'static str> {
+    static READ: std::sync::Mutex<Vec<(&str, &str, Vec<&str>)>> = std::sync::Mutex::new(Vec::new());
+    let mut read = READ.lock().unwrap();
+    if let Some((_, _, items)) = read.iter().find(|(f, n, _)| *f == file && *n == name) {
+        return items.clone();
+    }
+    let items = read_source_list(file, name);
+    read.push((file, name, items.clone()));
+    items
+}
+
+fn read_source_list(file: &str, name: &str) -> Vec<&'static str> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let source = std::fs::read_to_string(root.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let start = source
+        .find(&format!("const {name}"))
+        .unwrap_or_else(|| panic!("no const {name} in {file}"));
+    let list = &source[start..start + source[start..].find("];").expect("the list's end")];
+    let body = &list[list.find('[').map_or(0, |i| i + 1)..];
+    let body = &body[body.find('[').map_or(0, |i| i + 1)..];
+    let items: Vec<&'static str> = body
+        .split('"')
+        .skip(1)
+        .step_by(2)
+        .map(|item| &*Box::leak(item.to_string().into_boxed_str()))
+        .collect();
+    assert!(items.len() > 4, "{name} in {file}: {items:?}");
+    items
+}
+
+/// The channel options `create_channel` knows (src/channels/options.rs), and `endpoint`,
+/// which `alter_channel` takes among them.
+fn known_option_keys() -> Vec<&'static str> {
+    let mut keys = source_list("src/channels/options.rs", "KNOWN_KEYS");
+    keys.push("endpoint");
+    keys
+}
 
 const MALFORMED_JSON: [&str; 14] = [
     "",
@@ -403,17 +417,10 @@ impl Pools {
             }
             "retry" => {
                 let mut m = Map::new();
-                for k in [
-                    "max_attempts",
-                    "base_ms",
-                    "max_ms",
-                    "multiplier",
-                    "jitter",
-                    "max_age_ms",
-                    "respect_retry_after",
-                    "max_retry_after_ms",
-                    "nope",
-                ] {
+                // The retry keys src/retry_policy.rs knows, and one it does not.
+                let mut keys = source_list("src/retry_policy.rs", "KEYS");
+                keys.push("nope");
+                for k in keys {
                     if rng.chance(30) {
                         let v = match k {
                             "multiplier" => json!(*rng.pick(&[0.0f64, 1.0, 2.0, 1e308, -1.0])),
@@ -445,6 +452,27 @@ impl Pools {
                     );
                 }
                 Value::Object(m)
+            }
+            "classify_answers" => {
+                let mut rules = Vec::new();
+                for _ in 0..rng.below(4) {
+                    let mut m = Map::new();
+                    for k in ["status", "contains", "class", "nope"] {
+                        if rng.chance(75) {
+                            let v = match k {
+                                "status" => {
+                                    json!(rng.pick(&["409", "4xx", "2xx", "200", "6xx", ""]))
+                                }
+                                "contains" => json!(self.text(rng).unwrap_or_default()),
+                                "class" => json!(rng.pick(&["transient", "delivered", "nope"])),
+                                _ => self.json_value(rng, 2),
+                            };
+                            m.insert(k.into(), v);
+                        }
+                    }
+                    rules.push(Value::Object(m));
+                }
+                Value::Array(rules)
             }
             "function" => json!(rng.pick(&[
                 "public.e2e_nope",
@@ -533,7 +561,7 @@ impl Pools {
         let mut m = Map::new();
         for _ in 0..rng.below(5) {
             let key = if rng.chance(85) {
-                rng.pick(&KNOWN_OPTION_KEYS).to_string()
+                rng.pick(&known_option_keys()).to_string()
             } else {
                 self.text(rng).unwrap_or_default().replace('\0', "")
             };

@@ -11,7 +11,7 @@
 //! - `DROP EXTENSION` leaves the workers nothing to run: a worker that finds the extension
 //!   gone says so once and waits, without a restart loop, for `CREATE EXTENSION`.
 
-use super::slots;
+use crate::worker_slots as slots;
 use pgrx::bgworkers::BackgroundWorker;
 use pgrx::pg_sys;
 use pgrx::prelude::*;
