@@ -43,8 +43,17 @@ fn channel(port: u16, wire: bool) -> Arc<dyn Channel> {
     }))
     .expect("options");
     let endpoint = format!("http://127.0.0.1:{port}/ch/send_bench");
-    let opened =
-        remote::open(&mut transport, 1, "v1", &endpoint, &options, 2 * BATCH).expect("channel");
+    let mut origins = outbox_delivery::channels::wire::Origins::default();
+    let opened = remote::open(
+        &mut transport,
+        &mut origins,
+        1,
+        "v1",
+        &endpoint,
+        &options,
+        2 * BATCH,
+    )
+    .expect("channel");
     if wire {
         return opened;
     }

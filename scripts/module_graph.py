@@ -67,7 +67,9 @@ spi={}
 for m,p in mods.items():
     src=re.sub(r'//[^\n]*','',open(p).read())
     # strip test modules
-    src=re.split(r'#\[cfg\(test\)\]|#\[cfg\(any\(test, feature = "pg_test"\)\)\]',src)[0]
+    # (the test module only: a single item under #[cfg(test)] elsewhere stays)
+    src=re.split(r'#\[cfg\((?:test|any\(test, feature = "pg_test"\))\)\]\s*(?:pub\s+)?mod\s+\w+\s*\{',src)[0]
+    src=re.sub(r'#\[cfg\(test\)\]\s*use[^;]+;','',src)
     spi[m]=bool(re.search(r'\bSpi\b|spi::|SpiClient|SPI_',src))
     for u in re.findall(r'use\s+([^;]+);',src):
         u=re.sub(r'\s+','',u)

@@ -431,9 +431,9 @@ COMMENT ON TABLE outbox._channel_minutes IS 'Per-minute delivery figures kept by
 
 -- Two histograms' counts added bucket by bucket (the shorter one padded with zeros): how
 -- the worker adds a batch's counts to a channel's row, and outbox._counts_sum's step.
--- A single scalar subquery, so that the planner inlines it.
 CREATE FUNCTION outbox._add_counts(a bigint[], b bigint[]) RETURNS bigint[]
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
     SELECT ARRAY(SELECT pg_catalog.int8pl(coalesce(u.x, 0), coalesce(u.y, 0))
                    FROM ROWS FROM (pg_catalog.unnest(a), pg_catalog.unnest(b)) WITH ORDINALITY AS u(x, y, i)

@@ -217,7 +217,16 @@ fn lookup_from_backend(
             "lookup not sent: outbox.allowed_hosts is invalid: {e}"
         ));
     }
-    let channel = match remote::open(&mut transport, channel_id, "", endpoint, options, 1) {
+    let mut origins = crate::channels::wire::Origins::default();
+    let channel = match remote::open(
+        &mut transport,
+        &mut origins,
+        channel_id,
+        "",
+        endpoint,
+        options,
+        1,
+    ) {
         Ok(c) => c,
         Err(e) => return unavailable(e),
     };

@@ -175,9 +175,15 @@ fn check_nats_endpoint(endpoint: &str) -> Result<(), pgrx::spi::Error> {
 
 /// Reads a `nats` channel's stream: its duplicate window, applied to `options`
 /// (`nats_window::apply_window`), and its subjects, which must take the channel's subject
-/// (`nats_subject::within_stream`). A stream that cannot be read refuses the channel (22023
-/// naming the stream), since without its window no republish is known to be safe.
-fn read_nats_stream(endpoint: &str, options: &mut ChannelOptions, explicit_max_age: bool) {
+/// (`nats_subject::within_stream`) when `check_subject` (a new channel, or a change of its
+/// subject or stream). A stream that cannot be read refuses the channel (22023 naming the
+/// stream), since without its window no republish is known to be safe.
+fn read_nats_stream(
+    endpoint: &str,
+    options: &mut ChannelOptions,
+    explicit_max_age: bool,
+    check_subject: bool,
+) {
     if !matches!(options.kind, Kind::Nats(_)) {
         return;
     }
@@ -195,7 +201,7 @@ fn read_nats_stream(endpoint: &str, options: &mut ChannelOptions, explicit_max_a
             ))
         })
         .or_raise();
-    if let Kind::Nats(target) = &options.kind {
+    if let (Kind::Nats(target), true) = (&options.kind, check_subject) {
         nats_subject::within_stream(&target.subject, &target.stream, &stream.subjects)
             .map_err(|e| {
                 option_error(OptionError::new("subject", e).with_hint(
@@ -215,6 +221,13 @@ fn read_nats_stream(endpoint: &str, options: &mut ChannelOptions, explicit_max_a
         )
         .report(PgLogLevel::NOTICE);
     }
+}
+
+/// Does this call change a `nats` channel's subject or stream?
+fn changes_subject(changes: &Value) -> bool {
+    ["subject", "stream"]
+        .iter()
+        .any(|k| changes.get(k).is_some_and(|v| !v.is_null()))
 }
 
 /// Did the caller set `retry.max_age_ms` in this call?
@@ -280,7 +293,7 @@ fn create_channel(name: Option<&str>, endpoint: Option<&str>, options: Option<&s
 
     Spi::connect_mut(|client| -> Result<(), pgrx::spi::Error> {
         check_target(client, endpoint, &parsed)?;
-        read_nats_stream(endpoint, &mut parsed, sets_max_age(&options));
+        read_nats_stream(endpoint, &mut parsed, sets_max_age(&options), true);
         let normalized = parsed.to_json();
         let inserted = client.update(
             INSERT_CHANNEL,
@@ -358,7 +371,12 @@ fn alter_channel(name: Option<&str>, options: Option<&str>) {
             .map_err(option_error)
             .or_raise();
         check_target(client, &endpoint, &parsed)?;
-        read_nats_stream(&endpoint, &mut parsed, sets_max_age(&changes));
+        read_nats_stream(
+            &endpoint,
+            &mut parsed,
+            sets_max_age(&changes),
+            changes_subject(&changes),
+        );
         let normalized = parsed.to_json();
 
         client.update(

@@ -11,7 +11,8 @@
 //! ```
 //!
 //! Each rule names a text the answer's excerpt must contain (`contains`, matched as is,
-//! case and all), optionally a status code or range (`status`: "409", "4xx"; any status
+//! case and all; a text the excerpt cannot hold, with a control character, a space at an
+//! end, or longer than the excerpt or the body read, is refused), optionally a status code or range (`status`: "409", "4xx"; any status
 //! that is not 2xx when absent), and the class it gives. The first rule that matches
 //! decides, before the `classify` status overrides and the default table. Rules read the
 //! excerpt the attempt keeps (`answer_excerpt`): the first `response_excerpt_bytes` of the
@@ -120,11 +121,20 @@ impl AnswerRules {
                 ));
             }
             let contains = match obj.get("contains") {
-                Some(Value::String(s)) if !s.is_empty() && s.len() <= LONGEST_TEXT => s.clone(),
+                // The excerpt writes control characters as spaces and trims its ends: a text
+                // holding one, or starting or ending with a space, could never be found.
+                Some(Value::String(s))
+                    if !s.is_empty()
+                        && s.len() <= LONGEST_TEXT
+                        && !s.chars().any(char::is_control)
+                        && s.trim() == s =>
+                {
+                    s.clone()
+                }
                 _ => {
                     return Err(OptionError::new(
                         at(".contains"),
-                        format!("must be a text of 1 to {LONGEST_TEXT} bytes the answer contains"),
+                        format!("must be a text of 1 to {LONGEST_TEXT} bytes the answer contains, without control characters or spaces at its ends"),
                     ))
                 }
             };
@@ -284,6 +294,14 @@ mod tests {
             ),
             (
                 json!([{"contains": long, "class": "transient"}]),
+                "classify_answers[0].contains",
+            ),
+            (
+                json!([{"contains": "a\nb", "class": "transient"}]),
+                "classify_answers[0].contains",
+            ),
+            (
+                json!([{"contains": "quota ", "class": "transient"}]),
                 "classify_answers[0].contains",
             ),
             (json!([{"contains": "a"}]), "classify_answers[0].class"),

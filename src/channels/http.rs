@@ -211,8 +211,6 @@ pub struct Transport {
     shared: HashMap<ClientShape, Vec<SharedClient>>,
     /// The number of the next client built.
     built: u64,
-    /// The connections of `http://` channels by origin, while a channel uses them.
-    origins: HashMap<super::wire::OriginKey, std::sync::Weak<super::wire::Origin>>,
     /// The text of `outbox.allowed_hosts` the clients were built with.
     allowed_text: Option<String>,
     allowed: Arc<AllowList>,
@@ -225,7 +223,6 @@ impl Default for Transport {
             clients: HashMap::new(),
             shared: HashMap::new(),
             built: 0,
-            origins: HashMap::new(),
             allowed_text: None,
             allowed: Arc::new(AllowList::nothing()),
         }
@@ -252,7 +249,6 @@ impl Transport {
         self.allowed_text = Some(text.to_string());
         self.clients.clear();
         self.shared.clear();
-        self.origins.clear();
         Some(result)
     }
 
@@ -320,21 +316,8 @@ impl Transport {
         self.clients.remove(&channel_id);
     }
 
-    /// The connections to `key`'s origin that the channels built alike share: those in use,
-    /// or new ones.
-    pub fn origin(&mut self, key: super::wire::OriginKey) -> Arc<super::wire::Origin> {
-        if let Some(origin) = self.origins.get(&key).and_then(std::sync::Weak::upgrade) {
-            return origin;
-        }
-        let origin = Arc::new(super::wire::Origin::new(key.clone()));
-        self.origins.insert(key, Arc::downgrade(&origin));
-        origin
-    }
-
-    /// Lets go of the shared clients that no channel uses any more, and of the origins whose
-    /// channels are gone.
+    /// Lets go of the shared clients that no channel uses any more.
     pub fn let_go(&mut self) {
-        self.origins.retain(|_, o| o.strong_count() > 0);
         if self.shared.is_empty() {
             return;
         }
@@ -754,30 +737,6 @@ mod tests {
         assert_eq!(built(&t), 1);
         t.retain(|_| false);
         assert_eq!(built(&t), 0);
-    }
-
-    #[test]
-    fn channels_to_one_origin_share_its_connections_while_one_uses_them() {
-        use crate::channels::wire::{Endpoint, Wire};
-        let mut t = Transport::default();
-        let key = |url: &str| {
-            let e = Endpoint::of(&url::Url::parse(url).unwrap()).unwrap();
-            Wire::origin_key(&e, Duration::from_secs(3), 200)
-        };
-        let a = t.origin(key("http://10.0.0.1:8080/ch/a"));
-        let b = t.origin(key("http://10.0.0.1:8080/ch/b?x=1"));
-        let other = t.origin(key("http://10.0.0.1:8081/ch/a"));
-        assert!(
-            Arc::ptr_eq(&a, &b),
-            "one host and port, two paths: one origin"
-        );
-        assert!(!Arc::ptr_eq(&a, &other));
-        drop((a, other));
-        t.let_go();
-        assert_eq!(t.origins.len(), 1, "b still uses the first");
-        drop(b);
-        t.let_go();
-        assert!(t.origins.is_empty());
     }
 
     #[test]

@@ -405,17 +405,18 @@ impl ChannelOptions {
                 "is set but idempotency_header is not; a key window needs a key",
             ));
         }
-        // The rules read the excerpt: a text longer than the excerpt is never found.
-        if o.classify_answers.longest_text() as u64 > o.response_excerpt_bytes {
+        // The rules read the excerpt, cut from the body read: a text longer than either is
+        // never found.
+        let readable = o.response_excerpt_bytes.min(o.max_response_bytes);
+        if o.classify_answers.longest_text() as u64 > readable {
             return Err(OptionError::new(
                 "classify_answers",
                 format!(
-                    "reads the answer's excerpt, which keeps {} bytes (response_excerpt_bytes): a rule's text of {} bytes is never found there",
-                    o.response_excerpt_bytes,
+                    "reads the answer's excerpt, which keeps {readable} bytes (response_excerpt_bytes, within max_response_bytes): a rule's text of {} bytes is never found there",
                     o.classify_answers.longest_text()
                 ),
             )
-            .with_hint("Raise response_excerpt_bytes, or shorten the rule's contains."));
+            .with_hint("Raise response_excerpt_bytes (and max_response_bytes), or shorten the rule's contains."));
         }
         Ok(o)
     }

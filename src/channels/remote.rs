@@ -206,10 +206,11 @@ fn ready<T: Send + 'static>(value: T) -> Pending<T> {
 }
 
 /// Builds the channel object of one channel; `Err` for a `sql` channel or a client that
-/// cannot be built. `transport` holds the HTTP pools; `connections` is what the worker's
-/// batches under way may send at once.
+/// cannot be built. `transport` holds the HTTP pools, `origins` the connections of
+/// `http://` channels; `connections` is what the worker's batches under way may send at once.
 pub fn open(
     transport: &mut Transport,
+    origins: &mut wire::Origins,
     channel_id: i32,
     version: &str,
     endpoint: &str,
@@ -226,7 +227,7 @@ pub fn open(
                     Duration::from_millis(options.connect_timeout_ms),
                     (options.max_in_flight as usize).min(connections),
                 );
-                Arc::new(Wire::on(e, transport.origin(key)))
+                Arc::new(Wire::on(e, origins.get(key)))
             });
             Ok(Arc::new(HttpChannel {
                 client: transport.client(channel_id, version, options, connections)?,
@@ -256,6 +257,7 @@ pub fn open(
 #[derive(Default)]
 pub struct Remotes {
     pub transport: Transport,
+    origins: wire::Origins,
     open: HashMap<i32, Open>,
     /// When the pools' demand windows last turned (`pool_budget::IDLE_LIFE`).
     window_started: Option<Instant>,
@@ -278,6 +280,7 @@ impl Remotes {
         let changed = self.transport.set_allowed_hosts(text);
         if changed.is_some() {
             self.open.clear();
+            self.origins.clear();
         }
         changed
     }
@@ -303,6 +306,7 @@ impl Remotes {
         }
         let c = open(
             &mut self.transport,
+            &mut self.origins,
             channel_id,
             version,
             endpoint,
@@ -357,6 +361,7 @@ impl Remotes {
         }
         if !closed.is_empty() {
             self.transport.let_go();
+            self.origins.let_go();
         }
         closed
     }
@@ -374,6 +379,7 @@ impl Remotes {
     pub fn retain(&mut self, live: impl Fn(i32) -> bool) {
         self.transport.retain(&live);
         self.open.retain(|id, _| live(*id));
+        self.origins.let_go();
     }
 }
 

@@ -369,7 +369,7 @@ struct Idle {
 }
 
 /// One `http://` channel in one worker: its endpoint, and the connections to its host and
-/// port, which every channel to that origin built alike shares (`http::Transport::origin`).
+/// port, which every channel to that origin built alike shares (`Origins`).
 pub struct Wire {
     endpoint: Endpoint,
     origin: Arc<Origin>,
@@ -395,6 +395,41 @@ pub struct OriginKey {
     port: u16,
     connect_timeout: Duration,
     max_idle: usize,
+}
+
+/// The origins of a worker's `http://` channels, while a channel uses them: channels built
+/// alike to one host and port share one. A change of `outbox.allowed_hosts` drops them all
+/// (the connections were made under the old list).
+#[derive(Default)]
+pub struct Origins(std::collections::HashMap<OriginKey, Weak<Origin>>);
+
+impl Origins {
+    /// The connections to `key`'s origin: those in use, or new ones.
+    pub fn get(&mut self, key: OriginKey) -> Arc<Origin> {
+        if let Some(origin) = self.0.get(&key).and_then(Weak::upgrade) {
+            return origin;
+        }
+        let origin = Arc::new(Origin::new(key.clone()));
+        self.0.insert(key, Arc::downgrade(&origin));
+        origin
+    }
+
+    pub fn clear(&mut self) {
+        self.0.clear();
+    }
+
+    /// Lets go of the origins whose channels are gone.
+    pub fn let_go(&mut self) {
+        self.0.retain(|_, o| o.strong_count() > 0);
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 /// Why a request ended without an answer.
@@ -844,6 +879,29 @@ pub async fn transmit(wire: Arc<Wire>, out: Outgoing, allowed: Arc<AllowList>) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn channels_to_one_origin_share_its_connections_while_one_uses_them() {
+        let mut t = Origins::default();
+        let key = |url: &str| {
+            let e = Endpoint::of(&url::Url::parse(url).unwrap()).unwrap();
+            Wire::origin_key(&e, Duration::from_secs(3), 200)
+        };
+        let a = t.get(key("http://10.0.0.1:8080/ch/a"));
+        let b = t.get(key("http://10.0.0.1:8080/ch/b?x=1"));
+        let other = t.get(key("http://10.0.0.1:8081/ch/a"));
+        assert!(
+            Arc::ptr_eq(&a, &b),
+            "one host and port, two paths: one origin"
+        );
+        assert!(!Arc::ptr_eq(&a, &other));
+        drop((a, other));
+        t.let_go();
+        assert_eq!(t.len(), 1, "b still uses the first");
+        drop(b);
+        t.let_go();
+        assert!(t.is_empty());
+    }
     use std::io::{Read, Write};
     use std::sync::atomic::AtomicUsize;
 
