@@ -3,7 +3,7 @@
 //! exactly as the worker adds it to a request (`Signing::sign`), for one and two secrets
 //! and bodies of 100 bytes, 1 KiB and 64 KiB. Thread CPU time does not count the time the
 //! machine spends on other processes, so the figure holds on a loaded machine too.
-//! `scripts/bench_webhooks.sh` sets it beside the worker CPU per delivery of its drains.
+//! `bench/bench_webhooks.sh` sets it beside the worker CPU per delivery of its drains.
 //!
 //! Run: `cargo bench --bench signing`
 

@@ -11,7 +11,7 @@ PG_CONFIG=/usr/bin/pg_config
 # nats-server: the JetStream server the nats channel tests start on ports of their own.
 # pgbouncer: the transaction-mode pooler the application examples reach the cluster through
 # (pg_test/tests/pooler.rs starts one of its own; the packaged service is left alone).
-# postgresql-15-pgq3: PgQ, the queue the delivery benchmark measures beside ours (scripts/bench_anchors.sh).
+# postgresql-15-pgq3: PgQ, the queue the delivery benchmark measures beside ours (bench/bench_anchors.sh).
 # libfaketime: a wall clock the clock-step tests move under a server of their own
 # (OUTBOX_FAKETIME_FILE, scripts/cluster.sh; pg_test/tests/clock_steps.rs).
 # lintian: the package test checks the Debian packages with it.

@@ -1,5 +1,5 @@
 //! The outbox an application would write by hand without the extension, the baseline of the
-//! delivery benchmark (`bench --anchors`, `scripts/bench_anchors.sh`): a plain table, and
+//! delivery benchmark (`bench --anchors`, `bench/bench_anchors.sh`): a plain table, and
 //! one process (`src/bin/handwritten_outbox.rs`) that loops: claim a batch with `FOR UPDATE
 //! SKIP LOCKED` in a transaction, POST each row's payload, mark the rows sent, commit.
 //!

@@ -1,4 +1,4 @@
-//! Delivery benchmarks against the real cluster (`scripts/bench.sh` runs this):
+//! Delivery benchmarks against the real cluster (`bench/bench.sh` runs this):
 //! - deliveries per second for a backlog of N messages to a loopback sink that only
 //!   answers 200 (the provider simulator in accept mode, bodies not kept);
 //! - latency from COMMIT of an enqueue to the request arriving at the sink, p50/p99,
@@ -19,24 +19,24 @@
 //!
 //! - with `--price-of-safety R`, only the drains of a channel that can neither dedupe nor
 //!   be asked, at its default bound and a few others, beside an ordinary channel's: R
-//!   alternating rounds (`scripts/bench_unverifiable.sh`).
+//!   alternating rounds (`bench/bench_unverifiable.sh`).
 //!
 //! - with `--several-databases R`, for a server serving the databases of `OUTBOX_DB` (a
 //!   comma-separated list, `outbox.database` the same): the drain of a backlog of N in the
 //!   first database alone, beside the drains of N in every database at once (their sum), in
-//!   R alternating rounds (`scripts/bench_databases.sh`).
+//!   R alternating rounds (`bench/bench_databases.sh`).
 //! - with `--webhooks R`, only the drains of a plain HTTP channel, a signing one, one with
 //!   three unsigned headers of the same sizes and one over HTTPS (a test CA, connections
 //!   reused): R rounds, the lanes in a balanced order, every drain from emptied tables
-//!   (`scripts/bench_webhooks.sh`).
+//!   (`bench/bench_webhooks.sh`).
 //!
 //! - with `--kinds R`, the drains of an HTTP, a `nats` (`--nats-url`, `--nats-pid`) and a
 //!   `sql` channel side by side in R alternating rounds, with what one delivery costs: CPU,
-//!   WAL, growth of the tables (`scripts/bench_nats.sh`; `--costs-json PATH` writes them).
+//!   WAL, growth of the tables (`bench/bench_nats.sh`; `--costs-json PATH` writes them).
 //!
 //! - with `--anchors R`, the drains of the extension beside those of the outbox an
 //!   application writes by hand (`handwritten-outbox`), R alternating rounds
-//!   (`scripts/bench_anchors.sh`).
+//!   (`bench/bench_anchors.sh`).
 //!
 //! ```text
 //! bench [--backlog 10000] [--large-backlog 0] [--steady-seconds 0] [--steady-rate 1000]
@@ -925,7 +925,7 @@ fn main() {
         return;
     }
 
-    // Idle means a quiet disk too: the phases of scripts/bench.sh before this one (the
+    // Idle means a quiet disk too: the phases of bench/bench.sh before this one (the
     // enqueue rounds, a table of 2,000,000 rows for the claim-only loop) leave dirty pages
     // that the checkpointer would otherwise write out, spread over minutes, under the
     // samples, each of which waits for two WAL flushes.

@@ -1,4 +1,4 @@
-//! The baseline of the `nats` channel's benchmark (`scripts/bench_nats.sh`): what a plain
+//! The baseline of the `nats` channel's benchmark (`bench/bench_nats.sh`): what a plain
 //! async-nats client program publishes per second into one JetStream stream on file
 //! storage, each publish with its acknowledgement, `in_flight` unacknowledged at once (as
 //! `nats bench js pub` does with its batch). Each message carries what the worker's carry:

@@ -320,7 +320,7 @@ fn concurrent_enqueue_of_same_key_first_commits_both_get_same_id() {
 /// (Looking the key up in the queue table too, in the statement's snapshot, returns the
 /// first message instead; that second probe made every enqueue of a tenant-bound writer
 /// 1.5 times slower, from the allocator returning memory to the system on every call,
-/// scripts/bench_enqueue_parts.sh, and was not kept.)
+/// bench/bench_enqueue_parts.sh, and was not kept.)
 #[test]
 fn enqueue_racing_the_move_of_its_key_into_the_ledger_is_never_sent() {
     let (cluster, mut c, sim) = cluster_and_sim();

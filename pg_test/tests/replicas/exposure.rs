@@ -6,7 +6,7 @@
 //! absorbed; how many messages a provider that can neither dedupe nor be asked received
 //! twice; and the time from the promotion to the first request of the new primary.
 //!
-//! Ignored by default (a measurement, not a check): `scripts/bench_failover.sh` runs it;
+//! Ignored by default (a measurement, not a check): `bench/bench_failover.sh` runs it;
 //! `OUTBOX_FAILOVER_RUNS` (5) failovers, `OUTBOX_FAILOVER_LOAD_S` (3) seconds of load
 //! before each.
 
@@ -157,7 +157,7 @@ fn one_failover(load: Duration) -> Figures {
 }
 
 #[test]
-#[ignore = "a measurement: scripts/bench_failover.sh"]
+#[ignore = "a measurement: bench/bench_failover.sh"]
 fn exposure_of_a_failover_under_asynchronous_replication() {
     let runs = env_or("OUTBOX_FAILOVER_RUNS", 5);
     let load = Duration::from_secs(env_or("OUTBOX_FAILOVER_LOAD_S", 3) as u64);

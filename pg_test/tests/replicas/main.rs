@@ -9,7 +9,7 @@
 //!   and a neither channel, the primary killed in the middle: delivery resumes within 2 s
 //!   of the promotion, nothing is lost, and every attempt that was open on the old primary
 //!   takes the ambiguous path.
-//! - `exposure` (ignored; `scripts/bench_failover.sh`): asynchronous replication under a
+//! - `exposure` (ignored; `bench/bench_failover.sh`): asynchronous replication under a
 //!   steady 1,000 messages per second, measured over 5 failovers.
 //!
 //! The clusters live under `OUTBOX_HA_BASE` (`/tmp/outbox_ha`); the primary on

@@ -1,11 +1,11 @@
-//! `--kinds R`: the three channel kinds side by side (`scripts/bench_nats.sh`). In each of R
+//! `--kinds R`: the three channel kinds side by side (`bench/bench_nats.sh`). In each of R
 //! rounds, a backlog drained over HTTP (the provider simulator), into JetStream (a nats-server
 //! of the script's: one stream on file storage, `--nats-url`) and into a `sql` effect (an
 //! INSERT into a table of the application), alternately; the median of each. Beside each
 //! rate, what one delivery cost: CPU of the delivery workers and of the whole server, CPU
 //! of the sink (the simulator's process, or nats-server: `--nats-pid`), WAL and growth of
 //! the extension's tables; and what one enqueue cost. `--costs-json PATH` writes the medians
-//! for `scripts/scaling_model.py`.
+//! for `bench/scaling_model.py`.
 
 use super::{costed_drain, median, shown, wait_for_delivery_loop};
 use outbox_e2e::cluster::Cluster;

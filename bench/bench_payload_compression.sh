@@ -8,8 +8,8 @@
 # size a payload is stored in, then the time to read every payload back as text. The
 # extension itself sets no compression on its columns: the server's setting decides.
 # Figures only; nothing is asserted. Runs on a throwaway cluster (port 54848).
-# Usage: scripts/bench_payload_compression.sh [messages per round = 20000] [payload bytes = 4096]
-source "$(dirname "$0")/lib.sh"
+# Usage: bench/bench_payload_compression.sh [messages per round = 20000] [payload bytes = 4096]
+source "$(dirname "$0")/../scripts/lib.sh"
 N=${1:-20000}
 BYTES=${2:-4096}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_payload_compression}

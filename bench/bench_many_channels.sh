@@ -10,8 +10,8 @@
 # resident memory and open files after each drain.
 # Figures only; nothing is asserted. With STATEMENTS=1 the cluster loads pg_stat_statements
 # and each drain is followed by the statements that took the most time in it.
-# Usage: scripts/bench_many_channels.sh [channels=10000] [messages_per_channel=2]
-source "$(dirname "$0")/lib.sh"
+# Usage: bench/bench_many_channels.sh [channels=10000] [messages_per_channel=2]
+source "$(dirname "$0")/../scripts/lib.sh"
 CHANNELS=${1:-10000}
 PER_CHANNEL=${2:-2}
 MESSAGES=$((CHANNELS * PER_CHANNEL))

@@ -29,8 +29,8 @@
 #                      batch rows without locks, a narrow ledger entry a message, the queue
 #                      emptied whole afterwards (untimed); its "left" counts the rows it
 #                      leaves for that emptying
-# Usage: scripts/bench_write_paths.sh [rounds = 3]   (DESIGNS="today history" picks designs)
-source "$(dirname "$0")/lib.sh"
+# Usage: bench/bench_write_paths.sh [rounds = 3]   (DESIGNS="today history" picks designs)
+source "$(dirname "$0")/../scripts/lib.sh"
 ROUNDS=${1:-3}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_write_paths}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54845}

@@ -8,8 +8,8 @@
 # and worker CPU per delivery of each beside the plain figures of the same run, and the TLS
 # handshakes of each HTTPS drain; then the CPU one signature costs (benches/signing.rs) as a
 # share of the worker CPU per plain delivery. Figures only; nothing is asserted.
-# Usage: scripts/bench_webhooks.sh [backlog=10000] [rounds=3]
-source "$(dirname "$0")/lib.sh"
+# Usage: bench/bench_webhooks.sh [backlog=10000] [rounds=3]
+source "$(dirname "$0")/../scripts/lib.sh"
 BACKLOG=${1:-10000}
 ROUNDS=${2:-3}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench_webhooks}

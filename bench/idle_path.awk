@@ -1,4 +1,4 @@
-# Reads `perf script -F pid,tid,time,event` of scripts/profile_idle_path.sh's probes (group
+# Reads `perf script -F pid,tid,time,event` of bench/profile_idle_path.sh's probes (group
 # prefix removed) and prints, for the claims that took a message after a wake and for the
 # record transactions, the median and 90th percentile of each step, in microseconds.
 # A statement is one run through SPI_execute_plan from the worker itself; executors started

@@ -13,8 +13,8 @@
 # CHANNELS (1) spreads the backlog over that many channels; IN_FLIGHT (0) puts that many of
 # each channel's oldest messages in a claim of another worker, which every claim counts and
 # passes over.
-# Usage: scripts/bench_claim_statement.sh [revision = HEAD] [seconds = 30] [batch = 200]
-source "$(dirname "$0")/lib.sh"
+# Usage: bench/bench_claim_statement.sh [revision = HEAD] [seconds = 30] [batch = 200]
+source "$(dirname "$0")/../scripts/lib.sh"
 REV=${1:-HEAD}
 SECONDS_RUN=${2:-30}
 BATCH=${3:-200}

@@ -5,7 +5,7 @@
 # messages the workers had held by then (src/worker/key_hold.rs), how long the plain
 # messages took and, with STATEMENTS=1, the workers' statements by total time. Figures only;
 # nothing is asserted. Runs on a throwaway cluster (port 54851, simulator on 18851).
-# Usage: scripts/bench_ordering_backlog.sh [N = 20000]
+# Usage: bench/bench_ordering_backlog.sh [N = 20000]
 #   PAUSE_KEYED=1: the keyed channel is paused before the drain (what docs/runbook.md
 #   advises while a key holds back its queue).
 #   HELD_FIRST=1: the drain starts once every waiting message is held (at most 2 minutes).
@@ -15,7 +15,7 @@
 #   UNCERTAIN_HEADS=1: N keys, each stopped at a first message left `uncertain` (as a
 #   provider that drops every connection leaves them on a channel that cannot be asked),
 #   with one due message behind it.
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../scripts/lib.sh"
 N=${1:-20000}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_ordering}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54851}

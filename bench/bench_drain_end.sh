@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # How much of a short drain's measured time is the wait for someone to see that it ended.
-# A poll every 20 ms (then a look for anything still queued or in flight), as scripts/bench.sh
+# A poll every 20 ms (then a look for anything still queued or in flight), as bench/bench.sh
 # timed drains until it began to look every millisecond near a drain's end: a drain of
 # 10,000 lasts about a third of a second, so that wait weighs in its rate. Each drain here
 # is timed both ways on the server's clock: to the poll that saw its end,
 # and to the start of its last record's transaction (`recorded_at` of its newest ledger
 # entry; that transaction commits a few milliseconds later, so this figure is the upper
 # bound). Figures only; nothing is asserted. Runs on a throwaway cluster (port 54847).
-# Usage: scripts/bench_drain_end.sh [backlog = 10000] [drains = 6]
+# Usage: bench/bench_drain_end.sh [backlog = 10000] [drains = 6]
 #   OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200)
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../scripts/lib.sh"
 N=${1:-10000}
 DRAINS=${2:-6}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_drain_end}

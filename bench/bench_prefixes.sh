@@ -11,7 +11,7 @@
 # the rows each table took (inserts, updates, HOT updates) and the autovacuums it had, and
 # the load average of the machine at its end. Figures only; nothing is asserted.
 #
-# Usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog=10000] [rounds=3]
+# Usage: bench/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog=10000] [rounds=3]
 #   OUTBOX_BASE (/tmp/outbox_delivery_bench_prefixes), OUTBOX_PGPORT (54822), SINK_PORT
 #   (18802), OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200), PREFILL (ledger entries
 #   written before each drain, spread over the generations of a build that has them; 0),
@@ -31,9 +31,9 @@
 # Each drain starts once the workers serve the database (workers_ready). Besides
 # deliveries/s from the resume to the end seen, each drain prints the rate from its
 # first claim to its last record (the ledger's times) and the simulator's CPU a message.
-source "$(dirname "$0")/lib.sh"
-OLD=${1:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
-NEW=${2:?usage: scripts/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
+source "$(dirname "$0")/../scripts/lib.sh"
+OLD=${1:?usage: bench/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
+NEW=${2:?usage: bench/bench_prefixes.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
 N=${3:-10000}
 ROUNDS=${4:-3}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench_prefixes}

@@ -8,25 +8,25 @@
 #      (wrk), and COMMIT -> request latency idle and under load (from the COMMIT call and
 #      from its return), beside what one flush of this disk costs after a rest;
 #   4. worker RSS and table/index sizes;
-#   5. the anchors (scripts/bench_anchors.sh): PgQ's insert rate as a third lane of the
+#   5. the anchors (bench/bench_anchors.sh): PgQ's insert rate as a third lane of the
 #      enqueue rounds, the hand-written outbox's drains alternated with ours, PgQ's consume
 #      rate; WAL per message of each; and the ratios of the run;
 #   6. WAL a delivery with keys made by outbox.effect_key (SHA-256 in hex, scattered over
 #      the ledger's key index), on a ledger already holding 1,000,000 such entries;
-#   7. many endpoints (scripts/bench_many_channels.sh, a cluster of its own): one channel x
+#   7. many endpoints (bench/bench_many_channels.sh, a cluster of its own): one channel x
 #      20,000; 10,000 channels x 2; one channel x 20,000 beside the 10,000 now idle; the 10,000
 #      where 10 % answer after 1 s and 1 % refuse connections; each worker's memory and files
 #      (BENCH_CHANNELS: the number of channels, 10000; 0 skips the step);
 #   8. the share of the run's CPU time the hypervisor took (steal).
 # Figures only; nothing is asserted.
-# Usage: scripts/bench.sh [backlog=10000] [large_backlog=1000000]   (large_backlog 0: skip it)
+# Usage: bench/bench.sh [backlog=10000] [large_backlog=1000000]   (large_backlog 0: skip it)
 # BENCH_SECONDS: length of each pgbench run (10); BENCH_STEADY_SECONDS: the steady load
 # with retention (120; 0 skips it); BENCH_SINK_PORT: the port of the sink wrk measures (18799); BENCH_SIM_PORT: the
 # simulator's port in the delivery and anchor drains (a free one).
 # BENCH_EFFECT_PREFILL: the ledger entries keyed by outbox.effect_key before step 6's drain
 # (1000000).
-source "$(dirname "$0")/lib.sh"
-source scripts/bench_anchors.sh
+source "$(dirname "$0")/../scripts/lib.sh"
+source bench/bench_anchors.sh
 BACKLOG=${1:-10000}
 LARGE_BACKLOG=${2:-1000000}
 DURATION=${BENCH_SECONDS:-10}
@@ -268,7 +268,7 @@ effect_keys_wal
 
 # 7. Many endpoints, on a cluster of its own (its own ports) ------------------------------------
 if [ "${BENCH_CHANNELS:-10000}" -gt 0 ]; then
-  (unset OUTBOX_BASE OUTBOX_PGPORT BENCH_SIM_PORT; bash scripts/bench_many_channels.sh "${BENCH_CHANNELS:-10000}" 2)
+  (unset OUTBOX_BASE OUTBOX_PGPORT BENCH_SIM_PORT; bash bench/bench_many_channels.sh "${BENCH_CHANNELS:-10000}" 2)
 fi
 
 echo "machine_steal $(steal_percent_since "$RUN_TICKS" "$RUN_STEAL") % of the CPU time of the run (taken by the hypervisor: a run with much of it measured a slower machine)"

@@ -4,8 +4,8 @@
 # (max_unverifiable_in_flight, 8) and at 4, 16 and 32, beside an ordinary channel
 # (idempotency_header, max_in_flight 64 by default), in alternating rounds on a throwaway
 # cluster of its own; the median of each. Figures only; nothing is asserted.
-# Usage: scripts/bench_unverifiable.sh [backlog=10000] [rounds=3]
-source "$(dirname "$0")/lib.sh"
+# Usage: bench/bench_unverifiable.sh [backlog=10000] [rounds=3]
+source "$(dirname "$0")/../scripts/lib.sh"
 BACKLOG=${1:-10000}
 ROUNDS=${2:-3}
 export OUTBOX_BASE=/tmp/outbox_delivery_bench_unverifiable

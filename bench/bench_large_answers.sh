@@ -8,8 +8,8 @@
 # Each round: restart the cluster (fresh workers), enqueue 200 messages in one transaction,
 # sample every worker's RssAnon every 10 ms until all 200 are delivered. "delivered in"
 # is max(delivered_at) - min(created_at) of the round's messages.
-# Usage: scripts/bench_large_answers.sh [answer_bytes=10000000] [messages=200]
-source "$(dirname "$0")/lib.sh"
+# Usage: bench/bench_large_answers.sh [answer_bytes=10000000] [messages=200]
+source "$(dirname "$0")/../scripts/lib.sh"
 ANSWER_BYTES=${1:-10000000}
 N=${2:-200}
 export OUTBOX_BASE=/tmp/outbox_delivery_bench_answers

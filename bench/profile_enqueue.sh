@@ -19,8 +19,8 @@
 #                       COLLATE "C" (the cluster's collation is C.UTF-8)
 # Then, for the first three, the instructions of one call spent under a few functions.
 # Figures only; nothing is asserted. Runs on a throwaway cluster (port 54822).
-# Usage: scripts/profile_enqueue.sh   (SMALL 200, LARGE 1200, PREFILL 300000)
-source "$(dirname "$0")/lib.sh"
+# Usage: bench/profile_enqueue.sh   (SMALL 200, LARGE 1200, PREFILL 300000)
+source "$(dirname "$0")/../scripts/lib.sh"
 SMALL=${SMALL:-200}
 LARGE=${LARGE:-1200}
 PREFILL=${PREFILL:-300000}

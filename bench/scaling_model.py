@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A capacity model of N databases (shards) x M delivery workers feeding one NATS cluster,
-from the figures `scripts/bench_nats.sh` measured on one machine (costs.json: CPU, WAL and
+from the figures `bench/bench_nats.sh` measured on one machine (costs.json: CPU, WAL and
 table growth per enqueue and per delivery; baseline.json: a plain client's publish-with-ack
 rate into one stream and nats-server's CPU per message).
 
@@ -23,7 +23,7 @@ Assumptions (docs/scaling.md says why):
   - claims: a worker's batch is shared evenly between the channels with due messages; on one
     channel, messages go in order of due time (FIFO across the tenants sharing it).
 
-Usage: scripts/scaling_model.py COSTS.json BASELINE.json [--kind nats] [--shards 1,2,4,8,16]
+Usage: bench/scaling_model.py COSTS.json BASELINE.json [--kind nats] [--shards 1,2,4,8,16]
        [--cores 2] [--workers 2] [--wal-mb-s 200] [--fsyncs-s 5000] [--msgs-per-tx 1]
        [--batch 200] [--bus-nodes 3] [--bus-cores 2] [--replicas 3] [--streams 1]
        [--burst 100000] [--tenant-channels 10]

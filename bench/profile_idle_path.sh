@@ -16,10 +16,10 @@
 # Medians and 90th percentiles over the claims seen, then the same steps of the record
 # transaction that follows. Figures only; nothing is asserted. Runs on a throwaway cluster
 # (port 54824); needs root, and perf (Debian's linux-perf, installed here when missing).
-# Usage: scripts/profile_idle_path.sh [seconds profiled = 3]
+# Usage: bench/profile_idle_path.sh [seconds profiled = 3]
 #   OUTBOX_WORKERS (2), REST_MS (5), OUTBOX_PGBIN (the binaries of a private copy of
 #   PostgreSQL, scripts/pg_prefix.sh: the build installed there is profiled as it is).
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../scripts/lib.sh"
 SECONDS_PROFILED=${1:-3}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_idle_path}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54824}
@@ -91,4 +91,4 @@ echo "idle load: $(awk '/^tps/ {printf "%d commits a second", $3}' "$OUTBOX_BASE
 
 perf script -i "$OUTBOX_BASE/probes.data" -F pid,tid,time,event 2>/dev/null |
   sed "s/$GROUP://; s/__return//; s/syscalls:sys_enter_writev/writev/; s/syscalls:sys_enter_write/write/; s/syscalls:sys_exit_epoll_wait/epoll_woke/; s/: *$//" |
-  awk -f scripts/idle_path.awk
+  awk -f bench/idle_path.awk

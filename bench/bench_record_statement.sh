@@ -7,8 +7,8 @@
 # latencies (-r) give each record's time. A revision from before claims (outbox._claims),
 # whose record looked for `sending` rows, records none of them here. A throwaway cluster (port 54846) with the extension; its channel stays paused.
 # Figures only; nothing is asserted.
-# Usage: scripts/bench_record_statement.sh [revision = HEAD] [seconds = 30]
-source "$(dirname "$0")/lib.sh"
+# Usage: bench/bench_record_statement.sh [revision = HEAD] [seconds = 30]
+source "$(dirname "$0")/../scripts/lib.sh"
 REV=${1:-HEAD}
 SECONDS_RUN=${2:-30}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_record_statement}

@@ -4,7 +4,7 @@
 # how many of them were HOT), and with PROFILE=1 a perf profile of the whole machine
 # during the drain: the CPU share of each process, then the hottest functions. Figures
 # only; nothing is asserted. Runs on a throwaway cluster (port 54821).
-# Usage: scripts/profile_delivery.sh [backlog = 60000]
+# Usage: bench/profile_delivery.sh [backlog = 60000]
 #   OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200), PROFILE=1 (needs perf), RUNS (1),
 #   PROFILE_AT (seconds into the drain when the 4 s profile starts, 1),
 #   CONF (more postgresql.conf lines for the cluster, e.g. "max_wal_size = 8GB"),
@@ -31,7 +31,7 @@
 #   nothing), SCHEDSTAT=1 (each thread of the workers and of the simulator: its time on a
 #   CPU and its time runnable but waiting for one, a message each, from the kernel's
 #   /proc/PID/task/TID/schedstat read before and after the drain)
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../scripts/lib.sh"
 N=${1:-60000}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_profile}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54821}

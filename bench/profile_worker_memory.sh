@@ -4,12 +4,12 @@
 # worker's private memory (RssAnon) and its connections to the simulator. The idle
 # connections a worker keeps are held to a budget across channels (src/channels/pool_budget.rs);
 # this shows it. Figures only; nothing is asserted. Runs on a throwaway cluster (port 54839).
-# Usage: scripts/profile_worker_memory.sh [messages per channel = 20000] [channels = 5]
+# Usage: bench/profile_worker_memory.sh [messages per channel = 20000] [channels = 5]
 #   OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200), IDLE (seconds to wait at the end
 #   before the last figures, 0), OUTBOX_PGBIN (a private PostgreSQL with a build of its own,
 #   scripts/pg_prefix.sh: run as it is installed, to compare builds; else the current tree is
 #   installed into the system PostgreSQL)
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../scripts/lib.sh"
 N=${1:-20000}
 CHANNELS=${2:-5}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_worker_memory}

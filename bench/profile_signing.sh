@@ -7,9 +7,9 @@
 # workers' claims, records and the claims that found the channel's bound reached), and the
 # share of the perf samples in the signing code (sha2, hmac, base64) and per library.
 # Figures only; nothing is asserted. Runs on a throwaway cluster (port 54822).
-# Usage: scripts/profile_signing.sh [backlog=40000] [rounds=2]
+# Usage: bench/profile_signing.sh [backlog=40000] [rounds=2]
 #   PERF_DIR (keeps the perf data there, LABEL.data, for `perf report` and `perf diff`)
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../scripts/lib.sh"
 N=${1:-40000}
 ROUNDS=${2:-2}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_profile_signing}

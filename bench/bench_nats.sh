@@ -8,13 +8,13 @@
 #      growth of the extension's tables) and what one enqueue cost;
 #   3. the baseline: a plain async-nats program publishing the same number of messages
 #      with acknowledgement, 256 in flight, on the same server (src/bin/nats_publish_baseline.rs).
-#   4. the disk's fdatasync rate (pg_test_fsync), and scripts/scaling_model.py on all of it.
+#   4. the disk's fdatasync rate (pg_test_fsync), and bench/scaling_model.py on all of it.
 # Figures only; nothing is asserted. The costs are also written to $OUTBOX_BASE/costs.json
-# and the baseline to $OUTBOX_BASE/baseline.json, for scripts/scaling_model.py.
-# Usage: scripts/bench_nats.sh [backlog=10000] [rounds=3]
+# and the baseline to $OUTBOX_BASE/baseline.json, for bench/scaling_model.py.
+# Usage: bench/bench_nats.sh [backlog=10000] [rounds=3]
 # With OUTBOX_PGBIN (a private copy of PostgreSQL, scripts/pg_prefix.sh) the extension is
 # installed there; otherwise into the system PostgreSQL 15 (scripts/cluster.sh install).
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../scripts/lib.sh"
 BACKLOG=${1:-10000}
 ROUNDS=${2:-3}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench_nats}
@@ -57,5 +57,5 @@ FSYNCS=$("${OUTBOX_PGBIN:-/usr/lib/postgresql/15/bin}/pg_test_fsync" -s 2 -f "$O
   | awk '/one 8kB write/ {on = 1} on && $1 == "fdatasync" {print int($2); exit}')
 rm -f "$OUTBOX_BASE/fsync_probe"
 echo "fdatasync_per_s ${FSYNCS:-?} (pg_test_fsync, one 8 kB write each)"
-echo "--- scripts/scaling_model.py (the measured figures above; see docs/scaling.md for its assumptions)"
-python3 scripts/scaling_model.py "$OUTBOX_BASE/costs.json" "$OUTBOX_BASE/baseline.json" --fsyncs-s "${FSYNCS:-1000}"
+echo "--- bench/scaling_model.py (the measured figures above; see docs/scaling.md for its assumptions)"
+python3 bench/scaling_model.py "$OUTBOX_BASE/costs.json" "$OUTBOX_BASE/baseline.json" --fsyncs-s "${FSYNCS:-1000}"

@@ -4,12 +4,12 @@
 # directory), installed, and measured on a fresh cluster; the builds alternate round by
 # round, so that both see the same machine. Figures only; nothing is asserted.
 #
-# Usage: scripts/bench_builds.sh OLD_REV NEW_REV [backlog=10000] [rounds=2]
-#   e.g. scripts/bench_builds.sh 9a356d9 HEAD
+# Usage: bench/bench_builds.sh OLD_REV NEW_REV [backlog=10000] [rounds=2]
+#   e.g. bench/bench_builds.sh 9a356d9 HEAD
 # Leaves the NEW_REV build installed when it ends (the build the tree at NEW_REV expects).
-source "$(dirname "$0")/lib.sh"
-OLD=${1:?usage: scripts/bench_builds.sh OLD_REV NEW_REV [backlog] [rounds]}
-NEW=${2:?usage: scripts/bench_builds.sh OLD_REV NEW_REV [backlog] [rounds]}
+source "$(dirname "$0")/../scripts/lib.sh"
+OLD=${1:?usage: bench/bench_builds.sh OLD_REV NEW_REV [backlog] [rounds]}
+NEW=${2:?usage: bench/bench_builds.sh OLD_REV NEW_REV [backlog] [rounds]}
 BACKLOG=${3:-10000}
 ROUNDS=${4:-2}
 export OUTBOX_BASE=/tmp/outbox_delivery_bench_builds

@@ -6,14 +6,14 @@
 # table of the extension, its largest size in each sixth of the run and the rows written to
 # it (inserted, updated, deleted one by one, emptied whole), and how many ledger rows were
 # deleted one by one (none: retention empties whole generations). The same load is the last
-# part of scripts/bench.sh (BENCH_STEADY_SECONDS).
+# part of bench/bench.sh (BENCH_STEADY_SECONDS).
 #
-# Usage: scripts/bench_steady.sh [SECONDS]
+# Usage: bench/bench_steady.sh [SECONDS]
 #   STEADY_RATE (messages a second, enqueued a tenth every 100 ms: 1000),
 #   OUTBOX_BASE (/tmp/outbox_delivery_steady), OUTBOX_PGPORT (54823), OUTBOX_WORKERS (2),
 #   OUTBOX_PGBIN (a private prefix's bin directory with the build installed: scripts/
 #   pg_prefix.sh; by default the tree is installed into the system PostgreSQL).
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../scripts/lib.sh"
 SECONDS_OF_LOAD=${1:-3600}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_steady}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54823}

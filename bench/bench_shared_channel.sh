@@ -5,10 +5,10 @@
 # channel's tenants in turn (src/worker/lane_turns.rs): the backlog should add about one
 # turn. Figures only; nothing is asserted. Runs on a throwaway cluster (port 54852,
 # simulator on 18852).
-# Usage: scripts/bench_shared_channel.sh [N = 10000] [ROUNDS = 2]
+# Usage: bench/bench_shared_channel.sh [N = 10000] [ROUNDS = 2]
 #   RATE: the channel's rate limit per second (500); SAMPLES: the quiet tenant's messages
 #   per round (100, one every 50 ms).
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../scripts/lib.sh"
 N=${1:-10000}
 ROUNDS=${2:-2}
 RATE=${RATE:-500}

@@ -6,8 +6,8 @@
 # procedure that commits after every call (synchronous_commit off: CPU only), N times, in
 # three alternating rounds.
 # Figures only; nothing is asserted. Runs on a throwaway cluster (port 54818).
-# Usage: scripts/bench_enqueue_parts.sh [calls per round = 50000]
-source "$(dirname "$0")/lib.sh"
+# Usage: bench/bench_enqueue_parts.sh [calls per round = 50000]
+source "$(dirname "$0")/../scripts/lib.sh"
 N=${1:-50000}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench_parts}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54818}

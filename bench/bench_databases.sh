@@ -4,10 +4,10 @@
 # once (the sum of their rates), in alternating rounds on a throwaway cluster of its own
 # serving all three (outbox.database = 'bench_a, bench_b, bench_c', 2 workers each); the
 # median of each. Figures only; nothing is asserted.
-# Usage: scripts/bench_databases.sh [backlog=10000] [rounds=3]
+# Usage: bench/bench_databases.sh [backlog=10000] [rounds=3]
 # With OUTBOX_PGBIN (a private copy of PostgreSQL, scripts/pg_prefix.sh) the extension is
 # installed there; otherwise into the system PostgreSQL 15 (scripts/cluster.sh install).
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../scripts/lib.sh"
 BACKLOG=${1:-10000}
 ROUNDS=${2:-3}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench_databases}

@@ -14,12 +14,12 @@
 # workers used per round.
 # Figures only; nothing is asserted.
 #
-# Usage: scripts/bench_latency_prefixes.sh OLD_PREFIX NEW_PREFIX [rounds=3]
+# Usage: bench/bench_latency_prefixes.sh OLD_PREFIX NEW_PREFIX [rounds=3]
 #   OUTBOX_BASE (/tmp/outbox_delivery_bench_latency), OUTBOX_PGPORT (54823),
 #   OUTBOX_WORKERS (2), BACKLOG (2000), SINK_PORT (18803, the simulator of the bound-64 drain).
-source "$(dirname "$0")/lib.sh"
-OLD=${1:?usage: scripts/bench_latency_prefixes.sh OLD_PREFIX NEW_PREFIX [rounds]}
-NEW=${2:?usage: scripts/bench_latency_prefixes.sh OLD_PREFIX NEW_PREFIX [rounds]}
+source "$(dirname "$0")/../scripts/lib.sh"
+OLD=${1:?usage: bench/bench_latency_prefixes.sh OLD_PREFIX NEW_PREFIX [rounds]}
+NEW=${2:?usage: bench/bench_latency_prefixes.sh OLD_PREFIX NEW_PREFIX [rounds]}
 ROUNDS=${3:-3}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench_latency}
 export OUTBOX_PGPORT=${OUTBOX_PGPORT:-54823}

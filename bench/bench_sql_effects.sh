@@ -8,10 +8,10 @@
 # the channel resumed and drained by the workers. Per drain: deliveries/s, the workers' CPU
 # a message, and how many effects the application's table holds (the backlog, when every
 # effect ran). Figures only; nothing is asserted. Runs on a throwaway cluster (port 54832).
-# Usage: scripts/bench_sql_effects.sh OLD_PREFIX NEW_PREFIX [backlog=10000] [rounds=4]
-source "$(dirname "$0")/lib.sh"
-OLD=${1:?usage: scripts/bench_sql_effects.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
-NEW=${2:?usage: scripts/bench_sql_effects.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
+# Usage: bench/bench_sql_effects.sh OLD_PREFIX NEW_PREFIX [backlog=10000] [rounds=4]
+source "$(dirname "$0")/../scripts/lib.sh"
+OLD=${1:?usage: bench/bench_sql_effects.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
+NEW=${2:?usage: bench/bench_sql_effects.sh OLD_PREFIX NEW_PREFIX [backlog] [rounds]}
 N=${3:-10000}
 ROUNDS=${4:-4}
 export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_sql_effects}

@@ -8,10 +8,10 @@
 #      pgq.get_batch_events and pgq.finish_batch over a backlog loaded in transactions of
 #      PGQ_BATCH with a tick after each (batches of PGQ_BATCH, as outbox.batch_size); no
 #      HTTP, so it reads beside the claim-only loop. Its insert rate is one lane of the
-#      enqueue rounds of scripts/bench.sh (pgq_insert.sql).
-# scripts/bench.sh sources this file (pgq_setup, handwritten_anchors, pgq_consume,
+#      enqueue rounds of bench/bench.sh (pgq_insert.sql).
+# bench/bench.sh sources this file (pgq_setup, handwritten_anchors, pgq_consume,
 # anchor_ratios); run alone it starts a throwaway cluster of its own and runs 1 and 2.
-# Usage: scripts/bench_anchors.sh [backlog=10000] [rounds=3]
+# Usage: bench/bench_anchors.sh [backlog=10000] [rounds=3]
 # With OUTBOX_PGBIN (a private copy of PostgreSQL, scripts/pg_prefix.sh) the extension and
 # PgQ are installed there.
 PGQ_BATCH=${PGQ_BATCH:-200}
@@ -109,7 +109,7 @@ handwritten_anchors() {
     --handwritten-loops "1,${OUTBOX_WORKERS:-2}"
 }
 
-# The ratios of one run of scripts/bench.sh, from the lines of its delivery part ($1) and of
+# The ratios of one run of bench/bench.sh, from the lines of its delivery part ($1) and of
 # handwritten_anchors ($2), the claim-only loop's rounds ($3, their rates separated by
 # spaces), PgQ's consume rate ($4), the 8-client prepared tps of enqueue ($5) and of
 # pgq.insert_event ($6), and the backlog of the drains ($7).
@@ -145,7 +145,7 @@ anchor_ratios() {
 }
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
-  source "$(dirname "$0")/lib.sh"
+  source "$(dirname "$0")/../scripts/lib.sh"
   BACKLOG=${1:-10000}
   ROUNDS=${2:-3}
   export OUTBOX_BASE=${OUTBOX_BASE:-/tmp/outbox_delivery_bench_anchors}

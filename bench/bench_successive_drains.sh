@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Drains one after another in one cluster, as scripts/bench.sh runs them: whether a drain
+# Drains one after another in one cluster, as bench/bench.sh runs them: whether a drain
 # pays for the ones before it. Each drain has a channel of its own; its backlog is enqueued
 # paused (keys in the order bench.sh gives them, so that each drain's ledger entries fall
 # between the earlier drains'), then VACUUM ANALYZE, CHECKPOINT, and the workers drain it.
@@ -12,10 +12,10 @@
 # ledger's primary key after it. With 0 for the large backlog, `drains before` drains of
 # the same backlog one after another, and nothing else: how far identical drains spread.
 # Figures only; nothing is asserted. Runs on a throwaway cluster (port 54831).
-# Usage: scripts/bench_successive_drains.sh [backlog = 60000] [drains before and after = 3]
+# Usage: bench/bench_successive_drains.sh [backlog = 60000] [drains before and after = 3]
 #   [large backlog = 600000; 0: no large drain, no TRUNCATE, no drains after]
 #   OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200)
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../scripts/lib.sh"
 N=${1:-60000}
 EACH=${2:-3}
 LARGE=${3:-600000}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where the first milliseconds of a short drain go, on a channel new to the workers (its
-# connections still to be opened, as each drain of scripts/bench.sh is) and on the same
+# connections still to be opened, as each drain of bench/bench.sh is) and on the same
 # channel drained again right after (its connections open): when the first claim took
 # messages, when the first record began, when the record of the 1,000th message began,
 # and the drain's rate to the start of its last record. Every time is the server's own,
@@ -9,9 +9,9 @@
 # record's transaction began), so nothing looks at the drain while it starts; a look
 # every 20 ms waits for its end. Figures only; nothing is asserted. Runs on a throwaway
 # cluster (port 54849).
-# Usage: scripts/bench_drain_start.sh [backlog = 10000] [rounds = 3]
+# Usage: bench/bench_drain_start.sh [backlog = 10000] [rounds = 3]
 #   OUTBOX_WORKERS (2), BATCH (outbox.batch_size, 200)
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../scripts/lib.sh"
 # A statement that fails inside `$(drain …)` stops the script, not only the substitution.
 shopt -s inherit_errexit
 N=${1:-10000}

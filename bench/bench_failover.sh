@@ -6,10 +6,10 @@
 # committed messages lost, messages the provider had whose claim or ledger entry was in the
 # lost WAL, resends the deduping provider absorbed, messages the neither-provider received
 # twice, and the time from the promotion to the first request. Nothing is asserted.
-# Usage: scripts/bench_failover.sh [runs=5] [seconds_of_load=3]
+# Usage: bench/bench_failover.sh [runs=5] [seconds_of_load=3]
 # With OUTBOX_PGBIN (a private copy of PostgreSQL, scripts/pg_prefix.sh) the extension is
 # installed there; otherwise into the system PostgreSQL 15 (scripts/cluster.sh install).
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "$0")/../scripts/lib.sh"
 export OUTBOX_FAILOVER_RUNS=${1:-5}
 export OUTBOX_FAILOVER_LOAD_S=${2:-3}
 export OUTBOX_HA_BASE=${OUTBOX_HA_BASE:-/tmp/outbox_ha_bench}
