@@ -1,10 +1,10 @@
 //! `create_channel` / `alter_channel`: every option validated before anything is written.
 
 use super::lookup_url;
+use super::nats::{subject as nats_subject, target as nats_options, window as nats_window};
 use super::options::{unverifiable_notice, validate_endpoint, ChannelOptions, Kind, OptionError};
 use super::secrets::{mask_url, shape};
 use super::sql_effect;
-use super::{nats_options, nats_subject, nats_window};
 use crate::allow_list::{self, AllowList};
 use crate::error::{spi_failure, OrRaise, OutboxError};
 use crate::gucs;

@@ -1,7 +1,8 @@
-//! Channels: where messages go and how. `options` (and `nats_options`) parse and validate a
+//! Channels: where messages go and how. `options` (and `nats::target`) parse and validate a
 //! channel's options; `admin` is the SQL to manage channels; `crate::allow_list` holds every
-//! destination to `outbox.allowed_hosts`; `remote` is the `Channel` trait that the HTTP (`http`,
-//! `request`, `lookup`) and NATS JetStream (`nats`, `nats_subject`) transports implement;
+//! destination to `outbox.allowed_hosts`; `remote` is the `Channel` trait that the HTTP
+//! (`http`, `request`, `lookup`) and NATS JetStream (the folder `nats`: `subject`, `target`,
+//! `window`) transports implement;
 //! `sql_effect` runs a `sql` channel's function in the record transaction; `pool_budget`
 //! bounds the idle HTTP connections a worker keeps across its channels, `connection_slots`
 //! the requests it sends to one channel at once.
@@ -18,9 +19,6 @@ pub mod json_pointer;
 pub mod lookup;
 pub mod lookup_url;
 pub mod nats;
-pub mod nats_options;
-pub mod nats_subject;
-pub mod nats_window;
 pub mod option_error;
 pub mod options;
 pub mod pool_budget;

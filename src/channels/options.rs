@@ -1,7 +1,7 @@
 //! Channel options: parsed and validated as a whole, normalized with every default filled
 //! in. Pure Rust: used by `create_channel` / `alter_channel` and by the worker.
 
-use super::nats_options::{self, NatsTarget, NATS_ONLY};
+use super::nats::target::{self as nats_options, NatsTarget, NATS_ONLY};
 use crate::classify::Overrides;
 use crate::retry_policy::RetryPolicy;
 use serde_json::{json, Map, Value};

@@ -10,8 +10,9 @@
 use super::option_error::OptionError;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine as _;
+use hmac::{Hmac, KeyInit, Mac};
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 
 /// The only scheme there is.
 pub const SCHEME: &str = "standard-webhooks";
@@ -148,25 +149,11 @@ fn signed_content(id: &str, timestamp: u64, body: &[u8]) -> Vec<u8> {
     signed
 }
 
-/// HMAC-SHA256 (RFC 2104): SHA-256 is the crate's; the construction is this one.
+/// HMAC-SHA256 (RFC 2104, the `hmac` crate).
 pub fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
-    const BLOCK: usize = 64;
-    let mut block = [0u8; BLOCK];
-    if key.len() > BLOCK {
-        block[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        block[..key.len()].copy_from_slice(key);
-    }
-    let pad = |byte: u8| block.map(|b| b ^ byte);
-    let inner = Sha256::new()
-        .chain_update(pad(0x36))
-        .chain_update(message)
-        .finalize();
-    Sha256::new()
-        .chain_update(pad(0x5c))
-        .chain_update(inner)
-        .finalize()
-        .into()
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes a key of any length");
+    mac.update(message);
+    mac.finalize().into_bytes().into()
 }
 
 #[cfg(test)]

@@ -182,35 +182,7 @@ fn prometheus_exposition_parses_and_matches_metrics_and_alerts() {
         1.0
     );
 
-    // Latency: three sends (two delivered, one refused), two deliveries; the buckets
-    // cumulative and ending in +Inf at the count.
-    for (family, count) in [
-        ("outbox_send_duration_seconds", 3),
-        ("outbox_delivery_latency_seconds", 2),
-    ] {
-        let h = histogram(&e, family, &ch);
-        assert_eq!(h.count, Some(count), "{family}: {h:?}");
-        let counts: Vec<f64> = h.buckets.iter().map(|b| b.count.as_f64()).collect();
-        assert!(
-            counts.windows(2).all(|w| w[0] <= w[1]),
-            "{family}: {counts:?}"
-        );
-        let last = h.buckets.last().expect("buckets");
-        assert!(last.upper_bound.is_infinite(), "{family}: {h:?}");
-        assert_eq!(last.count.as_f64(), count as f64, "{family}: {h:?}");
-        assert!(
-            h.sum.as_ref().is_some_and(|s| s.as_f64() >= 0.0),
-            "{family}: {h:?}"
-        );
-    }
-    let mine = metrics
-        .iter()
-        .find(|m| m.channel == ch)
-        .expect("metrics row");
-    assert!(
-        mine.send_p99_ms.is_some() && mine.delivery_p50_ms.is_some(),
-        "5-minute quantiles of a channel with sends: {mine:?}"
-    );
+    latency_histograms_count_the_sends_and_deliveries(&e, &ch, &metrics);
 
     // Every channel's figures equal outbox.metrics, one sample per channel and state.
     let mine = metrics
@@ -324,6 +296,45 @@ fn prometheus_exposition_parses_and_matches_metrics_and_alerts() {
     assert!(up[0].0.is_empty(), "no labels on outbox_worker_up");
     assert_eq!(up[0].1, workers as f64);
     assert_eq!(up[0].1, 2.0, "two workers configured and running");
+}
+
+/// The latency histograms of `ch` after three sends (two delivered, one refused) and two
+/// deliveries: cumulative buckets ending in +Inf at the count, a sum, and the 5-minute
+/// quantiles of `outbox.metrics`.
+fn latency_histograms_count_the_sends_and_deliveries(
+    e: &Exposition,
+    ch: &str,
+    metrics: &[MetricsRow],
+) {
+    // Latency: three sends (two delivered, one refused), two deliveries; the buckets
+    // cumulative and ending in +Inf at the count.
+    for (family, count) in [
+        ("outbox_send_duration_seconds", 3),
+        ("outbox_delivery_latency_seconds", 2),
+    ] {
+        let h = histogram(e, family, ch);
+        assert_eq!(h.count, Some(count), "{family}: {h:?}");
+        let counts: Vec<f64> = h.buckets.iter().map(|b| b.count.as_f64()).collect();
+        assert!(
+            counts.windows(2).all(|w| w[0] <= w[1]),
+            "{family}: {counts:?}"
+        );
+        let last = h.buckets.last().expect("buckets");
+        assert!(last.upper_bound.is_infinite(), "{family}: {h:?}");
+        assert_eq!(last.count.as_f64(), count as f64, "{family}: {h:?}");
+        assert!(
+            h.sum.as_ref().is_some_and(|s| s.as_f64() >= 0.0),
+            "{family}: {h:?}"
+        );
+    }
+    let mine = metrics
+        .iter()
+        .find(|m| m.channel == ch)
+        .expect("metrics row");
+    assert!(
+        mine.send_p99_ms.is_some() && mine.delivery_p50_ms.is_some(),
+        "5-minute quantiles of a channel with sends: {mine:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
 //! keep the subject valid, or the message is not sent: a value with a dot would add tokens,
 //! and a lookup by subject must find exactly the subject the publish used.
 
-use super::json_pointer::body_pointer;
+use crate::channels::json_pointer::body_pointer;
 
 /// The placeholder of the effect key as sent (`Nats-Msg-Id`).
 pub const EFFECT_KEY: &str = "{effect_key}";

@@ -8,14 +8,17 @@
 //! subject), acknowledged, or written with no acknowledgement — the one outcome after which
 //! the stream may or may not hold the message.
 
-use super::lookup::Lookup;
-use super::nats_options::{NatsAuth, NatsTarget};
-use super::nats_subject;
-use super::options::ChannelOptions;
+pub mod subject;
+pub mod target;
+pub mod window;
+
 use crate::allow_list::{self, AllowList};
+use crate::channels::lookup::Lookup;
+use crate::channels::options::ChannelOptions;
 use async_nats::jetstream::{self, context::PublishErrorKind};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use target::{NatsAuth, NatsTarget};
 
 /// The header JetStream dedupes by.
 pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
@@ -343,9 +346,9 @@ impl NatsConnection {
         allowed: &AllowList,
         effect_key: String,
         payload: String,
-        fence: super::fence::Fence,
+        fence: crate::channels::fence::Fence,
     ) -> Publication {
-        let subject = match nats_subject::fill(&self.target.subject, &effect_key, &payload) {
+        let subject = match subject::fill(&self.target.subject, &effect_key, &payload) {
             Ok(s) => s,
             Err(error) => {
                 return Publication::NotWritten {
@@ -367,7 +370,7 @@ impl NatsConnection {
         // worker was stopped) is not started (`fence`).
         if fence.passed() {
             return Publication::Fenced {
-                error: super::fence::not_sent_text(&fence),
+                error: crate::channels::fence::not_sent_text(&fence),
             };
         }
         let first_on_subject = self.target.can_look_up();
@@ -415,7 +418,7 @@ impl NatsConnection {
 
     /// Looks a message up by its subject (the subject names the effect key).
     pub async fn lookup(&self, allowed: &AllowList, effect_key: String, payload: String) -> Lookup {
-        let subject = match nats_subject::fill(&self.target.subject, &effect_key, &payload) {
+        let subject = match subject::fill(&self.target.subject, &effect_key, &payload) {
             Ok(s) => s,
             Err(error) => {
                 return Lookup::Unavailable {

@@ -2,9 +2,9 @@
 //! stream that must acknowledge it, how the worker authenticates, and the stream's duplicate
 //! window as read when the channel was created or altered. Pure Rust.
 
-use super::nats_subject;
-use super::option_error::OptionError;
-use super::secrets::{number_or_shape, shape};
+use super::subject;
+use crate::channels::option_error::OptionError;
+use crate::channels::secrets::{number_or_shape, shape};
 use serde_json::{json, Map, Value};
 
 /// How the worker authenticates to the NATS server.
@@ -100,7 +100,7 @@ pub fn parse(obj: &Map<String, Value>) -> Result<NatsTarget, OptionError> {
         "subject",
         "the subject (or template) each message is published to",
     )?;
-    nats_subject::check_template(subject).map_err(|e| OptionError::new("subject", e))?;
+    subject::check_template(subject).map_err(|e| OptionError::new("subject", e))?;
     let stream = required_string(
         obj,
         "stream",
@@ -158,7 +158,7 @@ impl NatsTarget {
 
     /// Can an interrupted publish be looked up (the subject names the effect key)?
     pub fn can_look_up(&self) -> bool {
-        nats_subject::names_effect_key(&self.subject)
+        subject::names_effect_key(&self.subject)
     }
 }
 
@@ -170,7 +170,7 @@ pub fn validate_endpoint(endpoint: &str) -> Result<url::Url, OptionError> {
             "endpoint",
             format!(
                 "\"{}\" is not a valid URL ({e})",
-                super::secrets::mask_url(endpoint)
+                crate::channels::secrets::mask_url(endpoint)
             ),
         )
     })?;

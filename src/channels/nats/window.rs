@@ -3,9 +3,9 @@
 //! republished with the same `Nats-Msg-Id` only inside the window, so a retry budget
 //! longer than the window is refused when asked for, and capped to it by default.
 
-use super::nats;
-use super::options::{ChannelOptions, Kind, OptionError};
 use crate::allow_list::AllowList;
+use crate::channels::nats;
+use crate::channels::options::{ChannelOptions, Kind, OptionError};
 
 /// Applies the stream's `window_ms` to `options`: stored as `duplicate_window_ms`; a
 /// `retry.max_age_ms` longer than it is refused when `explicit_max_age` (the caller set it
