@@ -134,6 +134,10 @@ fn step_while_waiting(offset: &str, expect_s: f64) {
     // The provider stores the message and drops the connection: uncertain, first lookup
     // SETTLE_MS later.
     sim.set_plan(&asked, vec![Action::DropAfterRead { store: true }]);
+    // The attempt, and so its settle window, starts after this: no lookup may come before
+    // SETTLE_MS from here (`settling_since`, taken once the test sees the message
+    // uncertain, is later by however long that took).
+    let enqueued_at = Instant::now();
     let uncertain = enqueue(&mut c, &asked, &unique("settling"));
     assert!(
         wait_until(SETTLE, || state_of(&own, uncertain).as_deref()
@@ -161,12 +165,12 @@ fn step_while_waiting(offset: &str, expect_s: f64) {
     // Inside the settle window, on the real clock: no lookup, however far the wall clock
     // jumped.
     let quiet_until = Duration::from_millis(SETTLE_MS - 500);
-    while settling_since.elapsed() < quiet_until {
+    while enqueued_at.elapsed() < quiet_until {
         assert_eq!(
             lookups(&sim, &asked),
             0,
             "a lookup {:?} after the dropped send, before settle_ms ({SETTLE_MS} ms)",
-            settling_since.elapsed()
+            enqueued_at.elapsed()
         );
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -198,7 +202,11 @@ fn step_while_waiting(offset: &str, expect_s: f64) {
             "the lookup never settled it: {:?}",
             state_of(&own, uncertain)
         );
-        assert!(settling_since.elapsed() >= Duration::from_millis(SETTLE_MS));
+        assert!(
+            enqueued_at.elapsed() >= Duration::from_millis(SETTLE_MS),
+            "settled {:?} after the enqueue, before settle_ms ({SETTLE_MS} ms)",
+            enqueued_at.elapsed()
+        );
     } else {
         // After a step back, the wall-clock time of its lookup lies the step ahead: it is
         // still uncertain, and was not sent again.
