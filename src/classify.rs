@@ -151,12 +151,15 @@ impl fmt::Display for OverrideError {
 
 impl std::error::Error for OverrideError {}
 
-enum Key {
+/// A status key of the channel options (`classify`, `classify_answers`): an exact code, or
+/// a class range by its index (0 is `1xx`, 4 is `5xx`).
+pub(crate) enum Key {
     Exact(u16),
     Range(usize),
 }
 
-fn parse_key(k: &str) -> Option<Key> {
+/// Reads `"100"`..`"599"` or `"1xx"`..`"5xx"` (lower-case `x`).
+pub(crate) fn parse_key(k: &str) -> Option<Key> {
     let b = k.as_bytes();
     if b.len() != 3 || !(b'1'..=b'5').contains(&b[0]) {
         return None;

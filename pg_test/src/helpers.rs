@@ -428,3 +428,26 @@ pub fn arm_fault<'a>(cluster: &'a Cluster, point: &str) -> FaultGuard<'a> {
     std::thread::sleep(Duration::from_millis(700));
     guard
 }
+
+/// The string literals of the list constant `name` in `file` (under the repository's root):
+/// the lists the extension checks options against, which tests read from the source rather
+/// than copy.
+pub fn source_list(file: &str, name: &str) -> Vec<String> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let source = std::fs::read_to_string(root.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let start = source
+        .find(&format!("const {name}"))
+        .unwrap_or_else(|| panic!("no const {name} in {file}"));
+    let list = &source[start..start + source[start..].find("];").expect("the list's end")];
+    // Past the type (`[&str; 8]` or `&[&str]`) to the list's own bracket.
+    let body = &list[list.find('[').map_or(0, |i| i + 1)..];
+    let body = &body[body.find('[').map_or(0, |i| i + 1)..];
+    let items: Vec<String> = body
+        .split('"')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_string)
+        .collect();
+    assert!(items.len() > 4, "{name} in {file}: {items:?}");
+    items
+}

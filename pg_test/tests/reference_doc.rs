@@ -7,6 +7,7 @@
 //! Run: `cargo test -p outbox_e2e --release --test reference_doc` (needs the test cluster).
 
 use outbox_e2e::cluster::Cluster;
+use outbox_e2e::helpers::source_list;
 use std::path::PathBuf;
 
 fn repo() -> PathBuf {
@@ -31,20 +32,6 @@ fn section<'a>(doc: &'a str, heading: &str) -> Option<&'a str> {
         })
         .map_or(rest.len(), |(at, _)| at);
     Some(&rest[..end])
-}
-
-/// The channel options `create_channel` knows, as src/channels/options.rs lists them.
-fn channel_options() -> Vec<String> {
-    let source = std::fs::read_to_string(repo().join("src/channels/options.rs")).unwrap();
-    let start = source
-        .find("const KNOWN_KEYS: &[&str] = &[")
-        .expect("KNOWN_KEYS in src/channels/options.rs");
-    let list = &source[start..start + source[start..].find("];").unwrap()];
-    list.split('"')
-        .skip(1)
-        .step_by(2)
-        .map(str::to_string)
-        .collect()
 }
 
 #[test]
@@ -123,7 +110,7 @@ fn every_public_object_option_and_setting_is_in_the_reference() {
 
     // Channel options, each a row of the options table.
     let options_table = section(&doc, "## Channel options").unwrap_or_default();
-    let options = channel_options();
+    let options = source_list("src/channels/options.rs", "KNOWN_KEYS");
     assert!(
         options.len() > 20,
         "options read from the source: {options:?}"

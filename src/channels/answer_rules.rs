@@ -20,7 +20,7 @@
 //! makes an answer `delivered` while its body could not be read to the end gives
 //! `ambiguous`, as `classify` does. Pure.
 
-use crate::classify::Class;
+use crate::classify::{Class, Key};
 use serde_json::{json, Value};
 
 use super::option_error::OptionError;
@@ -40,21 +40,13 @@ enum Statuses {
 }
 
 impl Statuses {
+    /// A status key as `classify` reads it (`crate::classify::parse_key`), outside 2xx.
     fn parse(s: &str) -> Option<Statuses> {
-        let b = s.as_bytes();
-        if b.len() != 3 || !(b'1'..=b'5').contains(&b[0]) || b[0] == b'2' {
-            return None;
+        match crate::classify::parse_key(s)? {
+            Key::Exact(code) if !(200..300).contains(&code) => Some(Statuses::Exact(code)),
+            Key::Range(index) if index != 1 => Some(Statuses::Range(index as u16 + 1)),
+            _ => None,
         }
-        let hundreds = u16::from(b[0] - b'0');
-        if &b[1..] == b"xx" {
-            return Some(Statuses::Range(hundreds));
-        }
-        if b[1].is_ascii_digit() && b[2].is_ascii_digit() {
-            return Some(Statuses::Exact(
-                hundreds * 100 + u16::from(b[1] - b'0') * 10 + u16::from(b[2] - b'0'),
-            ));
-        }
-        None
     }
 
     fn matches(self, status: u16) -> bool {

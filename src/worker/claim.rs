@@ -6,7 +6,7 @@
 //! by recovery.
 
 use super::claim_cursor::{channels_cut, rest_claim_may_take, ClaimCursors, Floors, Position};
-pub use super::claimed::{Channel, Channels, Job, Turn};
+use super::claimed::{Job, Turn};
 use super::flow::Gates;
 use super::lane_turns::{LaneTurns, Picked};
 use crate::channels::fence::Fence;

@@ -6,7 +6,8 @@
 //! worker that was idle. Up to [`flight::FLIGHTS`] batches are under way at once, and beside
 //! them batches whose last sends linger at a slow provider (`flight`).
 
-use super::claim::{self, Channels, ClaimMemory, Job, LookupJob, NextDue};
+use super::claim::{self, ClaimMemory, LookupJob, NextDue};
+use super::claimed::{Channels, Job};
 use super::decide;
 use super::due_channels;
 use super::flight::{self, Bell, Sends};

@@ -8,6 +8,7 @@
 
 use crate::classify::Class;
 use crate::ledger;
+use crate::ledger::Delivery;
 use crate::metrics::latency::{self, Histogram};
 use crate::outbox::state::State;
 use crate::spi::{self, Statement};
@@ -158,9 +159,6 @@ SELECT o.message_id, m.tenant, o.attempt, 'recovery', now(), o.outcome, 'ambiguo
        outbox._provider_key(m.tenant, m.effect_key), $5
   FROM unnest($1::int8[], $2::int4[], $3::text[], $4::text[]) AS o(message_id, attempt, outcome, error)
   JOIN outbox._messages m ON m.id = o.message_id");
-
-/// One confirmed delivery: the ledger's (`crate::ledger`), which records it.
-pub use crate::ledger::Delivery;
 
 /// One outcome other than a delivery.
 #[derive(Debug, Clone)]

@@ -1,6 +1,7 @@
 //! Section 2, the calls: random arguments for every public function, drawn from pools.
 
 use super::*;
+use outbox_e2e::helpers::source_list;
 
 // ---------------------------------------------------------------------------------------
 // 2. fuzz
@@ -111,45 +112,21 @@ pub(super) struct Pools {
     pub(super) unknown_base: i64,
 }
 
-/// The string literals of the constant `name` in `file` (under the repository's root): the
-/// lists the extension checks options against, read from its source rather than copied;
-/// read once per list.
-fn source_list(file: &'static str, name: &'static str) -> Vec<&'static str> {
-    static READ: std::sync::Mutex<Vec<(&str, &str, Vec<&str>)>> = std::sync::Mutex::new(Vec::new());
-    let mut read = READ.lock().unwrap();
-    if let Some((_, _, items)) = read.iter().find(|(f, n, _)| *f == file && *n == name) {
-        return items.clone();
-    }
-    let items = read_source_list(file, name);
-    read.push((file, name, items.clone()));
-    items
-}
-
-fn read_source_list(file: &str, name: &str) -> Vec<&'static str> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let source = std::fs::read_to_string(root.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
-    let start = source
-        .find(&format!("const {name}"))
-        .unwrap_or_else(|| panic!("no const {name} in {file}"));
-    let list = &source[start..start + source[start..].find("];").expect("the list's end")];
-    let body = &list[list.find('[').map_or(0, |i| i + 1)..];
-    let body = &body[body.find('[').map_or(0, |i| i + 1)..];
-    let items: Vec<&'static str> = body
-        .split('"')
-        .skip(1)
-        .step_by(2)
-        .map(|item| &*Box::leak(item.to_string().into_boxed_str()))
-        .collect();
-    assert!(items.len() > 4, "{name} in {file}: {items:?}");
-    items
-}
-
 /// The channel options `create_channel` knows (src/channels/options.rs), and `endpoint`,
-/// which `alter_channel` takes among them.
-fn known_option_keys() -> Vec<&'static str> {
-    let mut keys = source_list("src/channels/options.rs", "KNOWN_KEYS");
-    keys.push("endpoint");
-    keys
+/// which `alter_channel` takes among them; read once.
+fn known_option_keys() -> &'static [String] {
+    static KEYS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    KEYS.get_or_init(|| {
+        let mut keys = source_list("src/channels/options.rs", "KNOWN_KEYS");
+        keys.push("endpoint".into());
+        keys
+    })
+}
+
+/// The retry keys src/retry_policy.rs knows; read once.
+fn retry_keys() -> &'static [String] {
+    static KEYS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    KEYS.get_or_init(|| source_list("src/retry_policy.rs", "KEYS"))
 }
 
 const MALFORMED_JSON: [&str; 14] = [
@@ -418,9 +395,7 @@ impl Pools {
             "retry" => {
                 let mut m = Map::new();
                 // The retry keys src/retry_policy.rs knows, and one it does not.
-                let mut keys = source_list("src/retry_policy.rs", "KEYS");
-                keys.push("nope");
-                for k in keys {
+                for k in retry_keys().iter().map(String::as_str).chain(["nope"]) {
                     if rng.chance(30) {
                         let v = match k {
                             "multiplier" => json!(*rng.pick(&[0.0f64, 1.0, 2.0, 1e308, -1.0])),
@@ -561,7 +536,7 @@ impl Pools {
         let mut m = Map::new();
         for _ in 0..rng.below(5) {
             let key = if rng.chance(85) {
-                rng.pick(&known_option_keys()).to_string()
+                rng.pick(known_option_keys()).clone()
             } else {
                 self.text(rng).unwrap_or_default().replace('\0', "")
             };
